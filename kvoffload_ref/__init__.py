@@ -1,0 +1,65 @@
+"""kvoffload_ref: a torch-free reference implementation of a KV-cache offloading worker.
+
+GPU KV-cache pages are copied to a pinned host region (store) and back (load) on device streams, with an exact,
+bounded and leak-free lifecycle: the worker owns the region, shutdown is bounded by one timeout, memory that may
+still be under DMA is quarantined instead of freed, and failed transfers are never reported as successes.
+The normative rules R1-R18 are in docs/spec.md.
+
+Only the public API is re-exported here.
+"""
+
+from kvoffload_ref.backends import get_backend
+from kvoffload_ref.backends.base import Backend, Ledger
+from kvoffload_ref.errors import (
+    DeadlineExceeded,
+    DeviceError,
+    InvalidTransferError,
+    LifecycleError,
+    OffloadError,
+    OwnershipError,
+    WorkerClosedError,
+)
+from kvoffload_ref.faults import Fault, FaultPlan, FaultyBackend
+from kvoffload_ref.handler import TransferResult
+from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.region import HostRegion, QuarantinedItem, quarantined
+from kvoffload_ref.worker import (
+    CPUOffloadingWorker,
+    HandlerReport,
+    ShutdownPolicy,
+    ShutdownReport,
+    WorkerStats,
+    create_worker,
+)
+
+__all__ = [
+    "Backend",
+    "CPULoadStoreSpec",
+    "CPUOffloadingWorker",
+    "DeadlineExceeded",
+    "DeviceError",
+    "Fault",
+    "FaultPlan",
+    "FaultyBackend",
+    "GPULoadStoreSpec",
+    "HandlerReport",
+    "HostRegion",
+    "InvalidTransferError",
+    "KVCacheLayout",
+    "LayerRef",
+    "Ledger",
+    "LifecycleError",
+    "OffloadError",
+    "OwnershipError",
+    "QuarantinedItem",
+    "ShutdownPolicy",
+    "ShutdownReport",
+    "TransferResult",
+    "WorkerClosedError",
+    "WorkerStats",
+    "create_worker",
+    "get_backend",
+    "quarantined",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+"""``python -m kvoffload_ref`` runs the command-line interface."""
+
+from kvoffload_ref.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,370 @@
+"""The Backend protocol every device implements, and the Ledger of what the library acquired (R16).
+
+A backend is a thin, synchronous facade over one device: memory, streams, events, batched copies, a clock and
+the device-level proof of idleness (R13). The simulated device (``sim.py``) and the CuPy device (``cupy.py``)
+implement it; ``faults.FaultyBackend`` wraps any of them to inject failures.
+
+Handles (streams, events) are opaque: only the backend that made one may use it. Every call that acts for one
+transfer takes ``tag=(direction, job_id)`` so faults can select a transfer and error messages can name it.
+
+Nothing here knows about handlers, regions or workers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Final, Literal, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref.errors import LifecycleError
+from kvoffload_ref.layout import TensorGeometry
+
+__all__ = [
+    "RESOURCE_KINDS",
+    "Backend",
+    "DescriptorBuffer",
+    "Event",
+    "Ledger",
+    "ResourceKind",
+    "Stream",
+    "Tag",
+    "TensorGeometry",
+    "poll_until",
+    "record_and_poll",
+]
+
+#: ``(direction, job_id)``; direction is ``"store"`` or ``"load"``.
+Tag = tuple[str, int]
+
+ResourceKind = Literal["stream", "event", "descriptor", "pinned", "mapping", "shm_file"]
+RESOURCE_KINDS: Final[tuple[ResourceKind, ...]] = (
+    "stream", "event", "descriptor", "pinned", "mapping", "shm_file",
+)
+
+# Poll back-off for bounded waits: start short so completed work is seen at once, grow so a long wait
+# costs little CPU; the cap bounds how far past a deadline a wait can overshoot.
+POLL_FIRST_SLEEP: Final = 20e-6
+POLL_MAX_SLEEP: Final = 1e-3
+
+
+class Stream(Protocol):
+    """An opaque stream handle made by one backend."""
+
+
+class Event(Protocol):
+    """An opaque event handle made by one backend."""
+
+
+class DescriptorBuffer:
+    """Host-visible arrays holding one transfer's copy descriptors (source, destination, size).
+
+    The handler writes the first ``count`` entries, then passes the buffer to ``Backend.copy_batch``; the
+    backend may read it until the copy completes, so the buffer is freed (or reused) only after that is proven.
+
+    Attributes:
+        capacity: number of descriptors it can hold.
+        src, dst, sizes: int64 arrays of length ``capacity``.
+        handle: the backend's own object for this buffer (opaque).
+    """
+
+    __slots__ = ("capacity", "dst", "handle", "sizes", "src")
+
+    def __init__(self, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
+                 sizes: npt.NDArray[np.int64], handle: object) -> None:
+        # Invariant: src, dst and sizes have the same length, == capacity.
+        self.capacity: int = int(src.shape[0])
+        self.src = src
+        self.dst = dst
+        self.sizes = sizes
+        self.handle = handle
+
+    def fill(self, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
+             sizes: npt.NDArray[np.int64]) -> int:
+        """Copy a plan into the first entries; returns the number of descriptors written."""
+        count = int(src.shape[0])
+        self.src[:count] = src
+        self.dst[:count] = dst
+        self.sizes[:count] = sizes
+        return count
+
+    def __repr__(self) -> str:
+        return f"<DescriptorBuffer capacity={self.capacity} at {id(self):#x}>"
+
+
+class Ledger:
+    """Every resource the library acquired through a backend, by kind, with its fate (R16).
+
+    A resource is *live* from ``acquire`` until it is ``release``-d, ``quarantine``-d (kept alive on purpose
+    because it may still be under DMA) or ``leak``-ed (a release step failed). ``live()`` therefore excludes
+    quarantined and leaked resources, and the conservation law
+
+        acquired == released + live + quarantined + leaked      (per kind)
+
+    always holds. Thread-safe. User-allocated device arrays are not resources.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # Invariant: maps each (kind, key) ever acquired to its current fate: "live", "released",
+        # "quarantined" or "leaked". A released key may be acquired again (addresses get reused).
+        self._state: dict[tuple[ResourceKind, Hashable], str] = {}
+        # Invariant: running totals; acquired == released + (live + quarantined + leaked now), per kind.
+        self._counts: dict[str, dict[ResourceKind, int]] = {
+            s: dict.fromkeys(RESOURCE_KINDS, 0) for s in ("acquired", "released")
+        }
+
+    def acquire(self, kind: ResourceKind, key: Hashable) -> None:
+        """Record a new live resource. Raises LifecycleError if the key is already live."""
+        with self._lock:
+            if self._state.get((kind, key)) in ("live", "quarantined"):
+                raise LifecycleError(f"ledger: {kind} {key!r} acquired twice")
+            self._state[(kind, key)] = "live"
+            self._counts["acquired"][kind] += 1
+
+    def release(self, kind: ResourceKind, key: Hashable) -> None:
+        """Record that a live (or quarantined) resource was released. Raises LifecycleError otherwise."""
+        self._move(kind, key, ("live", "quarantined"), "released")
+
+    def quarantine(self, kind: ResourceKind, key: Hashable) -> None:
+        """Record that a live resource is kept alive on purpose until process exit."""
+        self._move(kind, key, ("live",), "quarantined")
+
+    def leak(self, kind: ResourceKind, key: Hashable) -> None:
+        """Record that releasing a live resource failed; it is no longer the library's to release."""
+        self._move(kind, key, ("live",), "leaked")
+
+    def _move(self, kind: ResourceKind, key: Hashable, sources: tuple[str, ...], target: str) -> None:
+        with self._lock:
+            state = self._state.get((kind, key))
+            if state not in sources:
+                raise LifecycleError(f"ledger: cannot mark {kind} {key!r} {target}: it is {state or 'unknown'}")
+            self._state[(kind, key)] = target
+            if target == "released":
+                self._counts["released"][kind] += 1
+
+    def state_of(self, kind: ResourceKind, key: Hashable) -> str | None:
+        """The fate of one resource: "live", "released", "quarantined", "leaked", or None if never seen."""
+        with self._lock:
+            return self._state.get((kind, key))
+
+    def live(self) -> dict[ResourceKind, int]:
+        """Live resources by kind (kinds with none are omitted)."""
+        return self._tally("live")
+
+    def quarantined(self) -> dict[ResourceKind, int]:
+        """Quarantined resources by kind (omitting zeros)."""
+        return self._tally("quarantined")
+
+    def leaked(self) -> dict[ResourceKind, int]:
+        """Leaked resources by kind (omitting zeros)."""
+        return self._tally("leaked")
+
+    def acquired(self) -> dict[ResourceKind, int]:
+        """Total acquisitions by kind, ever (omitting zeros)."""
+        return self._nonzero(self._counts["acquired"])
+
+    def released(self) -> dict[ResourceKind, int]:
+        """Total releases by kind, ever (omitting zeros)."""
+        return self._nonzero(self._counts["released"])
+
+    def _tally(self, wanted: str) -> dict[ResourceKind, int]:
+        with self._lock:
+            out: dict[ResourceKind, int] = {}
+            for (kind, _key), state in self._state.items():
+                if state == wanted:
+                    out[kind] = out.get(kind, 0) + 1
+            return out
+
+    def _nonzero(self, counts: dict[ResourceKind, int]) -> dict[ResourceKind, int]:
+        with self._lock:
+            return {k: v for k, v in counts.items() if v}
+
+    def keys(self, kind: ResourceKind, state: str = "live") -> Iterator[Hashable]:
+        """The keys of one kind in one state (a snapshot)."""
+        with self._lock:
+            return iter([k for (kd, k), s in self._state.items() if kd == kind and s == state])
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a device must offer. See ARCHITECTURE.md, "Backend protocol".
+
+    Every method may raise ``DeviceError`` (with a CUDA-style ``.status``) unless it says otherwise. Release
+    calls (``destroy_*``, ``free_descriptors``, ``untrack_host``) never fail; ``host_unregister`` may.
+    """
+
+    name: str
+
+    @property
+    def ledger(self) -> Ledger:
+        """The resources the library acquired through this backend."""
+        ...
+
+    # -- device memory (the user's; not in the ledger) --------------------------------------------------------
+    def empty_device(self, shape: tuple[int, int]) -> object:
+        """A new 2-D uint8 device array (contents unspecified)."""
+        ...
+
+    def from_host(self, array: npt.NDArray[np.uint8]) -> object:
+        """A new device array holding a copy of a 2-D uint8 host array (synchronous)."""
+        ...
+
+    def to_host(self, array: object) -> npt.NDArray[np.uint8]:
+        """A host copy of a device array (synchronous; waits for the compute stream)."""
+        ...
+
+    def array_info(self, array: object) -> TensorGeometry:
+        """Geometry of one of this backend's 2-D uint8 device arrays.
+
+        Raises:
+            InvalidTransferError: the object is not such an array of this backend.
+        """
+        ...
+
+    # -- host memory ------------------------------------------------------------------------------------------
+    def track_host(self, ptr: int, nbytes: int) -> None:
+        """Announce a host mapping [ptr, ptr+nbytes) (ledger kind "mapping"). Never fails."""
+        ...
+
+    def untrack_host(self, ptr: int) -> None:
+        """Announce that the mapping starting at ptr is about to be unmapped. Never fails."""
+        ...
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        """Pin [ptr, ptr+nbytes) of a tracked mapping (ledger kind "pinned", key ptr)."""
+        ...
+
+    def host_unregister(self, ptr: int) -> None:
+        """Unpin the range registered at ptr. May fail (the range then stays pinned: leaked)."""
+        ...
+
+    # -- descriptor buffers -----------------------------------------------------------------------------------
+    def alloc_descriptors(self, capacity: int, *, tag: Tag | None = None) -> DescriptorBuffer:
+        """A descriptor buffer for ``capacity`` copies (ledger kind "descriptor")."""
+        ...
+
+    def free_descriptors(self, buf: DescriptorBuffer) -> None:
+        """Free a descriptor buffer. Never fails."""
+        ...
+
+    # -- streams and events -----------------------------------------------------------------------------------
+    def current_stream(self) -> Stream:
+        """The compute stream: where the user's kernels run."""
+        ...
+
+    def create_stream(self, *, tag: Tag | None = None) -> Stream:
+        """A new non-blocking stream (ledger kind "stream")."""
+        ...
+
+    def destroy_stream(self, stream: Stream) -> None:
+        """Destroy a stream; work already queued on it still runs. Never fails."""
+        ...
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Make later work on ``stream`` wait for the event's latest record (device side)."""
+        ...
+
+    def create_event(self, *, tag: Tag | None = None) -> Event:
+        """A new timing event (ledger kind "event")."""
+        ...
+
+    def destroy_event(self, event: Event) -> None:
+        """Destroy an event. Never fails."""
+        ...
+
+    def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
+        """Record the event on the stream; the event completes when the work queued before it has run."""
+        ...
+
+    def query(self, event: Event) -> bool:
+        """True if the event's latest record completed (or it was never recorded), False if pending.
+
+        Raises:
+            DeviceError: the device reported an error for it (never hidden as "pending").
+        """
+        ...
+
+    def synchronize(self, event: Event) -> None:
+        """Block until the event completes. Unbounded: never used on the shutdown path."""
+        ...
+
+    def elapsed(self, start: Event, end: Event) -> float:
+        """Seconds between two completed events."""
+        ...
+
+    # -- copies -----------------------------------------------------------------------------------------------
+    def copy_batch(self, stream: Stream, buf: DescriptorBuffer, count: int, *, tag: Tag | None = None) -> None:
+        """Queue, as one submission, the first ``count`` copies described in ``buf`` on ``stream``."""
+        ...
+
+    # -- clock and the device-level proof ---------------------------------------------------------------------
+    def monotonic(self) -> float:
+        """The backend's clock in seconds (real time on a GPU, virtual time on the sim)."""
+        ...
+
+    def sleep(self, seconds: float) -> None:
+        """Let the clock advance by ``seconds`` without holding the GIL (the sim runs due work)."""
+        ...
+
+    def prove_idle(self, streams: Sequence[Stream], deadline: float) -> bool:
+        """The device-level proof (R13): fresh events on the compute stream and on ``streams``, polled until
+        ``deadline`` (at least once). True if all completed; False if the deadline passed first.
+
+        Raises:
+            DeviceError: the device failed while proving.
+        """
+        ...
+
+
+def poll_until(backend: Backend, done: Callable[[], bool], deadline: float | None) -> bool:
+    """Poll ``done()`` with the backend's clock until it returns True or ``deadline`` passes.
+
+    ``done`` is polled at least once, even when the deadline has already passed, so work that is complete is
+    still seen. Sleeps between polls grow from POLL_FIRST_SLEEP to POLL_MAX_SLEEP and never past the deadline.
+
+    Args:
+        backend: whose clock and sleep to use.
+        done: a zero-argument callable returning bool (it may raise; the error propagates).
+        deadline: absolute time on ``backend.monotonic()``, or None for no bound.
+
+    Returns:
+        True if ``done()`` returned True, False if the deadline passed first.
+    """
+    pause = POLL_FIRST_SLEEP
+    while True:
+        if done():
+            return True
+        now = backend.monotonic()
+        if deadline is not None and now >= deadline:
+            return False
+        step = pause if deadline is None else min(pause, deadline - now)
+        backend.sleep(max(step, 0.0))
+        pause = min(pause * 2, POLL_MAX_SLEEP)
+
+
+def record_and_poll(backend: Backend, streams: Sequence[Stream], deadline: float) -> bool:
+    """The generic device-level proof: record a fresh event on the compute stream and on each stream, then
+    poll all of them until the deadline. Backends use it to implement ``prove_idle``.
+
+    The events are created and destroyed here (so they pass through the ledger).
+    """
+    targets = [backend.current_stream(), *streams]
+    events: list[Event] = []
+    try:
+        for stream in targets:
+            event = backend.create_event()
+            events.append(event)
+            backend.record(event, stream)
+        pending = list(events)
+
+        def all_done() -> bool:
+            pending[:] = [e for e in pending if not backend.query(e)]
+            return not pending
+
+        return poll_until(backend, all_done, deadline)
+    finally:
+        for event in events:
+            backend.destroy_event(event)

@@ -1,0 +1,88 @@
+"""The error taxonomy: a small set of exceptions that says whose fault a failure is.
+
+* :class:`InvalidTransferError` -- the caller's input was wrong (also a :class:`ValueError`).
+* :class:`WorkerClosedError` -- the worker was used after its shutdown began (also a :class:`RuntimeError`).
+* :class:`DeviceError` -- the device (or its driver) failed; ``.status`` carries a CUDA-style code and the
+  backend's own exception, if any, is the ``__cause__``.
+* :class:`DeadlineExceeded` -- a bounded wait ran out of time (also a :class:`TimeoutError`).
+* :class:`LifecycleError` -- the library itself asked the lifecycle table for a transition it does not allow: a
+  bug in kvoffload_ref, never the caller's fault.
+
+:class:`OffloadError` is the common base; it is never raised itself.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "DeadlineExceeded",
+    "DeviceError",
+    "InvalidTransferError",
+    "LifecycleError",
+    "OffloadError",
+    "OwnershipError",
+    "WorkerClosedError",
+]
+
+# CUDA runtime status codes the library names (CuPy exports none of them; values from the CUDA enum).
+CUDA_SUCCESS: Final = 0
+CUDA_ERROR_INVALID_VALUE: Final = 1
+CUDA_ERROR_MEMORY_ALLOCATION: Final = 2
+CUDA_ERROR_INSUFFICIENT_DRIVER: Final = 35
+CUDA_ERROR_NO_DEVICE: Final = 100
+CUDA_ERROR_INVALID_RESOURCE_HANDLE: Final = 400
+CUDA_ERROR_NOT_READY: Final = 600
+CUDA_ERROR_ILLEGAL_ADDRESS: Final = 700
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: Final = 712
+CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: Final = 713
+CUDA_ERROR_LAUNCH_FAILED: Final = 719
+CUDA_ERROR_NOT_PERMITTED: Final = 800
+CUDA_ERROR_NOT_SUPPORTED: Final = 801
+CUDA_ERROR_UNKNOWN: Final = 999
+
+
+class OffloadError(Exception):
+    """Base class of every error kvoffload_ref raises on purpose. Not raised itself."""
+
+    def __init__(self, *args: object) -> None:
+        if type(self) is OffloadError:
+            raise TypeError("OffloadError is abstract; raise one of its subclasses")
+        super().__init__(*args)
+
+
+class InvalidTransferError(OffloadError, ValueError):
+    """The caller's input is invalid (R7). Raised before any device work; nothing changed."""
+
+
+class WorkerClosedError(OffloadError, RuntimeError):
+    """The worker's shutdown has begun (R8); it accepts no more transfers."""
+
+
+class OwnershipError(OffloadError, RuntimeError):
+    """A region was used by someone who does not own it (R1), e.g. released by the caller after a worker took it."""
+
+
+class LifecycleError(OffloadError, RuntimeError):
+    """The library asked for a lifecycle transition the tables forbid: a bug in kvoffload_ref."""
+
+
+class DeadlineExceeded(OffloadError, TimeoutError):
+    """A bounded wait ran out of time before what it waited for was proven complete."""
+
+
+class DeviceError(OffloadError, RuntimeError):
+    """The device failed.
+
+    Attributes:
+        status: the CUDA-style status code of the failure (e.g. 700 for an illegal address).
+    """
+
+    status: int
+
+    def __init__(self, message: str, status: int = CUDA_ERROR_UNKNOWN) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.status))

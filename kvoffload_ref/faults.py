@@ -1,0 +1,477 @@
+"""Fault injection: a FaultPlan says which backend calls fail or hang; FaultyBackend applies one to any backend.
+
+A :class:`Fault` selects calls at one *point* (see :data:`POINTS`) by transfer tag and by count:
+
+* ``direction`` / ``job_id``: match the ``tag=(direction, job_id)`` the call carries (for ``event_query`` and
+  ``event_sync``: the tag the event was last recorded with). A selector that is set never matches an untagged
+  call.
+* ``nth``: 1-based index among the calls at that point that match the other selectors; ``None`` = every match.
+
+Kinds:
+
+* ``"error"``: the call raises ``DeviceError(status)``. With ``sticky=True`` the device is lost: every later call
+  at any fault point fails with the same status and nothing queued runs any more.
+* ``"hang"`` (points ``event_query``, ``event_sync``, ``copy``, ``device_sync`` only): the selected transfer's work
+  never completes. For the first three the selection happens when the transfer is *submitted* (its first
+  tagged ``record``), and ``nth`` counts matching submissions; at ``device_sync`` it selects the proof call.
+
+``plan.fired`` lists, in order, the faults that actually fired, so a test can assert its scenario happened.
+
+:class:`FaultyBackend` applies a plan to any backend (a real GPU included). Errors are raised before the call
+reaches the inner backend, so they leave no trace there. Hangs are emulated above the device: the selected
+transfer's stream is marked hung (its later copies are not forwarded), an event recorded on a hung stream is hung
+(queries say pending forever, a blocking synchronize gives up with ``SimHang`` after a horizon), and a stream that
+waits on a hung event is hung in turn -- the same observable behaviour as the simulated device's hang ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref.backends.base import (
+    Backend,
+    DescriptorBuffer,
+    Event,
+    Ledger,
+    Stream,
+    Tag,
+    TensorGeometry,
+    poll_until,
+    record_and_poll,
+)
+
+# sim.py imports this module for type checking only, so this is no import cycle at run time.
+from kvoffload_ref.backends.sim import SimHang
+from kvoffload_ref.errors import CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_NOT_READY, DeviceError
+
+__all__ = ["HANG_POINTS", "POINTS", "Fault", "FaultKind", "FaultPlan", "FaultPoint", "FaultyBackend"]
+
+FaultPoint = Literal[
+    "event_query", "event_sync", "copy", "device_sync", "host_register", "host_unregister",
+    "stream_create", "event_create", "descriptor_alloc",
+]
+FaultKind = Literal["error", "hang"]
+
+POINTS: Final[tuple[FaultPoint, ...]] = (
+    "event_query", "event_sync", "copy", "device_sync", "host_register", "host_unregister",
+    "stream_create", "event_create", "descriptor_alloc",
+)
+#: Points where a hang can be injected; the first three select a transfer at submission.
+HANG_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_sync", "copy", "device_sync")
+TRANSFER_HANG_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_sync", "copy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One injected failure. See the module docstring for the selection rules.
+
+    Raises:
+        ValueError: an unknown point or kind, a hang at a point that cannot hang, or ``nth < 1``.
+    """
+
+    point: FaultPoint
+    kind: FaultKind = "error"
+    direction: str | None = None
+    job_id: int | None = None
+    nth: int | None = None
+    sticky: bool = False
+    status: int = CUDA_ERROR_LAUNCH_FAILED
+
+    def __post_init__(self) -> None:
+        if self.point not in POINTS:
+            raise ValueError(f"unknown fault point {self.point!r}; expected one of {POINTS}")
+        if self.kind not in ("error", "hang"):
+            raise ValueError(f"unknown fault kind {self.kind!r}; expected 'error' or 'hang'")
+        if self.kind == "hang" and self.point not in HANG_POINTS:
+            raise ValueError(f"a hang cannot be injected at {self.point!r}; only at {HANG_POINTS}")
+        if self.kind == "hang" and self.sticky:
+            raise ValueError("sticky applies to errors only")
+        if self.nth is not None and self.nth < 1:
+            raise ValueError(f"nth is 1-based; got {self.nth}")
+
+    def matches(self, tag: Tag | None) -> bool:
+        """Whether a call carrying ``tag`` is selected by this fault's direction/job_id selectors."""
+        if self.direction is None and self.job_id is None:
+            return True
+        if tag is None:
+            return False
+        direction, job_id = tag
+        return (self.direction is None or self.direction == direction) and (
+            self.job_id is None or self.job_id == job_id
+        )
+
+    def __repr__(self) -> str:
+        fields = [repr(self.point), repr(self.kind)]
+        for name in ("direction", "job_id", "nth"):
+            value = getattr(self, name)
+            if value is not None:
+                fields.append(f"{name}={value!r}")
+        if self.sticky:
+            fields.append("sticky=True")
+        if self.status != CUDA_ERROR_LAUNCH_FAILED:
+            fields.append(f"status={self.status!r}")
+        return f"Fault({', '.join(fields)})"
+
+
+class FaultPlan:
+    """A list of faults and the counters that decide when each fires. Thread-safe.
+
+    Backends call :meth:`check` at every fault point, :meth:`select_hang` when a transfer is submitted, and
+    :meth:`lost` to learn whether a sticky error has fired.
+    """
+
+    def __init__(self, faults: Iterable[Fault] = ()) -> None:
+        # Invariant: faults never changes after construction (a plan can be shared and printed).
+        self.faults: tuple[Fault, ...] = tuple(faults)
+        # Invariant: _counts[i] = number of calls so far that matched faults[i]'s point and selectors.
+        self._counts = [0] * len(self.faults)
+        # Invariant: the faults that fired, in firing order (a fault firing on every match appears each time).
+        self.fired: list[Fault] = []
+        # Invariant: once set, the sticky fault that lost the device; every later fault-point call fails.
+        self._lost: Fault | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"FaultPlan([{', '.join(map(repr, self.faults))}])"
+
+    def lost(self) -> Fault | None:
+        """The sticky fault that lost the device, or None."""
+        with self._lock:
+            return self._lost
+
+    def check(self, point: FaultPoint, tag: Tag | None = None) -> None:
+        """Count one call at ``point`` and raise if an error fault selects it (or the device is lost).
+
+        Hang faults at transfer points are not consulted here (see :meth:`select_hang`).
+
+        Raises:
+            DeviceError: an error fault fired, or a sticky fault lost the device earlier.
+        """
+        fault = self._select(point, tag, kinds=("error",))
+        if fault is not None:
+            raise DeviceError(self._message(fault, point, tag), fault.status)
+
+    def check_hang(self, point: FaultPoint, tag: Tag | None = None) -> bool:
+        """Count one call at ``point`` against hang faults (used for ``device_sync``); True if one fires.
+
+        Raises:
+            DeviceError: the device is lost.
+        """
+        self._raise_if_lost(point, tag)
+        return self._select(point, tag, kinds=("hang",), consult_lost=False) is not None
+
+    def select_hang(self, tag: Tag | None) -> Fault | None:
+        """Called once when a transfer is submitted: the hang fault that selects it, if any."""
+        chosen: Fault | None = None
+        for point in TRANSFER_HANG_POINTS:
+            fault = self._select(point, tag, kinds=("hang",), consult_lost=False)
+            chosen = chosen or fault
+        return chosen
+
+    def _raise_if_lost(self, point: FaultPoint, tag: Tag | None) -> None:
+        lost = self.lost()
+        if lost is not None:
+            raise DeviceError(f"device lost earlier ({lost!r}); {point} failed (tag {tag})", lost.status)
+
+    def _select(self, point: FaultPoint, tag: Tag | None, *, kinds: tuple[FaultKind, ...],
+                consult_lost: bool = True) -> Fault | None:
+        if consult_lost:
+            self._raise_if_lost(point, tag)
+        with self._lock:
+            chosen: Fault | None = None
+            for i, fault in enumerate(self.faults):
+                if fault.point != point or fault.kind not in kinds or not fault.matches(tag):
+                    continue
+                self._counts[i] += 1
+                if chosen is None and (fault.nth is None or fault.nth == self._counts[i]):
+                    chosen = fault
+            if chosen is not None:
+                self.fired.append(chosen)
+                if chosen.sticky:
+                    self._lost = chosen
+            return chosen
+
+    @staticmethod
+    def _message(fault: Fault, point: FaultPoint, tag: Tag | None) -> str:
+        what = "device lost: " if fault.sticky else ""
+        return f"{what}injected {point} failure (tag {tag}, {fault!r})"
+
+
+class FaultyBackend:
+    """Any backend, with a :class:`FaultPlan` applied at the same points and with the same kinds as the sim's.
+
+    Handles are the inner backend's own (so ledger keys match); the wrapper keeps, per live handle, the tag of
+    an event's latest record and which streams and events are hung. Everything that is not a fault point is
+    delegated unchanged, except that while the plan reports the device lost, non-release calls raise too.
+
+    Args:
+        inner: the backend to wrap.
+        plan: the faults to inject.
+        hang_horizon: seconds (on the inner clock) a blocking ``synchronize`` of hung work waits before it
+            raises ``SimHang``.
+
+    Attributes:
+        inner: the wrapped backend.
+        plan: the fault plan.
+    """
+
+    def __init__(self, inner: Backend, plan: FaultPlan, *, hang_horizon: float = 3600.0) -> None:
+        if hang_horizon <= 0:
+            raise ValueError("hang_horizon must be > 0")
+        self.inner = inner
+        self.plan = plan
+        self.name: str = f"faulty({inner.name})"
+        self._horizon = hang_horizon
+        # Invariant: guards the four fields below (the inner backend has its own lock, if any).
+        self._lock = threading.Lock()
+        # Invariant: id() of each live stream that is hung (selected by a hang, or waited on a hung event).
+        self._hung_streams: set[int] = set()
+        # Invariant: id() of each live event whose latest record was made on a hung stream.
+        self._hung_events: set[int] = set()
+        # Invariant: id() of each live event recorded at least once -> the tag of its latest record.
+        self._event_tags: dict[int, Tag | None] = {}
+        # Invariant: the tags already offered to FaultPlan.select_hang.
+        self._seen_tags: set[Tag] = set()
+
+    def __repr__(self) -> str:
+        return f"<FaultyBackend over {self.inner!r} with {self.plan!r}>"
+
+    @property
+    def ledger(self) -> Ledger:
+        """The inner backend's ledger."""
+        return self.inner.ledger
+
+    # -- memory: delegated ------------------------------------------------------------------------------------
+
+    def empty_device(self, shape: tuple[int, int]) -> object:
+        """Delegated (raises DeviceError while the device is lost)."""
+        self._check_alive()
+        return self.inner.empty_device(shape)
+
+    def from_host(self, array: npt.NDArray[np.uint8]) -> object:
+        """Delegated (raises DeviceError while the device is lost)."""
+        self._check_alive()
+        return self.inner.from_host(array)
+
+    def to_host(self, array: object) -> npt.NDArray[np.uint8]:
+        """Delegated (raises DeviceError while the device is lost)."""
+        self._check_alive()
+        return self.inner.to_host(array)
+
+    def array_info(self, array: object) -> TensorGeometry:
+        """Delegated."""
+        return self.inner.array_info(array)
+
+    def track_host(self, ptr: int, nbytes: int) -> None:
+        """Delegated."""
+        self.inner.track_host(ptr, nbytes)
+
+    def untrack_host(self, ptr: int) -> None:
+        """Delegated; never fails."""
+        self.inner.untrack_host(ptr)
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        """Fault point ``host_register``, then delegated.
+
+        Raises:
+            DeviceError: an injected fault, a lost device, or the inner backend's error.
+        """
+        self.plan.check("host_register")
+        self.inner.host_register(ptr, nbytes)
+
+    def host_unregister(self, ptr: int) -> None:
+        """Fault point ``host_unregister``, then delegated.
+
+        Raises:
+            DeviceError: an injected fault (the range stays pinned), a lost device, or the inner error.
+        """
+        self.plan.check("host_unregister")
+        self.inner.host_unregister(ptr)
+
+    def alloc_descriptors(self, capacity: int, *, tag: Tag | None = None) -> DescriptorBuffer:
+        """Fault point ``descriptor_alloc``, then delegated.
+
+        Raises:
+            DeviceError: an injected fault, a lost device, or the inner backend's error.
+        """
+        self.plan.check("descriptor_alloc", tag)
+        return self.inner.alloc_descriptors(capacity, tag=tag)
+
+    def free_descriptors(self, buf: DescriptorBuffer) -> None:
+        """Delegated; never fails."""
+        self.inner.free_descriptors(buf)
+
+    # -- streams and events -----------------------------------------------------------------------------------
+
+    def current_stream(self) -> Stream:
+        """Delegated."""
+        return self.inner.current_stream()
+
+    def create_stream(self, *, tag: Tag | None = None) -> Stream:
+        """Fault point ``stream_create``, then delegated.
+
+        Raises:
+            DeviceError: an injected fault, a lost device, or the inner backend's error.
+        """
+        self.plan.check("stream_create", tag)
+        return self.inner.create_stream(tag=tag)
+
+    def destroy_stream(self, stream: Stream) -> None:
+        """Delegated; forgets the stream's hang. Never fails."""
+        with self._lock:
+            self._hung_streams.discard(id(stream))
+        self.inner.destroy_stream(stream)
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Delegated; waiting on a hung event hangs the stream.
+
+        Raises:
+            DeviceError: a lost device, or the inner backend's error.
+        """
+        self._check_alive()
+        self.inner.wait_event(stream, event)
+        with self._lock:
+            if id(event) in self._hung_events:
+                self._hung_streams.add(id(stream))
+
+    def create_event(self, *, tag: Tag | None = None) -> Event:
+        """Fault point ``event_create``, then delegated.
+
+        Raises:
+            DeviceError: an injected fault, a lost device, or the inner backend's error.
+        """
+        self.plan.check("event_create", tag)
+        return self.inner.create_event(tag=tag)
+
+    def destroy_event(self, event: Event) -> None:
+        """Delegated; forgets the event's tag and hang. Never fails."""
+        with self._lock:
+            self._hung_events.discard(id(event))
+            self._event_tags.pop(id(event), None)
+        self.inner.destroy_event(event)
+
+    def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
+        """Delegated. The event is hung if the stream is; the first tagged record of a new tag on a stream other
+        than the compute stream submits the transfer to ``FaultPlan.select_hang`` and, if selected, hangs the
+        stream right after this record.
+
+        Raises:
+            DeviceError: a lost device, or the inner backend's error.
+        """
+        self._check_alive()
+        self.inner.record(event, stream, tag=tag)
+        with self._lock:
+            self._event_tags[id(event)] = tag
+            if id(stream) in self._hung_streams:
+                self._hung_events.add(id(event))
+            else:
+                self._hung_events.discard(id(event))
+            if self._selects_hang(stream, tag):
+                self._hung_streams.add(id(stream))
+
+    def query(self, event: Event) -> bool:
+        """Fault point ``event_query`` (matched on the event's tag); False forever for a hung event.
+
+        Raises:
+            DeviceError: an injected fault, a lost device, or the inner backend's error.
+        """
+        self.plan.check("event_query", self._tag_of(event))
+        if self._is_hung(event):
+            return False
+        return self.inner.query(event)
+
+    def synchronize(self, event: Event) -> None:
+        """Fault point ``event_sync``; for a hung event, sleeps out the horizon and raises SimHang.
+
+        Raises:
+            DeviceError: an injected fault, a lost device, or the inner backend's error.
+            SimHang: the event is hung.
+        """
+        self.plan.check("event_sync", self._tag_of(event))
+        if not self._is_hung(event):
+            self.inner.synchronize(event)
+            return
+        deadline = self.inner.monotonic() + self._horizon
+        while (left := deadline - self.inner.monotonic()) > 0:
+            self.inner.sleep(min(left, 1.0))
+        raise SimHang(f"synchronize({event!r}): hung work did not complete within {self._horizon} s")
+
+    def elapsed(self, start: Event, end: Event) -> float:
+        """Delegated; DeviceError(600) if either event is hung.
+
+        Raises:
+            DeviceError: a hung event (600), a lost device, or the inner backend's error.
+        """
+        self._check_alive()
+        if self._is_hung(start) or self._is_hung(end):
+            raise DeviceError("elapsed: an event has not completed (hung)", CUDA_ERROR_NOT_READY)
+        return self.inner.elapsed(start, end)
+
+    # -- copies, clock, proof ---------------------------------------------------------------------------------
+
+    def copy_batch(self, stream: Stream, buf: DescriptorBuffer, count: int, *, tag: Tag | None = None) -> None:
+        """Fault point ``copy``, then delegated -- unless the stream is hung: hung work never runs, so the copy
+        is not forwarded.
+
+        Raises:
+            DeviceError: an injected fault, a lost device, or the inner backend's error.
+        """
+        self.plan.check("copy", tag)
+        with self._lock:
+            hung = id(stream) in self._hung_streams
+        if not hung:
+            self.inner.copy_batch(stream, buf, count, tag=tag)
+
+    def monotonic(self) -> float:
+        """Delegated."""
+        return self.inner.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        """Delegated."""
+        self.inner.sleep(seconds)
+
+    def prove_idle(self, streams: Sequence[Stream], deadline: float) -> bool:
+        """Fault point ``device_sync``; then the generic proof through this wrapper, so fresh events recorded on
+        hung streams never complete. Under a ``device_sync`` hang, polls until the deadline and returns False.
+
+        Raises:
+            DeviceError: an injected fault, a lost device, or the inner backend's error.
+        """
+        self.plan.check("device_sync")
+        if self.plan.check_hang("device_sync"):
+            poll_until(self, lambda: False, deadline)
+            return False
+        return record_and_poll(self, streams, deadline)
+
+    # -- internals --------------------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        lost = self.plan.lost()
+        if lost is not None:
+            raise DeviceError(f"device lost earlier ({lost!r})", lost.status)
+
+    def _tag_of(self, event: Event) -> Tag | None:
+        with self._lock:
+            return self._event_tags.get(id(event))
+
+    def _is_hung(self, event: Event) -> bool:
+        with self._lock:
+            return id(event) in self._hung_events
+
+    def _selects_hang(self, stream: Stream, tag: Tag | None) -> bool:
+        """Called with the lock held."""
+        if tag is None or tag in self._seen_tags or stream == self.inner.current_stream():
+            return False
+        self._seen_tags.add(tag)
+        return self.plan.select_hang(tag) is not None
+
+
+if TYPE_CHECKING:
+    def _conforms(backend: FaultyBackend) -> Backend:   # mypy checks that FaultyBackend satisfies the protocol
+        return backend

@@ -1,0 +1,658 @@
+"""KV-cache layout, transfer specs, validation, and the copy planner (pure numpy).
+
+Theory of operation
+-------------------
+A :class:`KVCacheLayout` lists the GPU tensors (``tensor_page_bytes[t]`` = row bytes of tensor ``t``, padding
+included) and the KV-cache groups; each group is a list of :class:`LayerRef` (a tensor and the unpadded bytes
+copied per block). On the GPU a tensor is ``(num_gpu_blocks, tensor_page_bytes[t])``: one block per row. On the
+CPU it is ``(num_cpu_chunks, tensor_page_bytes[t] * blocks_per_chunk)``: a row (chunk) holds ``blocks_per_chunk``
+GPU pages ("sub-blocks") of that tensor, sub-block ``j`` at byte ``j * tensor_page_bytes[t]``.
+
+:func:`plan_copies` turns a :class:`GPULoadStoreSpec` and a :class:`CPULoadStoreSpec` into a :class:`CopyPlan`:
+three int64 arrays of absolute source address, destination address and size, one entry per (block, ref).
+Groups are taken in order; a group of size 0 is skipped and uses no ids. For a group of size ``n`` with block
+index ``i`` the CPU side skips ``i`` sub-blocks and consumes ``ceil((n + i) / blocks_per_chunk)`` chunk ids; the
+GPU side consumes ``n`` block ids. For every ref of the group, in order, ``n`` descriptors follow: the
+sub-blocks of the consumed chunks in order, the first ``i`` dropped. The two id lists must be used up exactly.
+A non-empty group's block index must be ``< blocks_per_chunk`` (upstream reduces it modulo ``blocks_per_chunk``;
+this reference rejects larger values rather than guess); an empty group's block index is ignored.
+
+Worked example (reference §2.5): tensors t0, t1 of ``(64, 512)``, ``blocks_per_chunk = 3``, one group
+``[LayerRef(0, 512), LayerRef(1, 512)]``, a CPU view of t0 at ``B0`` with row stride 8192. Loading CPU ``[10, 7]``
+into GPU ``[5, 9, 1, 3]`` with ``block_indices=(2,)``: the sub-blocks are ``B0 + 10*8192 + {0, 512, 1024}`` then
+``B0 + 7*8192 + {0, 512, 1024}``; drop 2, keep 4, so t0's sources are ``[B0+81920+1024, B0+57344,
+B0+57344+512, B0+57344+1024]`` and its destinations ``[G0+2560, G0+4608, G0+512, G0+1536]``, 512 bytes each;
+then t1 the same way. 8 descriptors, 4096 bytes.
+
+Rules: everything is validated before a plan is returned (R7) and invalid input raises
+:class:`~kvoffload_ref.errors.InvalidTransferError`; nothing is mutated. The planner is vectorized: Python loops
+run over tensors (geometry checks), groups, and sub-block positions within a chunk, never over blocks or refs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Final, Literal, SupportsIndex, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref.errors import InvalidTransferError
+
+__all__ = [
+    "TensorGeometry",
+    "LayerRef",
+    "KVCacheLayout",
+    "GPULoadStoreSpec",
+    "CPULoadStoreSpec",
+    "CopyPlan",
+    "Direction",
+    "check_geometry",
+    "plan_copies",
+]
+
+Int64Array = npt.NDArray[np.int64]
+#: ``"store"`` copies GPU -> CPU, ``"load"`` copies CPU -> GPU.
+Direction = Literal["store", "load"]
+
+_INT64_MAX: Final = 2**63 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorGeometry:
+    """Geometry of one 2-D uint8 tensor (GPU array or CPU view), as the planner needs it.
+
+    Attributes:
+        ptr: address of row 0.
+        rows: number of rows (GPU blocks, or CPU chunks).
+        row_bytes: bytes per row (the page size, padding included).
+        row_stride: bytes between the starts of consecutive rows (>= row_bytes).
+    """
+
+    ptr: int
+    rows: int
+    row_bytes: int
+    row_stride: int
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _require_int(value: object, name: str, minimum: int) -> int:
+    """Return ``value`` as an int, or raise InvalidTransferError naming ``name`` (bool is not an int here)."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise InvalidTransferError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    result = int(value)
+    if result < minimum:
+        raise InvalidTransferError(f"{name} must be >= {minimum}, got {result}")
+    return result
+
+
+def _int_tuple(values: object, name: str, minimum: int) -> tuple[int, ...]:
+    """Return ``values`` as a tuple of ints >= ``minimum``, or raise InvalidTransferError."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidTransferError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    return tuple(_require_int(v, f"{name}[{i}]", minimum) for i, v in enumerate(values))
+
+
+def _readonly(array: Int64Array) -> Int64Array:
+    """Mark ``array`` read-only and return it."""
+    array.setflags(write=False)
+    return array
+
+
+def _as_block_ids(block_ids: object, owner: str) -> Int64Array:
+    """Validate ``block_ids`` (R7) and return them as a read-only 1-D int64 copy.
+
+    Raises:
+        InvalidTransferError: not 1-D, not an integer dtype (bool and float included), or a negative id.
+    """
+    try:
+        arr = np.asarray(block_ids)
+    except (ValueError, TypeError) as exc:
+        raise InvalidTransferError(f"{owner}.block_ids must be a 1-D sequence of ints: {exc}") from None
+    if arr.ndim != 1:
+        raise InvalidTransferError(f"{owner}.block_ids must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return _readonly(np.empty(0, dtype=np.int64))
+    if arr.dtype.kind not in "iu":
+        raise InvalidTransferError(f"{owner}.block_ids must have an integer dtype, got {arr.dtype}")
+    if arr.dtype.kind == "u" and int(arr.max()) > _INT64_MAX:
+        raise InvalidTransferError(f"{owner}.block_ids must fit in int64, got {int(arr.max())}")
+    ids = np.array(arr, dtype=np.int64)
+    if int(ids.min()) < 0:
+        pos = int(np.flatnonzero(ids < 0)[0])
+        raise InvalidTransferError(f"{owner}.block_ids[{pos}] = {int(ids[pos])} is negative: expected >= 0")
+    return _readonly(ids)
+
+
+# ------------------------------------------------------------------------------------------------- layout
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRef:
+    """One layer (or group of layers) of a KV-cache group: which tensor, and how many bytes per block to copy.
+
+    Attributes:
+        tensor_idx: index into ``KVCacheLayout.tensor_page_bytes`` (and into the GPU/CPU tensor lists).
+        page_size_bytes: bytes copied per block for this layer, unpadded; ``<= tensor_page_bytes[tensor_idx]``.
+
+    Raises:
+        InvalidTransferError: a field is not an int, ``tensor_idx < 0`` or ``page_size_bytes < 1``.
+    """
+
+    tensor_idx: int
+    page_size_bytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensor_idx", _require_int(self.tensor_idx, "LayerRef.tensor_idx", 0))
+        object.__setattr__(self, "page_size_bytes",
+                           _require_int(self.page_size_bytes, "LayerRef.page_size_bytes", 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupRefs:
+    """A group's refs as arrays, precomputed once per layout for the planner."""
+
+    tensors: Int64Array  # Invariant: tensor_idx of each ref, in ref order.
+    page_sizes: Int64Array  # Invariant: page_size_bytes of each ref, in ref order.
+    bytes_per_block: int  # Invariant: == sum(page_sizes).
+
+    @classmethod
+    def of(cls, refs: tuple[LayerRef, ...]) -> _GroupRefs:
+        tensors = _readonly(np.array([r.tensor_idx for r in refs], dtype=np.int64))
+        sizes = _readonly(np.array([r.page_size_bytes for r in refs], dtype=np.int64))
+        return cls(tensors, sizes, sum(r.page_size_bytes for r in refs))
+
+
+def _check_ref(ref: object, name: str, tensor_page_bytes: tuple[int, ...]) -> LayerRef:
+    """Return ``ref`` if it is a LayerRef that fits ``tensor_page_bytes``, else raise InvalidTransferError."""
+    if not isinstance(ref, LayerRef):
+        raise InvalidTransferError(f"{name} must be a LayerRef, got {type(ref).__name__}")
+    if ref.tensor_idx >= len(tensor_page_bytes):
+        raise InvalidTransferError(f"{name}.tensor_idx = {ref.tensor_idx} is out of range: "
+                                   f"expected 0 <= tensor_idx < {len(tensor_page_bytes)}")
+    limit = tensor_page_bytes[ref.tensor_idx]
+    if ref.page_size_bytes > limit:
+        raise InvalidTransferError(f"{name}.page_size_bytes = {ref.page_size_bytes} exceeds "
+                                   f"tensor_page_bytes[{ref.tensor_idx}] = {limit}: expected <= {limit}")
+    return ref
+
+
+def _check_groups(groups: object, tensor_page_bytes: tuple[int, ...]) -> tuple[tuple[LayerRef, ...], ...]:
+    """Validate the groups of a layout and return them as tuples."""
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+        raise InvalidTransferError(f"groups must be a sequence of sequences of LayerRef, "
+                                   f"got {type(groups).__name__}")
+    result: list[tuple[LayerRef, ...]] = []
+    for g, refs in enumerate(groups):
+        if isinstance(refs, (str, bytes)) or not isinstance(refs, Iterable):
+            raise InvalidTransferError(f"groups[{g}] must be a sequence of LayerRef, got {type(refs).__name__}")
+        group = tuple(_check_ref(r, f"groups[{g}][{i}]", tensor_page_bytes) for i, r in enumerate(refs))
+        if not group:
+            raise InvalidTransferError(f"groups[{g}] has no refs: expected at least one LayerRef per group")
+        result.append(group)
+    if not result:
+        raise InvalidTransferError("groups is empty: expected at least one KV-cache group")
+    return tuple(result)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class KVCacheLayout:
+    """The GPU tensors' page sizes and the KV-cache groups' layer refs. Immutable and validated.
+
+    Args:
+        tensor_page_bytes: row bytes of each GPU tensor (padding included); a list is accepted.
+        groups: per KV-cache group, its refs in copy order; lists are accepted.
+
+    Raises:
+        InvalidTransferError: no tensor, a page size that is not a positive int, no group, a group without
+            refs, a ref that is not a LayerRef, whose tensor_idx is out of range or whose page_size_bytes
+            exceeds its tensor's page.
+    """
+
+    # Invariant: non-empty; every entry >= 1.
+    tensor_page_bytes: tuple[int, ...]
+    # Invariant: non-empty; each group non-empty; refs index tensors in range, page_size_bytes <= its tensor's page.
+    groups: tuple[tuple[LayerRef, ...], ...]
+    # Invariant: _group_refs[g] describes groups[g]; derived, so excluded from eq, hash and repr.
+    _group_refs: tuple[_GroupRefs, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __init__(self, tensor_page_bytes: Sequence[int], groups: Sequence[Sequence[LayerRef]]) -> None:
+        pages = _int_tuple(tensor_page_bytes, "tensor_page_bytes", 1)
+        if not pages:
+            raise InvalidTransferError("tensor_page_bytes is empty: expected at least one tensor")
+        checked = _check_groups(groups, pages)
+        object.__setattr__(self, "tensor_page_bytes", pages)
+        object.__setattr__(self, "groups", checked)
+        object.__setattr__(self, "_group_refs", tuple(_GroupRefs.of(g) for g in checked))
+
+    @property
+    def num_tensors(self) -> int:
+        """Number of tensors (GPU tensors, and CPU views: one per GPU tensor)."""
+        return len(self.tensor_page_bytes)
+
+    @property
+    def num_groups(self) -> int:
+        """Number of KV-cache groups (a GPULoadStoreSpec carries one group size per group)."""
+        return len(self.groups)
+
+    def cpu_row_bytes(self, tensor_idx: int, blocks_per_chunk: int) -> int:
+        """Bytes of one CPU row (chunk) of tensor ``tensor_idx``: its GPU page times ``blocks_per_chunk``.
+
+        Raises:
+            InvalidTransferError: ``tensor_idx`` out of range, or ``blocks_per_chunk < 1``.
+        """
+        idx = _require_int(tensor_idx, "tensor_idx", 0)
+        if idx >= self.num_tensors:
+            raise InvalidTransferError(f"tensor_idx = {idx} is out of range: expected < {self.num_tensors}")
+        return self.tensor_page_bytes[idx] * _require_int(blocks_per_chunk, "blocks_per_chunk", 1)
+
+
+# -------------------------------------------------------------------------------------------------- specs
+
+
+class _BlockIDsSpec:
+    """Common base of the two specs: an immutable 1-D int64 array of block ids."""
+
+    __slots__ = ("_block_ids",)
+    _block_ids: Int64Array  # Invariant: read-only, 1-D, int64, every id >= 0.
+
+    def __init__(self, block_ids: npt.ArrayLike | Sequence[int]) -> None:
+        object.__setattr__(self, "_block_ids", _as_block_ids(block_ids, type(self).__name__))
+
+    @property
+    def block_ids(self) -> Int64Array:
+        """The block ids: a read-only 1-D int64 array."""
+        return self._block_ids
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _key(self) -> tuple[object, ...]:
+        return (self._block_ids.tobytes(),)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _BlockIDsSpec) or type(other) is not type(self):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, *self._key()))
+
+
+class CPULoadStoreSpec(_BlockIDsSpec):
+    """CPU chunk ids of one transfer (each id is a CPU row holding ``blocks_per_chunk`` GPU pages).
+
+    Args:
+        block_ids: 1-D integer ids >= 0 (a list of ints, or an integer numpy array); copied.
+
+    Raises:
+        InvalidTransferError: not 1-D, not integers (bool and float rejected), or a negative id (R7).
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"CPULoadStoreSpec({self._block_ids.tolist()!r})"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (CPULoadStoreSpec, (self._block_ids.tolist(),))
+
+
+class GPULoadStoreSpec(_BlockIDsSpec):
+    """GPU block ids of one transfer, with each KV-cache group's size and block index.
+
+    Args:
+        block_ids: 1-D integer ids >= 0, group after group; copied.
+        group_sizes: blocks per group (>= 0); ``sum(group_sizes) == len(block_ids)``.
+        block_indices: per group, the position of its first block within its first CPU chunk (>= 0); as long
+            as ``group_sizes``. :func:`plan_copies` further requires ``< blocks_per_chunk`` (non-empty groups).
+
+    Raises:
+        InvalidTransferError: bad ids (see CPULoadStoreSpec), a size or index that is not a non-negative int,
+            ``sum(group_sizes) != len(block_ids)`` or ``len(block_indices) != len(group_sizes)`` (R7).
+    """
+
+    __slots__ = ("_block_indices", "_group_sizes")
+    _group_sizes: tuple[int, ...]  # Invariant: sum == len(block_ids); every entry >= 0.
+    _block_indices: tuple[int, ...]  # Invariant: len == len(group_sizes); every entry >= 0.
+
+    def __init__(self, block_ids: npt.ArrayLike | Sequence[int], group_sizes: Iterable[SupportsIndex],
+                 block_indices: Iterable[SupportsIndex]) -> None:
+        super().__init__(block_ids)
+        sizes = _int_tuple(group_sizes, "GPULoadStoreSpec.group_sizes", 0)
+        indices = _int_tuple(block_indices, "GPULoadStoreSpec.block_indices", 0)
+        if sum(sizes) != len(self._block_ids):
+            raise InvalidTransferError(f"GPULoadStoreSpec has {len(self._block_ids)} block ids, expected "
+                                       f"sum(group_sizes) = {sum(sizes)} (group_sizes={sizes})")
+        if len(indices) != len(sizes):
+            raise InvalidTransferError(f"GPULoadStoreSpec has {len(indices)} block indices, expected one per "
+                                       f"group: {len(sizes)} (group_sizes={sizes})")
+        object.__setattr__(self, "_group_sizes", sizes)
+        object.__setattr__(self, "_block_indices", indices)
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        """Blocks per KV-cache group, in group order."""
+        return self._group_sizes
+
+    @property
+    def block_indices(self) -> tuple[int, ...]:
+        """Per group, the sub-block position of its first block inside its first CPU chunk."""
+        return self._block_indices
+
+    def _key(self) -> tuple[object, ...]:
+        return (self._block_ids.tobytes(), self._group_sizes, self._block_indices)
+
+    def __repr__(self) -> str:
+        return (f"GPULoadStoreSpec({self._block_ids.tolist()!r}, group_sizes={self._group_sizes!r}, "
+                f"block_indices={self._block_indices!r})")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (GPULoadStoreSpec, (self._block_ids.tolist(), self._group_sizes, self._block_indices))
+
+
+# --------------------------------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CopyPlan:
+    """The byte copies of one transfer: copy ``sizes[i]`` bytes from address ``src[i]`` to ``dst[i]``.
+
+    Attributes:
+        src: source addresses (read-only 1-D int64).
+        dst: destination addresses (read-only 1-D int64).
+        sizes: bytes per copy (read-only 1-D int64).
+        num_ops: number of copies.
+        nbytes: total bytes copied (the transfer size).
+    """
+
+    src: Int64Array  # Invariant: len == num_ops.
+    dst: Int64Array  # Invariant: len == num_ops.
+    sizes: Int64Array  # Invariant: len == num_ops; every entry >= 1.
+    num_ops: int
+    nbytes: int  # Invariant: == sum(sizes).
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CopyPlan):
+            return NotImplemented
+        return (self.num_ops == other.num_ops and self.nbytes == other.nbytes
+                and all(np.array_equal(a, b) for a, b in
+                        ((self.src, other.src), (self.dst, other.dst), (self.sizes, other.sizes))))
+
+    __hash__ = None  # type: ignore[assignment]  # arrays inside: equal plans need not hash alike
+
+
+def _check_one_geometry(geo: object, name: str, row_bytes: int, what: str) -> None:
+    """Raise InvalidTransferError unless ``geo`` is a sane TensorGeometry whose rows are ``row_bytes`` long."""
+    if not isinstance(geo, TensorGeometry):
+        raise InvalidTransferError(f"{name} must be a TensorGeometry, got {type(geo).__name__}")
+    ptr = _require_int(geo.ptr, f"{name}.ptr", 0)
+    rows = _require_int(geo.rows, f"{name}.rows", 1)
+    got = _require_int(geo.row_bytes, f"{name}.row_bytes", 1)
+    stride = _require_int(geo.row_stride, f"{name}.row_stride", 1)
+    if got != row_bytes:
+        raise InvalidTransferError(f"{name}.row_bytes = {got} does not match the layout: expected {what} = "
+                                   f"{row_bytes}")
+    if stride < got:
+        raise InvalidTransferError(f"{name}.row_stride = {stride} is smaller than its row: "
+                                   f"expected row_stride >= {got}")
+    if ptr + (rows - 1) * stride + got > _INT64_MAX:
+        raise InvalidTransferError(f"{name} ends beyond the int64 address range: expected its last byte "
+                                   f"<= {_INT64_MAX}")
+
+
+def _plain_ok(geoms: Sequence[TensorGeometry], row_bytes: Sequence[int]) -> bool:
+    """Fast path: True if every geometry is a TensorGeometry of plain ints passing :func:`_check_one_geometry`."""
+    for geo, want in zip(geoms, row_bytes, strict=True):
+        if type(geo) is not TensorGeometry:
+            return False
+        ptr, rows, got, stride = geo.ptr, geo.rows, geo.row_bytes, geo.row_stride
+        if not (type(ptr) is int and type(rows) is int and type(got) is int and type(stride) is int):
+            return False
+        if ptr < 0 or rows < 1 or got != want or stride < got or ptr + (rows - 1) * stride + got > _INT64_MAX:
+            return False
+    return True
+
+
+def _columns(geoms: Sequence[TensorGeometry], side: str, row_bytes: Sequence[int], what: str) -> Int64Array:
+    """Validate one side's geometries; return ``(ptr, rows, row_bytes, row_stride)`` as a ``(4, n)`` array.
+
+    The fast path checks plain ints in one pass; otherwise each field is checked and the first problem raised.
+    """
+    if not _plain_ok(geoms, row_bytes):
+        for t, expected in enumerate(row_bytes):
+            _check_one_geometry(geoms[t], f"{side}[{t}]", expected, what.format(t=t))
+    return np.array([[int(g.ptr), int(g.rows), int(g.row_bytes), int(g.row_stride)] for g in geoms],
+                    dtype=np.int64).reshape(-1, 4).T
+
+
+def _geometry_columns(layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry],
+                      bpc: int) -> tuple[Int64Array, Int64Array]:
+    """Validate both sides' geometry and return their ``(4, n)`` columns (see :func:`_columns`)."""
+    for side, geoms in (("GPU", gpu), ("CPU", cpu)):
+        if not isinstance(geoms, Sequence):
+            raise InvalidTransferError(f"{side} tensor geometries must be a sequence of TensorGeometry, "
+                                       f"got {type(geoms).__name__}")
+        if len(geoms) != layout.num_tensors:
+            raise InvalidTransferError(f"got {len(geoms)} {side} tensor geometries, expected "
+                                       f"{layout.num_tensors} (one per layout tensor)")
+    pages = layout.tensor_page_bytes
+    return (_columns(gpu, "gpu", pages, "tensor_page_bytes[{t}]"),
+            _columns(cpu, "cpu", [p * bpc for p in pages], "tensor_page_bytes[{t}] * blocks_per_chunk"))
+
+
+def check_geometry(layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry],
+                   blocks_per_chunk: int) -> None:
+    """Check that the GPU tensors and CPU views fit ``layout`` with ``blocks_per_chunk`` GPU pages per CPU row.
+
+    Args:
+        layout: the KV-cache layout.
+        gpu: one geometry per layout tensor; row_bytes must equal ``tensor_page_bytes[t]``.
+        cpu: one geometry per layout tensor; row_bytes must equal ``tensor_page_bytes[t] * blocks_per_chunk``.
+        blocks_per_chunk: GPU pages per CPU row, >= 1.
+
+    Raises:
+        InvalidTransferError: counts differ from ``layout.num_tensors``, a row size differs from the layout, a
+            row stride is smaller than its row, a tensor has no rows, or its addresses leave int64.
+    """
+    _geometry_columns(layout, gpu, cpu, _require_int(blocks_per_chunk, "blocks_per_chunk", 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """One side of a transfer, as arrays indexed by tensor."""
+
+    name: str  # Invariant: "GPU" or "CPU" (used in messages).
+    label: str  # Invariant: "gpu" or "cpu" (the geometry list's name in messages).
+    spec_name: str  # Invariant: the spec class and argument that hold this side's ids, for messages.
+    ids: Int64Array  # Invariant: this side's block ids, 1-D, >= 0.
+    ptr: Int64Array
+    stride: Int64Array
+    rows: Int64Array
+    sub: Int64Array  # Invariant: bytes between sub-blocks of a row (the GPU page size; unused on the GPU side).
+
+    @classmethod
+    def of(cls, name: str, spec_name: str, ids: Int64Array, cols: Int64Array, layout: KVCacheLayout) -> _Side:
+        """Build a side from its ids and its validated ``(4, n)`` geometry columns."""
+        ptr, rows, _, stride = cols
+        return cls(name, name.lower(), spec_name, ids, ptr, stride, rows,
+                   np.array(layout.tensor_page_bytes, dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slice:
+    """The ids one non-empty group consumes on each side."""
+
+    group: int
+    size: int  # Invariant: >= 1 (empty groups get no slice).
+    skip: int  # Invariant: 0 <= skip < blocks_per_chunk (CPU side; the GPU side never skips).
+    gpu_off: int
+    cpu_off: int
+    cpu_count: int  # Invariant: == ceil((size + skip) / blocks_per_chunk).
+
+
+_SpecT = TypeVar("_SpecT", GPULoadStoreSpec, CPULoadStoreSpec)
+
+
+def _expect(spec: object, cls: type[_SpecT], arg: str, direction: str) -> _SpecT:
+    """Return ``spec`` if it is a ``cls``, else raise InvalidTransferError naming the expected type."""
+    if not isinstance(spec, cls):
+        raise InvalidTransferError(f"{direction}: {arg} must be a {cls.__name__}, got {type(spec).__name__}")
+    return spec
+
+
+def _specs_for(direction: object, src_spec: object,
+               dst_spec: object) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
+    """Return (gpu_spec, cpu_spec) for ``direction``; src is checked before dst."""
+    if direction == "store":
+        gpu_spec = _expect(src_spec, GPULoadStoreSpec, "src_spec", direction)
+        return gpu_spec, _expect(dst_spec, CPULoadStoreSpec, "dst_spec", direction)
+    if direction == "load":
+        cpu_spec = _expect(src_spec, CPULoadStoreSpec, "src_spec", direction)
+        return _expect(dst_spec, GPULoadStoreSpec, "dst_spec", direction), cpu_spec
+    raise InvalidTransferError(f"direction must be 'store' or 'load', got {direction!r}")
+
+
+def _slice_groups(layout: KVCacheLayout, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec,
+                  bpc: int) -> list[_Slice]:
+    """Split both id lists among the non-empty groups (reference §2.4), checking that they match exactly."""
+    sizes, indices = gpu_spec.group_sizes, gpu_spec.block_indices
+    if len(sizes) != layout.num_groups:
+        raise InvalidTransferError(f"GPULoadStoreSpec has {len(sizes)} group sizes, expected "
+                                   f"{layout.num_groups} (one per KV-cache group of the layout)")
+    slices: list[_Slice] = []
+    gpu_off = cpu_off = 0
+    for g, (size, index) in enumerate(zip(sizes, indices, strict=True)):
+        if size == 0:
+            continue  # an empty group uses no ids on either side; its block index is ignored
+        if index >= bpc:
+            raise InvalidTransferError(f"block_indices[{g}] = {index} is out of range: expected "
+                                       f"0 <= block index < blocks_per_chunk = {bpc}")
+        count = -(-(size + index) // bpc)
+        slices.append(_Slice(g, size, index, gpu_off, cpu_off, count))
+        gpu_off, cpu_off = gpu_off + size, cpu_off + count
+    if cpu_off != len(cpu_spec.block_ids):
+        raise InvalidTransferError(f"CPULoadStoreSpec has {len(cpu_spec.block_ids)} block ids, expected "
+                                   f"{cpu_off} (group_sizes={sizes}, block_indices={indices}, "
+                                   f"blocks_per_chunk={bpc})")
+    return slices
+
+
+def _check_ids_in_range(side: _Side, ids: Int64Array, offset: int, refs: _GroupRefs, group: int) -> None:
+    """Raise InvalidTransferError unless every id is a row of every tensor the group's refs use."""
+    rows = side.rows[refs.tensors]
+    if ids.size == 0 or int(ids.max()) < int(rows.min()):
+        return
+    pos = int(np.flatnonzero(ids >= rows.min())[0])
+    bad = int(ids[pos])
+    tensor = int(refs.tensors[int(np.flatnonzero(rows <= bad)[0])])
+    raise InvalidTransferError(
+        f"{side.name} block id {bad} ({side.spec_name}.block_ids[{offset + pos}]) is out of range for "
+        f"{side.label}[{tensor}] (group {group}): expected 0 <= id < {int(side.rows[tensor])}")
+
+
+def _fill_gpu(out: Int64Array, side: _Side, ids: Int64Array, tensors: Int64Array) -> None:
+    """Write ``ptr[t] + ids * stride[t]`` into ``out`` (shape: refs x blocks): one block per row."""
+    np.multiply(side.stride[tensors][:, None], ids[None, :], out=out)
+    out += side.ptr[tensors][:, None]
+
+
+def _add_outer(out: Int64Array, rows: Int64Array, subs: Int64Array) -> None:
+    """``out[r, c, j] = rows[r, c] + subs[r, j]``, looping over the shorter of the two last axes.
+
+    numpy runs its inner loop over the last axis; a short one (a few sub-blocks per chunk) makes that loop
+    several times slower, so with fewer sub-blocks than chunks each sub-block position is one long strided add.
+    """
+    if subs.shape[1] <= rows.shape[1]:
+        for j in range(subs.shape[1]):
+            np.add(rows, subs[:, j:j + 1], out=out[:, :, j])
+    else:
+        np.add(rows[:, :, None], subs[:, None, :], out=out)
+
+
+def _fill_cpu(out: Int64Array, side: _Side, chunks: Int64Array, skip: int, *, bpc: int,
+              tensors: Int64Array) -> None:
+    """Write the group's CPU sub-block addresses into ``out`` (shape: refs x blocks).
+
+    The sub-blocks of the chunks in order (``ptr[t] + chunk * stride[t] + j * sub[t]``), the first ``skip``
+    dropped, the next ``out.shape[1]`` kept (reference §2.3): a partial first chunk (``head``), whole chunks
+    written as a refs x chunks x bpc view of ``out``, and a partial last chunk (``tail``).
+    """
+    if bpc == 1:
+        _fill_gpu(out, side, chunks, tensors)
+        return
+    rows = side.stride[tensors][:, None] * chunks[None, :] + side.ptr[tensors][:, None]  # refs x chunks
+    subs = side.sub[tensors][:, None] * np.arange(bpc, dtype=np.int64)[None, :]  # refs x bpc
+    size = out.shape[1]
+    head = min(size, (bpc - skip) % bpc)
+    first = 1 if skip else 0
+    whole = (size - head) // bpc
+    tail = size - head - whole * bpc
+    out[:, :head] = rows[:, :1] + subs[:, skip:skip + head]
+    # Splitting the contiguous last axis never copies, so this reshape is a view that writes into ``out``.
+    middle = out[:, head:head + whole * bpc].reshape(len(tensors), whole, bpc)
+    _add_outer(middle, rows[:, first:first + whole], subs)
+    out[:, size - tail:] = rows[:, first + whole:first + whole + 1] + subs[:, :tail]
+
+
+def _build(layout: KVCacheLayout, slices: list[_Slice], gpu: _Side, cpu: _Side, *, bpc: int,
+           store: bool) -> CopyPlan:
+    """Lay out the descriptors group-major, then ref, then block, validating every id first."""
+    for s in slices:
+        refs = layout._group_refs[s.group]
+        _check_ids_in_range(gpu, gpu.ids[s.gpu_off:s.gpu_off + s.size], s.gpu_off, refs, s.group)
+        _check_ids_in_range(cpu, cpu.ids[s.cpu_off:s.cpu_off + s.cpu_count], s.cpu_off, refs, s.group)
+    total = sum(s.size * len(layout.groups[s.group]) for s in slices)
+    gpu_out, cpu_out, sizes = (np.empty(total, dtype=np.int64) for _ in range(3))
+    pos = nbytes = 0
+    for s in slices:
+        refs = layout._group_refs[s.group]
+        end = pos + s.size * len(refs.tensors)
+        shape = (len(refs.tensors), s.size)
+        _fill_gpu(gpu_out[pos:end].reshape(shape), gpu, gpu.ids[s.gpu_off:s.gpu_off + s.size], refs.tensors)
+        _fill_cpu(cpu_out[pos:end].reshape(shape), cpu, cpu.ids[s.cpu_off:s.cpu_off + s.cpu_count], s.skip,
+                  bpc=bpc, tensors=refs.tensors)
+        sizes[pos:end].reshape(shape)[:] = refs.page_sizes[:, None]
+        pos, nbytes = end, nbytes + s.size * refs.bytes_per_block
+    src, dst = (gpu_out, cpu_out) if store else (cpu_out, gpu_out)
+    return CopyPlan(_readonly(src), _readonly(dst), _readonly(sizes), total, nbytes)
+
+
+def plan_copies(  # noqa: PLR0917  (positional order fixed by the public contract)
+    layout: KVCacheLayout, direction: Direction, src_spec: GPULoadStoreSpec | CPULoadStoreSpec,
+    dst_spec: GPULoadStoreSpec | CPULoadStoreSpec, gpu: Sequence[TensorGeometry],
+    cpu: Sequence[TensorGeometry], blocks_per_chunk: int,
+) -> CopyPlan:
+    """Plan the byte copies of one transfer (reference §2.3/§2.4), validating everything first (R7).
+
+    Args:
+        layout: the KV-cache layout.
+        direction: ``"store"`` (src GPU spec, dst CPU spec) or ``"load"`` (src CPU spec, dst GPU spec).
+        src_spec: the source spec for ``direction``.
+        dst_spec: the destination spec for ``direction``.
+        gpu: geometry of each GPU tensor (one row per GPU block).
+        cpu: geometry of each CPU view (one row per CPU chunk of ``blocks_per_chunk`` GPU pages).
+        blocks_per_chunk: GPU pages per CPU row, >= 1.
+
+    Returns:
+        The copies, group-major, then ref, then block; sizes are each ref's unpadded page size. All group
+        sizes 0 with empty id lists gives an empty plan.
+
+    Raises:
+        InvalidTransferError: unknown direction; a spec of the wrong type; bad geometry (see check_geometry);
+            ``len(group_sizes) != layout.num_groups``; a non-empty group's block index ``>= blocks_per_chunk``;
+            a CPU id count other than the groups need; an id ``>=`` the rows of a tensor it indexes.
+    """
+    gpu_spec, cpu_spec = _specs_for(direction, src_spec, dst_spec)
+    bpc = _require_int(blocks_per_chunk, "blocks_per_chunk", 1)
+    gpu_cols, cpu_cols = _geometry_columns(layout, gpu, cpu, bpc)
+    slices = _slice_groups(layout, gpu_spec, cpu_spec, bpc)
+    gpu_side = _Side.of("GPU", "GPULoadStoreSpec", gpu_spec.block_ids, gpu_cols, layout)
+    cpu_side = _Side.of("CPU", "CPULoadStoreSpec", cpu_spec.block_ids, cpu_cols, layout)
+    return _build(layout, slices, gpu_side, cpu_side, bpc=bpc, store=direction == "store")

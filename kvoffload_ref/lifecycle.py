@@ -1,0 +1,329 @@
+"""The lifecycle state machines of kvoffload_ref, kept as data.
+
+Theory of operation
+-------------------
+Three small machines describe everything that can happen to an offloading worker:
+
+* the **worker** (open -> shutting down -> closed): which public calls are allowed when;
+* each **handler** (one per direction; accepting -> draining -> drained | abandoned -> closed): when a transfer
+  may be submitted, and how the shutdown drain ends;
+* the **region** (caller-owned -> worker-owned -> released | quarantined): who may release the host memory and
+  whether it is released at all.
+
+Two decision tables join them at shutdown: :data:`PROOF_DECISION` says whether the device-level proof (R13) is
+needed (never on the clean path, skipped after an interrupt), and :data:`FATE` says, from the proof's outcome and
+the policy, whether what may still be under DMA is released or quarantined (R12).
+
+Two rules for this file:
+
+1. Every transition lives here. ``worker.py``, ``handler.py`` and ``region.py`` report what happened (an input)
+   and do what the table decides; they never decide a transition themselves.
+2. This file knows nothing about devices, clocks or I/O: it imports only ``enum``/``typing`` and the error
+   taxonomy. The docs diagram is generated from these tables.
+
+Every table is total: each (state, input) pair maps either to a :class:`Transition` (next state and the action
+the driver carries out) or to a :class:`Refusal` (the typed error to raise; the state does not change).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Final, NamedTuple, TypeVar
+
+from kvoffload_ref.errors import LifecycleError, OffloadError, OwnershipError, WorkerClosedError
+
+__all__ = [
+    "FATE",
+    "HANDLER_TABLE",
+    "PROOF_DECISION",
+    "REGION_TABLE",
+    "WORKER_TABLE",
+    "Action",
+    "Fate",
+    "HandlerInput",
+    "HandlerState",
+    "Policy",
+    "ProofDecision",
+    "ProofOutcome",
+    "Refusal",
+    "RegionInput",
+    "RegionState",
+    "Transition",
+    "WorkerInput",
+    "WorkerState",
+    "decide_fate",
+    "decide_proof",
+    "step",
+]
+
+
+class Action(enum.Enum):
+    """What the driver does after a transition."""
+
+    PROCEED = "proceed"  # carry out the call normally
+    NOTHING = "nothing"  # the call has no effect (idempotent repeats)
+    RETURN_EMPTY = "return_empty"  # return an empty result at once (get_finished/wait after shutdown began)
+    RETURN_REPORT = "return_report"  # return the stored shutdown report (second shutdown, R8)
+    RUN_SHUTDOWN = "run_shutdown"  # run the shutdown sequence (R9-R14)
+    RELEASE = "release"  # release the region now (R3)
+    QUARANTINE = "quarantine"  # keep the region mapped and pinned until process exit (R12)
+
+
+class Transition(NamedTuple):
+    """A legal step: the next state and the action the driver carries out."""
+
+    next: enum.Enum
+    action: Action
+
+
+class Refusal(NamedTuple):
+    """An illegal step: the error type to raise and why. The state does not change."""
+
+    error: type[OffloadError]
+    reason: str
+
+
+Table = Mapping[tuple[enum.Enum, enum.Enum], Transition | Refusal]
+
+
+# -- worker -----------------------------------------------------------------------------------------------------
+class WorkerState(enum.Enum):
+    OPEN = "open"
+    SHUTTING_DOWN = "shutting_down"
+    CLOSED = "closed"
+
+
+class WorkerInput(enum.Enum):
+    SUBMIT = "submit"  # submit_store / submit_load
+    GET_FINISHED = "get_finished"
+    WAIT = "wait"
+    SNAPSHOT = "snapshot"  # cpu_snapshot
+    SHUTDOWN = "shutdown"  # shutdown() called (by the user, the context manager or the finalizer)
+    SHUTDOWN_COMPLETE = "shutdown_complete"  # the sequence ran to its end
+    INTERRUPTED = "interrupted"  # a BaseException cut the sequence short (R14)
+
+
+_W, _WI = WorkerState, WorkerInput
+_CLOSED_SUBMIT = Refusal(WorkerClosedError, "the worker's shutdown has begun; it accepts no transfers (R8)")
+_CLOSED_SNAPSHOT = Refusal(WorkerClosedError, "the worker's CPU region is gone after shutdown began")
+_NOT_SHUTTING_DOWN = Refusal(LifecycleError, "no shutdown is running")
+
+WORKER_TABLE: Final[Table] = {
+    (_W.OPEN, _WI.SUBMIT): Transition(_W.OPEN, Action.PROCEED),
+    (_W.OPEN, _WI.GET_FINISHED): Transition(_W.OPEN, Action.PROCEED),
+    (_W.OPEN, _WI.WAIT): Transition(_W.OPEN, Action.PROCEED),
+    (_W.OPEN, _WI.SNAPSHOT): Transition(_W.OPEN, Action.PROCEED),
+    (_W.OPEN, _WI.SHUTDOWN): Transition(_W.SHUTTING_DOWN, Action.RUN_SHUTDOWN),
+    (_W.OPEN, _WI.SHUTDOWN_COMPLETE): _NOT_SHUTTING_DOWN,
+    (_W.OPEN, _WI.INTERRUPTED): _NOT_SHUTTING_DOWN,
+    (_W.SHUTTING_DOWN, _WI.SUBMIT): _CLOSED_SUBMIT,
+    (_W.SHUTTING_DOWN, _WI.GET_FINISHED): Transition(_W.SHUTTING_DOWN, Action.RETURN_EMPTY),
+    (_W.SHUTTING_DOWN, _WI.WAIT): Transition(_W.SHUTTING_DOWN, Action.RETURN_EMPTY),
+    (_W.SHUTTING_DOWN, _WI.SNAPSHOT): _CLOSED_SNAPSHOT,
+    (_W.SHUTTING_DOWN, _WI.SHUTDOWN): Refusal(WorkerClosedError, "shutdown is already running (re-entered)"),
+    (_W.SHUTTING_DOWN, _WI.SHUTDOWN_COMPLETE): Transition(_W.CLOSED, Action.PROCEED),
+    (_W.SHUTTING_DOWN, _WI.INTERRUPTED): Transition(_W.CLOSED, Action.PROCEED),
+    (_W.CLOSED, _WI.SUBMIT): _CLOSED_SUBMIT,
+    (_W.CLOSED, _WI.GET_FINISHED): Transition(_W.CLOSED, Action.RETURN_EMPTY),
+    (_W.CLOSED, _WI.WAIT): Transition(_W.CLOSED, Action.RETURN_EMPTY),
+    (_W.CLOSED, _WI.SNAPSHOT): _CLOSED_SNAPSHOT,
+    (_W.CLOSED, _WI.SHUTDOWN): Transition(_W.CLOSED, Action.RETURN_REPORT),
+    (_W.CLOSED, _WI.SHUTDOWN_COMPLETE): _NOT_SHUTTING_DOWN,
+    (_W.CLOSED, _WI.INTERRUPTED): _NOT_SHUTTING_DOWN,
+}
+
+
+# -- handler ----------------------------------------------------------------------------------------------------
+class HandlerState(enum.Enum):
+    ACCEPTING = "accepting"
+    DRAINING = "draining"
+    DRAINED = "drained"  # every queued transfer was proven complete by its own event
+    ABANDONED = "abandoned"  # the drain stopped early; the rest were abandoned, completion unknown
+    CLOSED = "closed"  # transfer-side resources released (or handed to quarantine)
+
+
+class HandlerInput(enum.Enum):
+    SUBMIT = "submit"
+    HEAD_PROVEN = "head_proven"  # the oldest transfer's end event was observed done without error
+    HEAD_FAILED = "head_failed"  # observing the oldest transfer raised (R5/R10)
+    BEGIN_DRAIN = "begin_drain"
+    QUEUE_EMPTY = "queue_empty"  # nothing left to drain
+    DEADLINE = "deadline"  # the shutdown budget ran out during the drain
+    INTERRUPT = "interrupt"  # a BaseException arrived during the drain (R14)
+    RELEASE = "release"
+
+
+_H, _HI = HandlerState, HandlerInput
+_H_CLOSED_SUBMIT = Refusal(WorkerClosedError, "the handler is shutting down; it accepts no transfers (R8)")
+_NOT_DRAINING = Refusal(LifecycleError, "the handler is not draining")
+_NOT_DRAINED = Refusal(LifecycleError, "the handler must finish draining before it is released")
+_H_DONE = Refusal(LifecycleError, "the handler is closed")
+
+HANDLER_TABLE: Final[Table] = {
+    (_H.ACCEPTING, _HI.SUBMIT): Transition(_H.ACCEPTING, Action.PROCEED),
+    (_H.ACCEPTING, _HI.HEAD_PROVEN): Transition(_H.ACCEPTING, Action.PROCEED),
+    (_H.ACCEPTING, _HI.HEAD_FAILED): Transition(_H.ACCEPTING, Action.PROCEED),
+    (_H.ACCEPTING, _HI.BEGIN_DRAIN): Transition(_H.DRAINING, Action.PROCEED),
+    (_H.ACCEPTING, _HI.QUEUE_EMPTY): _NOT_DRAINING,
+    (_H.ACCEPTING, _HI.DEADLINE): _NOT_DRAINING,
+    (_H.ACCEPTING, _HI.INTERRUPT): _NOT_DRAINING,
+    (_H.ACCEPTING, _HI.RELEASE): _NOT_DRAINED,
+    (_H.DRAINING, _HI.SUBMIT): _H_CLOSED_SUBMIT,
+    (_H.DRAINING, _HI.HEAD_PROVEN): Transition(_H.DRAINING, Action.PROCEED),
+    (_H.DRAINING, _HI.HEAD_FAILED): Transition(_H.ABANDONED, Action.PROCEED),
+    (_H.DRAINING, _HI.BEGIN_DRAIN): Refusal(LifecycleError, "the handler is already draining"),
+    (_H.DRAINING, _HI.QUEUE_EMPTY): Transition(_H.DRAINED, Action.PROCEED),
+    (_H.DRAINING, _HI.DEADLINE): Transition(_H.ABANDONED, Action.PROCEED),
+    (_H.DRAINING, _HI.INTERRUPT): Transition(_H.ABANDONED, Action.PROCEED),
+    (_H.DRAINING, _HI.RELEASE): _NOT_DRAINED,
+    **{(state, inp): _H_CLOSED_SUBMIT if inp is _HI.SUBMIT else _H_DONE
+       for state in (_H.DRAINED, _H.ABANDONED, _H.CLOSED) for inp in _HI},
+    (_H.DRAINED, _HI.RELEASE): Transition(_H.CLOSED, Action.PROCEED),
+    (_H.ABANDONED, _HI.RELEASE): Transition(_H.CLOSED, Action.PROCEED),
+    (_H.CLOSED, _HI.RELEASE): Transition(_H.CLOSED, Action.NOTHING),
+}
+
+
+# -- region -----------------------------------------------------------------------------------------------------
+class RegionState(enum.Enum):
+    CALLER_OWNED = "caller_owned"  # built, not (yet) adopted by a worker (R1)
+    WORKER_OWNED = "worker_owned"  # a worker's constructor returned successfully with it (R1)
+    RELEASED = "released"  # unpinned, views dropped, unmapped (R3)
+    QUARANTINED = "quarantined"  # kept mapped and pinned until process exit (R12)
+
+
+class RegionInput(enum.Enum):
+    ADOPT = "adopt"  # a worker takes ownership
+    CALLER_RELEASE = "caller_release"  # region.release() by its caller
+    WORKER_RELEASE = "worker_release"  # the owning worker's shutdown proved it idle (or policy "release")
+    WORKER_QUARANTINE = "worker_quarantine"  # the owning worker could not prove it idle
+
+
+_R, _RI = RegionState, RegionInput
+_WORKER_OWNS = Refusal(OwnershipError, "a worker owns this region; its shutdown releases it (R1)")
+_NOT_WORKERS = Refusal(LifecycleError, "the region is not owned by a worker")
+_GONE = Refusal(OwnershipError, "the region was already released or quarantined")
+
+REGION_TABLE: Final[Table] = {
+    (_R.CALLER_OWNED, _RI.ADOPT): Transition(_R.WORKER_OWNED, Action.PROCEED),
+    (_R.CALLER_OWNED, _RI.CALLER_RELEASE): Transition(_R.RELEASED, Action.RELEASE),
+    (_R.CALLER_OWNED, _RI.WORKER_RELEASE): _NOT_WORKERS,
+    (_R.CALLER_OWNED, _RI.WORKER_QUARANTINE): _NOT_WORKERS,
+    (_R.WORKER_OWNED, _RI.ADOPT): Refusal(OwnershipError, "the region is already owned by a worker (R1)"),
+    (_R.WORKER_OWNED, _RI.CALLER_RELEASE): _WORKER_OWNS,
+    (_R.WORKER_OWNED, _RI.WORKER_RELEASE): Transition(_R.RELEASED, Action.RELEASE),
+    (_R.WORKER_OWNED, _RI.WORKER_QUARANTINE): Transition(_R.QUARANTINED, Action.QUARANTINE),
+    (_R.RELEASED, _RI.ADOPT): _GONE,
+    (_R.RELEASED, _RI.CALLER_RELEASE): Transition(_R.RELEASED, Action.NOTHING),  # idempotent (R3)
+    (_R.RELEASED, _RI.WORKER_RELEASE): Transition(_R.RELEASED, Action.NOTHING),
+    (_R.RELEASED, _RI.WORKER_QUARANTINE): Transition(_R.RELEASED, Action.NOTHING),
+    (_R.QUARANTINED, _RI.ADOPT): _GONE,
+    (_R.QUARANTINED, _RI.CALLER_RELEASE): Transition(_R.QUARANTINED, Action.NOTHING),
+    (_R.QUARANTINED, _RI.WORKER_RELEASE): Transition(_R.QUARANTINED, Action.NOTHING),
+    (_R.QUARANTINED, _RI.WORKER_QUARANTINE): Transition(_R.QUARANTINED, Action.NOTHING),
+}
+
+
+# -- shutdown decisions -----------------------------------------------------------------------------------------
+class ProofDecision(enum.Enum):
+    """Whether the device-level proof (R13) runs. Values are the report's ``device_sync`` spelling."""
+
+    NOT_NEEDED = "not_needed"  # the clean path held: every transfer proven by its own event
+    ATTEMPT = "attempt"
+    SKIPPED = "skipped"  # a BaseException stopped all waiting (R14)
+
+
+class ProofOutcome(enum.Enum):
+    """What the proof established. Values are the report's ``device_sync`` spelling."""
+
+    NOT_NEEDED = "not_needed"
+    OK = "ok"
+    TIMEOUT = "timeout"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+class Policy(enum.Enum):
+    """``ShutdownPolicy.on_unproven``: what to do with memory that may still be under DMA."""
+
+    QUARANTINE = "quarantine"  # the default: keep it alive until process exit (R12)
+    RELEASE = "release"  # vLLM #51622: release regardless, after a best-effort proof
+
+
+class Fate(enum.Enum):
+    """What happens to the region and to the descriptor buffers of unproven transfers."""
+
+    RELEASE = "release"
+    QUARANTINE = "quarantine"
+
+
+#: (clean path held, interrupted) -> whether to attempt the proof (R13, R14).
+PROOF_DECISION: Final[Mapping[tuple[bool, bool], ProofDecision]] = {
+    (True, False): ProofDecision.NOT_NEEDED,
+    (True, True): ProofDecision.NOT_NEEDED,
+    (False, False): ProofDecision.ATTEMPT,
+    (False, True): ProofDecision.SKIPPED,
+}
+
+#: (proof outcome, policy) -> fate of whatever the proof covered (R12, R14). An interrupted shutdown
+#: quarantines even under the release policy: the caller asked to stop, not to gamble.
+FATE: Final[Mapping[tuple[ProofOutcome, Policy], Fate]] = {
+    (ProofOutcome.NOT_NEEDED, Policy.QUARANTINE): Fate.RELEASE,
+    (ProofOutcome.OK, Policy.QUARANTINE): Fate.RELEASE,
+    (ProofOutcome.TIMEOUT, Policy.QUARANTINE): Fate.QUARANTINE,
+    (ProofOutcome.FAILED, Policy.QUARANTINE): Fate.QUARANTINE,
+    (ProofOutcome.SKIPPED, Policy.QUARANTINE): Fate.QUARANTINE,
+    (ProofOutcome.NOT_NEEDED, Policy.RELEASE): Fate.RELEASE,
+    (ProofOutcome.OK, Policy.RELEASE): Fate.RELEASE,
+    (ProofOutcome.TIMEOUT, Policy.RELEASE): Fate.RELEASE,
+    (ProofOutcome.FAILED, Policy.RELEASE): Fate.RELEASE,
+    (ProofOutcome.SKIPPED, Policy.RELEASE): Fate.QUARANTINE,
+}
+
+S = TypeVar("S", bound=enum.Enum)
+
+
+def step(table: Table, machine: str, state: S, event: enum.Enum) -> tuple[S, Action]:
+    """Look up one transition.
+
+    Args:
+        table: one of the tables above.
+        machine: its name, for the error message ("worker", "handler", "region").
+        state: the current state.
+        event: the input that happened.
+
+    Returns:
+        ``(next_state, action)``.
+
+    Raises:
+        The refusal's error type (e.g. WorkerClosedError) when the pair is refused; LifecycleError when the pair
+        is missing from the table (a bug: the tables are total and tested whole).
+    """
+    try:
+        entry = table[(state, event)]
+    except KeyError:
+        raise LifecycleError(f"{machine}: no transition for input {event.name} in state {state.name}") from None
+    if isinstance(entry, Refusal):
+        raise entry.error(f"{machine} in state {state.name} refuses {event.name}: {entry.reason}")
+    next_state: S = entry.next  # type: ignore[assignment]  # tables map a machine's states to its own states
+    return next_state, entry.action
+
+
+def decide_proof(clean: bool, interrupted: bool) -> ProofDecision:
+    """Whether to attempt the device-level proof (R13: never on the clean path; R14: skipped if interrupted)."""
+    return PROOF_DECISION[(clean, interrupted)]
+
+
+def decide_fate(outcome: ProofOutcome, policy: Policy) -> Fate:
+    """Release or quarantine what may still be under DMA, from the proof's outcome and the policy (R12)."""
+    return FATE[(outcome, policy)]
+
+
+def machines() -> dict[str, tuple[type[enum.Enum], type[enum.Enum], Table]]:
+    """The three machines as (state enum, input enum, table), by name; used by docs and tests."""
+    return {
+        "worker": (WorkerState, WorkerInput, WORKER_TABLE),
+        "handler": (HandlerState, HandlerInput, HANDLER_TABLE),
+        "region": (RegionState, RegionInput, REGION_TABLE),
+    }

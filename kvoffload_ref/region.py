@@ -1,0 +1,285 @@
+"""HostRegion: the host memory KV pages are offloaded to, and how it is pinned, released or quarantined.
+
+A region is one anonymous ``mmap`` holding one 2-D uint8 CPU tensor per layout tensor, shape
+``(num_cpu_chunks, tensor_page_bytes[t] * blocks_per_chunk)``, each tensor's segment page-aligned. Views are
+made with ``np.frombuffer`` so that ``mmap.close()`` refuses (``BufferError``) while any view is alive, instead of
+succeeding and leaving a dangling view that segfaults later.
+
+Ownership (R1) and fate (R3, R12) follow ``lifecycle.REGION_TABLE``: the caller owns a new region; a worker adopts
+it when its constructor succeeds; then only that worker's shutdown releases it, or quarantines it when it cannot
+prove no DMA may still touch it. Release runs R3's steps in order -- unregister pinned ranges (reverse order of
+registration), drop the views, unmap -- logging a failed step and going on. A quarantined region stays mapped and
+pinned in a module-level registry until the process exits, so garbage collection can never unmap it.
+
+Handlers never see a region: the worker gives them ``geometries()`` (addresses and strides) only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import threading
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref import lifecycle
+from kvoffload_ref.backends.base import Backend, ResourceKind
+from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipError
+from kvoffload_ref.layout import KVCacheLayout, TensorGeometry
+from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
+
+__all__ = ["DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine", "quarantined"]
+
+logger = logging.getLogger("kvoffload_ref.region")
+
+PAGE: Final = mmap.PAGESIZE
+#: Upstream registers at most 64 GiB per cudaHostRegister call (some drivers fail above that).
+DEFAULT_PIN_CHUNK_BYTES: Final = 64 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class QuarantinedItem:
+    """Something kept alive on purpose until process exit because DMA may still touch it (R12).
+
+    Attributes:
+        kind: "region" or "descriptor".
+        description: what it is (addresses, sizes).
+        reason: why it could not be released.
+        obj: the object itself (holding it here is what keeps it alive).
+    """
+
+    kind: str
+    description: str
+    reason: str
+    obj: object = dataclasses.field(repr=False, compare=False)
+
+
+# Invariant: only ever appended to; entries live until the interpreter exits.
+_QUARANTINE: list[QuarantinedItem] = []
+_QUARANTINE_LOCK = threading.Lock()
+
+
+def quarantine(item: QuarantinedItem) -> None:
+    """Keep ``item.obj`` alive until process exit and remember why."""
+    with _QUARANTINE_LOCK:
+        _QUARANTINE.append(item)
+
+
+def quarantined() -> list[QuarantinedItem]:
+    """Everything quarantined in this process so far (oldest first)."""
+    with _QUARANTINE_LOCK:
+        return list(_QUARANTINE)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class HostRegion:
+    """Anonymous-mmap host memory for one worker's CPU tensors. Build with :meth:`allocate`."""
+
+    def __init__(self, backend: Backend, mapping: mmap.mmap, offsets: Sequence[int],
+                 row_bytes: Sequence[int], num_cpu_chunks: int) -> None:
+        """Wrap an existing mapping (use :meth:`allocate`). Announces it to the backend (ledger "mapping")."""
+        self._backend = backend
+        # Invariant: open until release; never closed while the backend may still read it (R12).
+        self._mmap: mmap.mmap | None = mapping
+        # Invariant: the only buffer export of _mmap; every view below derives from it.
+        self._base: npt.NDArray[np.uint8] | None = np.frombuffer(mapping, dtype=np.uint8)
+        self.ptr: int = int(self._base.ctypes.data)
+        self.nbytes: int = len(mapping)
+        self.num_cpu_chunks = num_cpu_chunks
+        # Invariant: one 2-D view per layout tensor; emptied (dropped) only by release (R3 step 2).
+        self._views: list[npt.NDArray[np.uint8]] = [
+            self._base[off: off + num_cpu_chunks * rb].reshape(num_cpu_chunks, rb)
+            for off, rb in zip(offsets, row_bytes, strict=True)
+        ]
+        self._geometries = tuple(
+            TensorGeometry(ptr=self.ptr + off, rows=num_cpu_chunks, row_bytes=rb, row_stride=rb)
+            for off, rb in zip(offsets, row_bytes, strict=True)
+        )
+        # Invariant: start addresses of the ranges registered and not yet unregistered, in registration order.
+        self._pinned: list[int] = []
+        # Invariant: changed only through lifecycle.step(REGION_TABLE, ...).
+        self.state = RegionState.CALLER_OWNED
+        # Invariant: what release could not release, by ledger kind (filled by release; zeros omitted by users).
+        self.leaked: dict[ResourceKind, int] = {}
+        # Invariant: why the owning worker quarantined the region (set just before quarantining).
+        self._quarantine_reason = "not proven idle"
+        self._lock = threading.Lock()
+        backend.track_host(self.ptr, self.nbytes)
+
+    @classmethod
+    def allocate(cls, backend: Backend, layout: KVCacheLayout, blocks_per_chunk: int,
+                 num_cpu_chunks: int) -> HostRegion:
+        """Map and announce a region sized for ``layout`` (not pinned yet; the caller owns it).
+
+        Args:
+            backend: the device the region will be announced to.
+            layout: the KV-cache layout (one CPU tensor per layout tensor).
+            blocks_per_chunk: GPU blocks per CPU chunk (>= 1).
+            num_cpu_chunks: CPU rows per tensor (>= 1).
+
+        Returns:
+            A caller-owned HostRegion.
+
+        Raises:
+            InvalidTransferError: non-positive sizes.
+        """
+        if not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
+            raise InvalidTransferError(f"blocks_per_chunk must be an int >= 1, got {blocks_per_chunk!r}")
+        if not isinstance(num_cpu_chunks, int) or num_cpu_chunks < 1:
+            raise InvalidTransferError(f"num_cpu_chunks must be an int >= 1, got {num_cpu_chunks!r}")
+        row_bytes = [layout.cpu_row_bytes(t, blocks_per_chunk) for t in range(layout.num_tensors)]
+        offsets, total = [], 0
+        for rb in row_bytes:
+            offsets.append(total)
+            total = _round_up(total + rb * num_cpu_chunks, PAGE)
+        mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return cls(backend, mapping, offsets, row_bytes, num_cpu_chunks)
+
+    def __repr__(self) -> str:
+        return (f"<HostRegion {self.state.value} {self.nbytes} bytes at {self.ptr:#x}, "
+                f"{len(self._pinned)} pinned range(s)>")
+
+    # -- queries --------------------------------------------------------------------------------------------------
+    def geometries(self) -> tuple[TensorGeometry, ...]:
+        """Address and stride of each CPU tensor (what handlers get instead of the region, R1)."""
+        return self._geometries
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the region is registered with the device."""
+        return bool(self._pinned)
+
+    @property
+    def pinned_ranges(self) -> int:
+        """How many registered ranges the region holds."""
+        return len(self._pinned)
+
+    def snapshot(self) -> list[npt.NDArray[np.uint8]]:
+        """Copies of the CPU tensors.
+
+        Raises:
+            OwnershipError: the region was released or quarantined.
+        """
+        if self.state not in (RegionState.CALLER_OWNED, RegionState.WORKER_OWNED):
+            raise OwnershipError(f"the region is {self.state.value}; its memory is no longer readable")
+        return [view.copy() for view in self._views]
+
+    # -- pinning --------------------------------------------------------------------------------------------------
+    def pin(self, chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES) -> None:
+        """Register the whole region with the device in chunks of at most ``chunk_bytes`` (page-rounded).
+
+        On a failure, the chunks already registered are unregistered in reverse order and the original
+        exception propagates; a chunk whose rollback fails stays recorded, so release retries it.
+
+        Raises:
+            DeviceError: a registration failed (after the rollback).
+            InvalidTransferError: ``chunk_bytes`` is not positive.
+        """
+        if chunk_bytes < 1:
+            raise InvalidTransferError(f"pin_chunk_bytes must be >= 1, got {chunk_bytes}")
+        step = max(PAGE, chunk_bytes // PAGE * PAGE)
+        try:
+            for offset in range(0, self.nbytes, step):
+                self._backend.host_register(self.ptr + offset, min(step, self.nbytes - offset))
+                self._pinned.append(self.ptr + offset)
+        except BaseException:
+            self.unpin()
+            raise
+
+    def unpin(self) -> list[DeviceError]:
+        """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned."""
+        failures: list[DeviceError] = []
+        for ptr in reversed(list(self._pinned)):
+            try:
+                self._backend.host_unregister(ptr)
+            except DeviceError as exc:
+                logger.warning("cudaHostUnregister failed for rank=%d (code=%d)", 0, exc.status)
+                failures.append(exc)
+                continue
+            self._pinned.remove(ptr)
+        return failures
+
+    # -- ownership and fate (R1, R3, R12) -------------------------------------------------------------------------
+    def adopt(self) -> None:
+        """A worker takes ownership (its constructor succeeded). Raises OwnershipError if not caller-owned."""
+        self._step(RegionInput.ADOPT)
+
+    def release(self) -> list[str]:
+        """The caller gives up a region no worker took (R3); idempotent.
+
+        Returns:
+            Descriptions of release steps that failed (each also logged).
+
+        Raises:
+            OwnershipError: a worker owns the region; its shutdown releases it.
+        """
+        return self._finish(RegionInput.CALLER_RELEASE)
+
+    def release_by_owner(self) -> list[str]:
+        """The owning worker releases the region after proving it idle (or under policy "release")."""
+        return self._finish(RegionInput.WORKER_RELEASE)
+
+    def quarantine_by_owner(self, reason: str) -> list[str]:
+        """The owning worker keeps the region mapped and pinned until process exit (R12)."""
+        self._quarantine_reason = reason
+        return self._finish(RegionInput.WORKER_QUARANTINE)
+
+    def _step(self, event: RegionInput) -> Action:
+        with self._lock:
+            self.state, action = lifecycle.step(lifecycle.REGION_TABLE, "region", self.state, event)
+            return action
+
+    def _finish(self, event: RegionInput) -> list[str]:
+        action = self._step(event)
+        if action is Action.RELEASE:
+            return self._release_steps()
+        if action is Action.QUARANTINE:
+            self._quarantine()
+        return []
+
+    def _quarantine(self) -> None:
+        ledger = self._backend.ledger
+        for ptr in self._pinned:
+            ledger.quarantine("pinned", ptr)
+        ledger.quarantine("mapping", self.ptr)
+        quarantine(QuarantinedItem("region", f"{self.nbytes} bytes at {self.ptr:#x}, "
+                                   f"{len(self._pinned)} pinned range(s)",
+                                   self._quarantine_reason, self))
+        logger.warning("Region of %d bytes at %#x quarantined until process exit: %s",
+                       self.nbytes, self.ptr, self._quarantine_reason)
+
+    def _release_steps(self) -> list[str]:
+        """R3: unregister (reverse) -> drop views -> unmap. A failed step is logged; the next steps still run."""
+        errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin()]
+        for ptr in self._pinned:  # unregister failed: the range is no longer ours to release
+            self._backend.ledger.leak("pinned", ptr)
+        self.leaked["pinned"] = len(self._pinned)
+        self._pinned.clear()
+        self._views.clear()
+        self._base = None
+        errors.extend(self._unmap())
+        return errors
+
+    def _unmap(self) -> list[str]:
+        mapping, self._mmap = self._mmap, None
+        if mapping is None:
+            return []
+        try:
+            mapping.close()
+        except BufferError as exc:  # someone still holds a view: unmapping now would leave it dangling
+            logger.error("Failed to close mmap_obj", exc_info=True)
+            self._backend.ledger.leak("mapping", self.ptr)
+            self.leaked["mapping"] = 1
+            quarantine(QuarantinedItem("region", f"mapping at {self.ptr:#x}", "a view is still exported",
+                                       mapping))
+            return [f"mmap close failed: {exc}"]
+        self._backend.untrack_host(self.ptr)
+        return []

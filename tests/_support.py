@@ -1,0 +1,63 @@
+"""Small builders shared by the worker, handler and region tests (not a test module)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+import kvoffload_ref as kv
+from kvoffload_ref.backends.sim import SimBackend
+
+PAGE = 512
+GPU_BLOCKS = 64
+CPU_CHUNKS = 16
+BPC = 3
+
+
+def small_layout(num_tensors: int = 2, page: int = PAGE) -> kv.KVCacheLayout:
+    """One group over ``num_tensors`` tensors of ``page``-byte pages (the reference's worked example)."""
+    return kv.KVCacheLayout(tensor_page_bytes=(page,) * num_tensors,
+                            groups=(tuple(kv.LayerRef(t, page) for t in range(num_tensors)),))
+
+
+def patterned_gpu(be: Any, layout: kv.KVCacheLayout, blocks: int = GPU_BLOCKS, seed: int = 0) -> list[Any]:
+    """One device array per tensor filled with random bytes."""
+    rng = np.random.default_rng(seed)
+    return [be.from_host(rng.integers(0, 256, (blocks, rb), dtype=np.uint8)) for rb in layout.tensor_page_bytes]
+
+
+def make_worker(be: Any = None, *, layout: kv.KVCacheLayout | None = None, timeout: float = 1.0,
+                on_unproven: str = "quarantine", bpc: int = BPC, **kwargs: Any) -> tuple[Any, kv.CPUOffloadingWorker,
+                                                                                          list[Any]]:
+    """A sim backend (unless given), patterned GPU tensors and a worker over them."""
+    be = be if be is not None else SimBackend()
+    layout = layout or small_layout()
+    gpu = patterned_gpu(be, layout)
+    policy = kv.ShutdownPolicy(timeout=timeout, on_unproven=on_unproven)
+    worker = kv.create_worker(be, gpu, layout, blocks_per_chunk=bpc, num_cpu_chunks=kwargs.pop("num_cpu_chunks",
+                                                                                             CPU_CHUNKS),
+                              policy=policy, **kwargs)
+    return be, worker, gpu
+
+
+def gspec(ids: Sequence[int], index: int = 0) -> kv.GPULoadStoreSpec:
+    """A single-group GPU spec."""
+    return kv.GPULoadStoreSpec(list(ids), group_sizes=(len(ids),), block_indices=(index,))
+
+
+def cspec(ids: Sequence[int]) -> kv.CPULoadStoreSpec:
+    return kv.CPULoadStoreSpec(list(ids))
+
+
+@contextmanager
+def captured(caplog: Any, level: int = logging.DEBUG) -> Iterator[Any]:
+    with caplog.at_level(level, logger="kvoffload_ref"):
+        yield caplog
+
+
+def messages(caplog: Any) -> list[str]:
+    return [r.getMessage() for r in caplog.records]

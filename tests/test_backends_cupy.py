@@ -1,0 +1,884 @@
+"""Tests of the CuPy backend (kvoffload_ref/backends/cupy.py).
+
+Three groups:
+
+* CPU tests that need neither CuPy nor a GPU: the backend driven through a fake ``cupy`` module whose runtime
+  executes copies at once on host memory and can be told to fail (error mapping, ledger accounting, strict
+  query, path choice, coalescing, bounded proof).
+* CPU tests about the no-GPU behaviour: CuPy missing (simulated), CuPy present without a device, and an NVRTC
+  syntax check of the kernels when libnvrtc is installed.
+* ``@pytest.mark.gpu`` tests on a real device (skipped by conftest.py without CuPy and a usable GPU): byte-exact
+  round trips through both copy paths, ordering after the compute stream, a transfer that never completes until
+  the host releases it, strict error mapping, and the ledger.
+
+CuPy is never imported at module level, so collection works on a machine without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import itertools
+import mmap
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvoffload_ref.backends import cupy as cb
+from kvoffload_ref.backends.base import Backend, DescriptorBuffer, poll_until
+from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError
+
+U8 = npt.NDArray[np.uint8]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A fake cupy module: enough of cupy.cuda.runtime for the backend, executing copies synchronously on host memory.
+# ---------------------------------------------------------------------------------------------------------------
+class FakeCudaError(RuntimeError):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"fakeCudaError {status}")
+        self.status = status
+
+
+class FakeDeviceArray:
+    """A 'device' array that lives in host memory (the fake runtime copies with memmove)."""
+
+    def __init__(self, host: U8) -> None:
+        self.host = host
+        self.shape = host.shape
+        self.strides = host.strides
+        self.dtype = host.dtype
+        self.ndim = host.ndim
+        self.flags = host.flags
+        self.data = types.SimpleNamespace(ptr=host.ctypes.data)
+        self.device = types.SimpleNamespace(id=0)
+
+    def __getitem__(self, key: Any) -> FakeDeviceArray:
+        return FakeDeviceArray(self.host[key])
+
+
+class FakeRuntime:
+    CUDARuntimeError = FakeCudaError
+
+    def __init__(self) -> None:
+        self.fail: dict[str, int] = {}            # runtime function name -> status it raises
+        self.query_status: dict[int, int] = {}    # event -> status eventQuery returns (default 0)
+        self.calls: list[tuple[Any, ...]] = []
+        self.registered: dict[int, int] = {}
+        self.device = 0
+        self._buffers: dict[int, Any] = {}
+        self._handles = itertools.count(0x1000, 0x10)
+
+    def _call(self, name: str, *args: Any) -> None:
+        self.calls.append((name, *args))
+        if name in self.fail:
+            raise FakeCudaError(self.fail[name])
+
+    def count(self, name: str) -> int:
+        return sum(1 for c in self.calls if c[0] == name)
+
+    def getDeviceCount(self) -> int:
+        self._call("getDeviceCount")
+        return 1
+
+    def getDevice(self) -> int:
+        return self.device
+
+    def setDevice(self, device: int) -> None:
+        self.device = device
+
+    def deviceGetAttribute(self, attr: int, device: int) -> int:
+        self._call("deviceGetAttribute", attr, device)
+        return {91: 1, 16: 4}.get(attr, 0)
+
+    def getDeviceProperties(self, device: int) -> dict[str, bytes]:
+        return {"name": b"Fake GPU"}
+
+    def _alloc(self, name: str, nbytes: int) -> int:
+        self._call(name, nbytes)
+        raw = (ctypes.c_byte * max(nbytes, 1))()
+        ptr = ctypes.addressof(raw)
+        self._buffers[ptr] = raw
+        return ptr
+
+    def malloc(self, nbytes: int) -> int:
+        return self._alloc("malloc", nbytes)
+
+    def hostAlloc(self, nbytes: int, flags: int) -> int:
+        return self._alloc("hostAlloc", nbytes)
+
+    def free(self, ptr: int) -> None:
+        self._call("free", ptr)
+        self._buffers.pop(ptr)
+
+    def freeHost(self, ptr: int) -> None:
+        self._call("freeHost", ptr)
+        self._buffers.pop(ptr)
+
+    def pointerGetAttributes(self, ptr: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(devicePointer=ptr, hostPointer=ptr, device=0, type=1)
+
+    def hostRegister(self, ptr: int, nbytes: int, flags: int) -> None:
+        self._call("hostRegister", ptr, nbytes, flags)
+        if ptr in self.registered:
+            raise FakeCudaError(712)
+        self.registered[ptr] = nbytes
+
+    def hostUnregister(self, ptr: int) -> None:
+        self._call("hostUnregister", ptr)
+        if self.registered.pop(ptr, None) is None:
+            raise FakeCudaError(713)
+
+    def streamCreateWithFlags(self, flags: int) -> int:
+        self._call("streamCreateWithFlags", flags)
+        return next(self._handles)
+
+    def streamDestroy(self, stream: int) -> None:
+        self._call("streamDestroy", stream)
+
+    def streamSynchronize(self, stream: int) -> None:
+        self._call("streamSynchronize", stream)
+
+    def streamWaitEvent(self, stream: int, event: int, flags: int = 0) -> None:
+        self._call("streamWaitEvent", stream, event, flags)
+
+    def eventCreateWithFlags(self, flags: int) -> int:
+        self._call("eventCreateWithFlags", flags)
+        return next(self._handles)
+
+    def eventDestroy(self, event: int) -> None:
+        self._call("eventDestroy", event)
+
+    def eventRecord(self, event: int, stream: int) -> None:
+        self._call("eventRecord", event, stream)
+
+    def eventQuery(self, event: int) -> int:
+        self.calls.append(("eventQuery", event))
+        return self.query_status.get(event, 0)
+
+    def eventSynchronize(self, event: int) -> None:
+        self._call("eventSynchronize", event)
+
+    def eventElapsedTime(self, start: int, end: int) -> float:
+        self._call("eventElapsedTime", start, end)
+        return 2.5
+
+    def memcpyAsync(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+        self._call("memcpyAsync", dst, src, nbytes, kind, stream)
+        ctypes.memmove(dst, src, nbytes)
+
+
+class FakeRawModule:
+    """Compilation always fails, as without libnvrtc: the backend must fall back to memcpy."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def get_function(self, name: str) -> Any:
+        raise RuntimeError("CuPy failed to load libnvrtc.so.12 (fake)")
+
+
+def fake_cupy() -> types.SimpleNamespace:
+    runtime = FakeRuntime()
+    memory = types.SimpleNamespace(OutOfMemoryError=type("OutOfMemoryError", (MemoryError,), {}))
+
+    def empty(shape: tuple[int, int], dtype: Any) -> FakeDeviceArray:
+        return FakeDeviceArray(np.zeros(shape, dtype=dtype))
+
+    return types.SimpleNamespace(
+        cuda=types.SimpleNamespace(runtime=runtime, memory=memory,
+                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0)),
+        ndarray=FakeDeviceArray, empty=empty, RawModule=FakeRawModule,
+        ascontiguousarray=lambda a: FakeDeviceArray(np.ascontiguousarray(a.host)),
+    )
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[cb.CupyBackend, FakeRuntime]]:
+    module = fake_cupy()
+    backend = cb.CupyBackend(_cupy_module=module)
+    yield backend, module.cuda.runtime
+    assert backend.ledger.live() == {}, "test left resources live"
+
+
+def descriptors(backend: cb.CupyBackend, src: list[int], dst: list[int], sizes: list[int]
+                ) -> tuple[DescriptorBuffer, int]:
+    buf = backend.alloc_descriptors(len(src))
+    count = buf.fill(np.array(src, np.int64), np.array(dst, np.int64), np.array(sizes, np.int64))
+    return buf, count
+
+
+# -- CPU: fake runtime ------------------------------------------------------------------------------------------
+def test_fake_backend_conforms_to_protocol(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, _ = fake
+    assert isinstance(backend, Backend)
+    assert backend.name == "cupy"
+    assert backend.device_name == "Fake GPU"
+
+
+def test_fake_query_is_strict(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    event = backend.create_event()
+    try:
+        assert isinstance(event, cb.CupyEvent)
+        backend.record(event, backend.current_stream(), tag=("store", 3))
+        assert backend.query(event) is True
+        rt.query_status[event.ptr] = 600
+        assert backend.query(event) is False
+        rt.query_status[event.ptr] = 700
+        with pytest.raises(DeviceError, match=r"^event query failed on cuda:0 \(tag store:3\)") as info:
+            backend.query(event)
+        assert info.value.status == 700
+        assert isinstance(info.value.__cause__, FakeCudaError)
+    finally:
+        backend.destroy_event(event)
+
+
+@pytest.mark.rule("R16")
+@pytest.mark.parametrize(("call", "fails"), [
+    (lambda b: b.create_stream(), "streamCreateWithFlags"),
+    (lambda b: b.create_event(), "eventCreateWithFlags"),
+    (lambda b: b.alloc_descriptors(8), "hostAlloc"),
+    (lambda b: b.alloc_descriptors(8), "malloc"),
+])
+def test_fake_failed_acquire_raises_device_error_and_records_nothing(
+        fake: tuple[cb.CupyBackend, FakeRuntime], call: Callable[[cb.CupyBackend], object], fails: str) -> None:
+    backend, rt = fake
+    rt.fail[fails] = 2
+    with pytest.raises(DeviceError) as info:
+        call(backend)
+    assert info.value.status == 2
+    assert isinstance(info.value.__cause__, FakeCudaError)
+    assert backend.ledger.acquired() == {}
+    assert len(rt._buffers) == 0, "a half-made descriptor block was not freed"
+
+
+@pytest.mark.rule("R16")
+def test_fake_host_register_failure_records_nothing(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    host = np.zeros(8192, np.uint8)
+    ptr = host.ctypes.data
+    backend.track_host(ptr, host.nbytes)
+    backend.host_register(ptr, host.nbytes)
+    with pytest.raises(DeviceError) as info:
+        backend.host_register(ptr, host.nbytes)
+    assert info.value.status == 712
+    assert backend.ledger.live() == {"mapping": 1, "pinned": 1}
+    rt.fail["hostUnregister"] = 999
+    with pytest.raises(DeviceError):
+        backend.host_unregister(ptr)
+    assert backend.ledger.live() == {"mapping": 1, "pinned": 1}, "a failed unregister stays live"
+    del rt.fail["hostUnregister"]
+    backend.host_unregister(ptr)
+    backend.untrack_host(ptr)
+
+
+def test_fake_release_calls_never_raise_device_errors(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    stream, event = backend.create_stream(), backend.create_event()
+    rt.fail.update(streamDestroy=709, eventDestroy=709)
+    backend.destroy_stream(stream)
+    backend.destroy_event(event)
+    assert backend.ledger.live() == {}
+    with pytest.raises(LifecycleError):
+        backend.destroy_event(event)
+    with pytest.raises(DeviceError) as info:
+        backend.record(event, backend.current_stream())
+    assert info.value.status == 400
+    backend.destroy_stream(backend.current_stream())  # not owned: nothing happens
+
+
+def test_fake_foreign_handles_are_refused(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, _ = fake
+    event = backend.create_event()
+    try:
+        with pytest.raises(InvalidTransferError):
+            backend.query(object())
+        with pytest.raises(InvalidTransferError):
+            backend.wait_event(object(), event)
+        foreign = DescriptorBuffer(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), None)
+        with pytest.raises(InvalidTransferError):
+            backend.copy_batch(backend.current_stream(), foreign, 1)
+        with pytest.raises(InvalidTransferError):
+            backend.free_descriptors(foreign)
+    finally:
+        backend.destroy_event(event)
+
+
+def test_fake_descriptor_buffers_are_exact_pooled_and_balanced(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    frees = rt.count("free")  # the constructor's probe malloc/free
+    first = backend.alloc_descriptors(20)
+    assert first.capacity == 20
+    assert first.src.dtype == first.dst.dtype == first.sizes.dtype == np.int64
+    assert first.src.shape == first.dst.shape == first.sizes.shape == (20,)
+    backend.free_descriptors(first)
+    again = backend.alloc_descriptors(30)  # same power-of-two class (32): reused, no new allocation
+    assert rt.count("hostAlloc") == 1
+    assert again.src.ctypes.data == first.src.ctypes.data
+    backend.free_descriptors(again)
+    with pytest.raises(LifecycleError):
+        backend.free_descriptors(again)
+    assert backend.ledger.acquired() == backend.ledger.released() == {"descriptor": 2}
+    assert (rt.count("free") - frees, rt.count("freeHost")) == (0, 0), "frees synchronize the device"
+    assert backend.release_cached_memory() == 1
+    assert (rt.count("free") - frees, rt.count("freeHost")) == (1, 1)
+
+
+def test_fake_memcpy_path_coalesces_contiguous_runs_byte_exact(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    page = 64
+    dev = backend.from_host(np.arange(16 * page, dtype=np.uint8).reshape(16, page) % 251)
+    g = backend.array_info(dev)
+    host = np.zeros((16, page), np.uint8)
+    backend.track_host(host.ctypes.data, host.nbytes)  # tracked, not pinned: memcpy path whatever the mode
+    gpu_ids, cpu_ids = [3, 4, 5, 9, 0, 1], [7, 8, 9, 2, 14, 15]  # runs: 3 (3-5 -> 7-9), 1, 2 (0-1 -> 14-15)
+    src = [g.ptr + i * g.row_stride for i in gpu_ids]
+    dst = [host.ctypes.data + i * page for i in cpu_ids]
+    buf, count = descriptors(backend, src, dst, [page] * len(src))
+    stream = backend.create_stream()
+    try:
+        before = rt.count("memcpyAsync")
+        backend.copy_batch(stream, buf, count, tag=("store", 1))
+        assert rt.count("memcpyAsync") - before == 3
+        assert backend.last_copy_path == "memcpy"
+        assert np.array_equal(host[cpu_ids], backend.to_host(dev)[gpu_ids])
+    finally:
+        backend.destroy_stream(stream)
+        backend.free_descriptors(buf)
+        backend.untrack_host(host.ctypes.data)
+
+
+def test_fake_choose_path(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, _ = fake
+    dev = backend.empty_device((64, 4096))
+    g = backend.array_info(dev)
+    pinned = np.zeros(64 * 4096, np.uint8)
+    unpinned = np.zeros(64 * 4096, np.uint8)
+    p_ptr, u_ptr = pinned.ctypes.data, unpinned.ctypes.data
+    backend.track_host(p_ptr, pinned.nbytes)
+    backend.track_host(u_ptr, unpinned.nbytes)
+    # pinned in two adjacent chunks: a copy straddling the boundary is still kernel-legal
+    backend.host_register(p_ptr, pinned.nbytes // 2)
+    backend.host_register(p_ptr + pinned.nbytes // 2, pinned.nbytes // 2)
+    try:
+        ids = np.arange(16, dtype=np.int64)
+        dev_addrs = g.ptr + ids * 4096
+        sizes = np.full(16, 4096, np.int64)
+        straddle = p_ptr + pinned.nbytes // 2 - 2048 + ids * 0
+        assert backend.choose_path(dev_addrs, p_ptr + ids * 4096, sizes) == "kernel"
+        assert backend.choose_path(dev_addrs, straddle, sizes) == "kernel"
+        assert backend.choose_path(dev_addrs, u_ptr + ids * 4096, sizes) == "memcpy"       # unpinned host
+        assert backend.choose_path(dev_addrs + 64 * 4096, p_ptr + ids * 4096, sizes) == "memcpy"  # unknown
+        assert backend.choose_path(dev_addrs[:2], p_ptr + ids[:2] * 4096, sizes[:2]) == "memcpy"  # few
+        big = np.full(16, 512 * 1024, np.int64)
+        assert backend.choose_path(dev_addrs, p_ptr + ids * 4096, big) == "memcpy"        # large pages
+        backend.copy_path = "kernel"
+        assert backend.choose_path(dev_addrs[:2], p_ptr + ids[:2] * 4096, sizes[:2]) == "kernel"
+        assert backend.choose_path(dev_addrs, u_ptr + ids * 4096, sizes) == "memcpy"       # never illegal
+        backend.copy_path = "memcpy"
+        assert backend.choose_path(dev_addrs, p_ptr + ids * 4096, sizes) == "memcpy"
+    finally:
+        backend.host_unregister(p_ptr + pinned.nbytes // 2)
+        backend.host_unregister(p_ptr)
+        backend.untrack_host(p_ptr)
+        backend.untrack_host(u_ptr)
+    assert backend.choose_path(dev_addrs, p_ptr + ids * 4096, sizes) == "memcpy"
+
+
+def test_fake_kernel_compile_failure_falls_back_to_memcpy(
+        fake: tuple[cb.CupyBackend, FakeRuntime], caplog: pytest.LogCaptureFixture) -> None:
+    backend, _ = fake
+    backend.copy_path = "kernel"
+    dev = backend.from_host(np.full((4, 256), 5, np.uint8))
+    g = backend.array_info(dev)
+    host = np.zeros((4, 256), np.uint8)
+    backend.track_host(host.ctypes.data, host.nbytes)
+    backend.host_register(host.ctypes.data, host.nbytes)
+    buf, count = descriptors(backend, [g.ptr + i * 256 for i in (3, 1)],
+                             [host.ctypes.data + i * 256 for i in (0, 2)], [256, 256])
+    try:
+        backend.copy_batch(backend.current_stream(), buf, count)
+        assert backend.copy_path_counts() == {"kernel": 0, "memcpy": 1}
+        assert "copy kernel unavailable" in caplog.text
+        assert (host[[0, 2]] == 5).all()
+        assert backend.warm_up() is False
+    finally:
+        backend.free_descriptors(buf)
+        backend.host_unregister(host.ctypes.data)
+        backend.untrack_host(host.ctypes.data)
+
+
+def test_fake_copy_batch_validates_before_device_work(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    buf, count = descriptors(backend, [0, 0], [0, 0], [16, -1])
+    try:
+        calls = len(rt.calls)
+        with pytest.raises(InvalidTransferError):
+            backend.copy_batch(backend.current_stream(), buf, count)
+        with pytest.raises(InvalidTransferError):
+            backend.copy_batch(backend.current_stream(), buf, 3)
+        assert len(rt.calls) == calls
+        buf.sizes[:] = 0
+        backend.copy_batch(backend.current_stream(), buf, count)  # nothing to copy: no submission
+        assert rt.count("memcpyAsync") == 0
+    finally:
+        backend.free_descriptors(buf)
+
+
+def test_fake_array_info_validation(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, _ = fake
+    wide = backend.empty_device((8, 300))
+    g = backend.array_info(wide[:, :256])  # type: ignore[index]
+    assert (g.rows, g.row_bytes, g.row_stride) == (8, 256, 300)
+    for bad in (np.zeros((2, 2), np.uint8), FakeDeviceArray(np.zeros((2, 2), np.float32)),
+                FakeDeviceArray(np.zeros(4, np.uint8)), FakeDeviceArray(np.zeros((4, 8), np.uint8)[:, ::2])):
+        with pytest.raises(InvalidTransferError):
+            backend.array_info(bad)
+    for shape in ((2,), (2, -1), (2.0, 3), "2x3"):
+        with pytest.raises(InvalidTransferError):
+            backend.empty_device(shape)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransferError):
+        backend.from_host(np.zeros((2, 2), np.float32))  # type: ignore[arg-type]
+
+
+@pytest.mark.rule("R11")
+@pytest.mark.rule("R13")
+def test_fake_prove_idle_is_bounded_and_strict(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    stream = backend.create_stream()
+    assert isinstance(stream, cb.CupyStream)
+    real_record = rt.eventRecord
+    outcome = {"status": 600}
+
+    def record(event: int, stream_ptr: int) -> None:  # what is recorded on `stream` reports outcome["status"]
+        real_record(event, stream_ptr)
+        if stream_ptr == stream.ptr:
+            rt.query_status[event] = outcome["status"]
+
+    rt.eventRecord = record  # type: ignore[method-assign]
+    try:
+        start = backend.monotonic()
+        assert backend.prove_idle([stream], start + 0.05) is False
+        assert backend.monotonic() - start < 0.05 + 0.1
+        assert backend.ledger.live() == {"stream": 1}, "the proof's events were not destroyed"
+        outcome["status"] = 0
+        assert backend.prove_idle([stream], backend.monotonic() + 1.0) is True
+        outcome["status"] = 719
+        with pytest.raises(DeviceError) as info:
+            backend.prove_idle([stream], backend.monotonic() + 1.0)
+        assert info.value.status == 719
+    finally:
+        backend.destroy_stream(stream)
+
+
+def test_fake_elapsed_is_seconds(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, _ = fake
+    a, b = backend.create_event(), backend.create_event()
+    try:
+        assert backend.elapsed(a, b) == pytest.approx(0.0025)
+    finally:
+        backend.destroy_event(a)
+        backend.destroy_event(b)
+
+
+def test_constructor_arguments_are_validated() -> None:
+    with pytest.raises(ValueError, match="copy_path"):
+        cb.CupyBackend(copy_path="fast", _cupy_module=fake_cupy())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kernel_min_count"):
+        cb.CupyBackend(kernel_min_count=0, _cupy_module=fake_cupy())
+
+
+def test_missing_device_ordinal_is_a_device_error() -> None:
+    with pytest.raises(DeviceError) as info:
+        cb.CupyBackend(3, _cupy_module=fake_cupy())
+    assert info.value.status == 101
+
+
+# -- CPU: no CuPy / no GPU --------------------------------------------------------------------------------------
+def test_without_cupy_gpu_usable_is_false_and_backend_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
+    usable, reason = cb.gpu_usable()
+    assert usable is False
+    assert reason.startswith("CuPy not installed")
+    with pytest.raises(ImportError, match="needs CuPy"):
+        cb.CupyBackend()
+
+
+def test_without_gpu_gpu_usable_is_false_and_backend_raises_device_error() -> None:
+    cupy = pytest.importorskip("cupy")
+    usable, reason = cb.gpu_usable()
+    if usable:
+        pytest.skip("a GPU is usable here")
+    assert "no usable CUDA device" in reason or "no CUDA device" in reason
+    with pytest.raises(DeviceError) as info:
+        cb.CupyBackend()
+    assert info.value.status not in (0, 600)
+    assert isinstance(info.value.__cause__, cupy.cuda.runtime.CUDARuntimeError)
+    assert info.value.status == info.value.__cause__.status
+
+
+def test_kernels_compile_with_nvrtc() -> None:
+    """A syntax check of KERNEL_SOURCE with NVRTC, where libnvrtc is installed (no GPU needed)."""
+    cupy = pytest.importorskip("cupy")
+    nvrtc = cupy.cuda.nvrtc  # cupy_backends.cuda.libs.nvrtc: the raw bindings (no driver needed)
+    try:
+        nvrtc.getVersion()
+    except Exception as exc:  # libnvrtc not installed
+        pytest.skip(f"NVRTC unavailable: {exc}")
+    prog = nvrtc.createProgram(cb.KERNEL_SOURCE, "kvoffload_kernels.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["-arch=compute_90"])
+        except Exception:
+            pytest.fail(f"NVRTC rejected KERNEL_SOURCE:\n{nvrtc.getProgramLog(prog)}")
+        ptx = nvrtc.getPTX(prog)
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    text = ptx.decode(errors="replace") if isinstance(ptx, bytes) else str(ptx)
+    assert "kvoffload_copy_batch" in text and "kvoffload_spin" in text
+    assert "warning" not in str(log).lower(), log
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real GPU
+# ---------------------------------------------------------------------------------------------------------------
+DEADLINE = 30.0  # seconds: generous bound for work that must complete
+
+
+@pytest.fixture(scope="module")
+def gpu_backend() -> Iterator[cb.CupyBackend]:
+    backend = cb.CupyBackend(0)
+    assert backend.warm_up(), f"kernel path unavailable: {backend._kernel_broken}"
+    flag = backend.alloc_spin_flag()  # load the spin kernel now: no module may load while a spin runs
+    flag.release()
+    stream = backend.create_stream()
+    end = backend.create_event()
+    backend.enqueue_spin(stream, flag, timeout=5.0)
+    backend.record(end, stream)
+    backend.synchronize(end)
+    assert flag.state == 1
+    backend.destroy_event(end)
+    backend.destroy_stream(stream)
+    backend.free_spin_flag(flag)
+    yield backend
+    backend.release_cached_memory()
+
+
+@pytest.fixture
+def gpu(gpu_backend: cb.CupyBackend) -> Iterator[cb.CupyBackend]:
+    """The shared GPU backend; checks the ledger is back where it was and restores the copy path."""
+    live = gpu_backend.ledger.live()
+    yield gpu_backend
+    gpu_backend.copy_path = "auto"
+    assert gpu_backend.ledger.live() == live, "test left resources live"
+
+
+class HostRegion:
+    """An anonymous mmap, tracked (and optionally registered) through the backend, as the real region does."""
+
+    def __init__(self, backend: cb.CupyBackend, rows: int, row_bytes: int, *, pin: bool = True) -> None:
+        self.backend, self.pinned = backend, pin
+        self.mm = mmap.mmap(-1, rows * row_bytes)
+        self.rows: U8 | None = np.frombuffer(self.mm, np.uint8).reshape(rows, row_bytes)
+        self.ptr = int(self.rows.ctypes.data)
+        self.row_bytes = row_bytes
+        backend.track_host(self.ptr, rows * row_bytes)
+        if pin:
+            backend.host_register(self.ptr, rows * row_bytes)
+
+    def view(self) -> U8:
+        assert self.rows is not None
+        return self.rows
+
+    def close(self) -> None:
+        if self.pinned:
+            self.backend.host_unregister(self.ptr)
+        self.backend.untrack_host(self.ptr)
+        self.rows = None
+        with contextlib.suppress(BufferError):  # a view still alive: the mmap closes when it is collected
+            self.mm.close()
+
+
+@contextlib.contextmanager
+def region(backend: cb.CupyBackend, rows: int, row_bytes: int, *, pin: bool = True) -> Iterator[HostRegion]:
+    r = HostRegion(backend, rows, row_bytes, pin=pin)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def run_copy(backend: cb.CupyBackend, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
+             sizes: npt.NDArray[np.int64], tag: tuple[str, int]) -> str:
+    """One transfer as the handler does it (fresh stream, waits for the compute stream, end event), waited for
+    with a bounded poll. Returns the path it took."""
+    stream, marker, end = backend.create_stream(), backend.create_event(), backend.create_event()
+    buf = backend.alloc_descriptors(int(src.shape[0]))
+    try:
+        count = buf.fill(src, dst, sizes)
+        backend.record(marker, backend.current_stream())
+        backend.wait_event(stream, marker)
+        backend.copy_batch(stream, buf, count, tag=tag)
+        backend.record(end, stream, tag=tag)
+        assert poll_until(backend, lambda: backend.query(end), backend.monotonic() + DEADLINE)
+        return str(backend.last_copy_path)
+    finally:
+        backend.free_descriptors(buf)
+        backend.destroy_event(marker)
+        backend.destroy_event(end)
+        backend.destroy_stream(stream)
+
+
+@pytest.mark.gpu
+def test_gpu_usable_and_protocol(gpu: cb.CupyBackend) -> None:
+    usable, reason = cb.gpu_usable()
+    assert usable, reason
+    assert isinstance(gpu, Backend)
+    assert gpu.sm_count > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [4096, 65536])
+@pytest.mark.parametrize("path", ["kernel", "memcpy"])
+def test_gpu_round_trip_store_then_load(gpu: cb.CupyBackend, page: int, path: cb.CopyPath) -> None:
+    gpu.copy_path = path
+    rng = np.random.default_rng(page)
+    n_gpu, n_cpu, n = 32, 48, 24
+    data = rng.integers(0, 256, (n_gpu, page), dtype=np.uint8)
+    dev = gpu.from_host(data)
+    g = gpu.array_info(dev)
+    gpu_ids = rng.permutation(n_gpu)[:n].astype(np.int64)
+    cpu_ids = rng.permutation(n_cpu)[:n].astype(np.int64)
+    sizes = np.full(n, page, np.int64)
+    with region(gpu, n_cpu, page) as host:
+        took = run_copy(gpu, g.ptr + gpu_ids * g.row_stride, host.ptr + cpu_ids * page, sizes, ("store", 1))
+        assert took == path
+        assert np.array_equal(host.view()[cpu_ids], data[gpu_ids])
+        back = gpu.from_host(np.zeros((n_gpu, page), np.uint8))
+        gb = gpu.array_info(back)
+        load_ids = rng.permutation(n_gpu)[:n].astype(np.int64)
+        took = run_copy(gpu, host.ptr + cpu_ids * page, gb.ptr + load_ids * gb.row_stride, sizes, ("load", 2))
+        assert took == path
+        result = gpu.to_host(back)
+        assert np.array_equal(result[load_ids], data[gpu_ids])
+        untouched = np.setdiff1d(np.arange(n_gpu), load_ids)
+        assert not result[untouched].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["kernel", "memcpy"])
+def test_gpu_padded_rows_and_unaligned_descriptors(gpu: cb.CupyBackend, path: cb.CopyPath) -> None:
+    """Row stride > row bytes, and sizes/offsets that are not multiples of 16 (the kernel's 8/4/1-byte paths)."""
+    gpu.copy_path = path
+    rng = np.random.default_rng(7)
+    wide = gpu.from_host(rng.integers(0, 256, (16, 4096 + 512), dtype=np.uint8))
+    dev: Any = wide
+    view = dev[:, :4096]
+    g = gpu.array_info(view)
+    assert (g.row_bytes, g.row_stride) == (4096, 4096 + 512)
+    expect = gpu.to_host(view)
+    with region(gpu, 16, 4096) as host:
+        for shift, size in ((0, 4096), (8, 4000), (4, 4092), (3, 4093), (1, 17)):
+            host.view()[:] = 0
+            ids = np.arange(0, 16, 2, dtype=np.int64)
+            src = g.ptr + ids * g.row_stride + shift
+            dst = host.ptr + ids * 4096 + shift
+            took = run_copy(gpu, src, dst, np.full(ids.shape, size, np.int64), ("store", shift))
+            assert took == path
+            got = host.view()[ids]
+            assert np.array_equal(got[:, shift:shift + size], expect[ids, shift:shift + size]), (shift, size)
+            assert not got[:, :shift].any() and not got[:, shift + size:].any()
+
+
+@pytest.mark.gpu
+def test_gpu_unpinned_host_memory_never_takes_the_kernel_path(gpu: cb.CupyBackend) -> None:
+    gpu.copy_path = "kernel"
+    data = np.random.default_rng(3).integers(0, 256, (16, 4096), dtype=np.uint8)
+    dev = gpu.from_host(data)
+    g = gpu.array_info(dev)
+    ids = np.arange(16, dtype=np.int64)[::-1].copy()
+    with region(gpu, 16, 4096, pin=False) as host:
+        took = run_copy(gpu, g.ptr + ids * 4096, host.ptr + np.arange(16) * 4096,
+                        np.full(16, 4096, np.int64), ("store", 5))
+        assert took == "memcpy"
+        assert np.array_equal(host.view(), data[ids])
+
+
+@pytest.mark.gpu
+def test_gpu_descriptor_buffers_are_pinned(gpu: cb.CupyBackend) -> None:
+    rt = importlib.import_module("cupy").cuda.runtime
+    buf = gpu.alloc_descriptors(100)
+    try:
+        assert buf.capacity == 100
+        for arr in (buf.src, buf.dst, buf.sizes):
+            assert int(rt.pointerGetAttributes(arr.ctypes.data).type) == int(rt.memoryTypeHost)
+    finally:
+        gpu.free_descriptors(buf)
+
+
+@pytest.mark.gpu
+@pytest.mark.rule("R4")
+def test_gpu_copy_waits_for_the_compute_stream(gpu: cb.CupyBackend) -> None:
+    """A spin kernel holds the compute stream; a write queued behind it must be what the transfer copies."""
+    n, page = 16, 4096
+    dev: Any = gpu.from_host(np.ones((n, page), np.uint8))
+    g = gpu.array_info(dev)
+    dev.fill(1)  # loads CuPy's fill kernel now: no module may load while the spin runs
+    gpu.to_host(dev)
+    ids = np.arange(n, dtype=np.int64)
+    with region(gpu, n, page) as waited, region(gpu, n, page) as control:
+        xfer, other = gpu.create_stream(), gpu.create_stream()
+        marker, end, early = gpu.create_event(), gpu.create_event(), gpu.create_event()
+        buf, buf2 = gpu.alloc_descriptors(n), gpu.alloc_descriptors(n)
+        buf.fill(g.ptr + ids * page, waited.ptr + ids * page, np.full(n, page, np.int64))
+        buf2.fill(g.ptr + ids * page, control.ptr + ids * page, np.full(n, page, np.int64))
+        flag = gpu.alloc_spin_flag()
+        compute = gpu.current_stream()
+        try:
+            gpu.enqueue_spin(compute, flag, timeout=20.0)
+            dev.fill(7)  # CuPy's current stream is the compute stream: queued behind the spin
+            gpu.record(marker, compute)
+            gpu.wait_event(xfer, marker)
+            gpu.copy_batch(xfer, buf, n, tag=("store", 1))
+            gpu.record(end, xfer, tag=("store", 1))
+            # control: the same copy without the wait runs at once and sees the old data
+            gpu.copy_batch(other, buf2, n, tag=("store", 2))
+            gpu.record(early, other, tag=("store", 2))
+            assert poll_until(gpu, lambda: gpu.query(early), gpu.monotonic() + DEADLINE)
+            assert (control.view() == 1).all(), "the spin did not hold the compute stream"
+            assert gpu.query(end) is False
+        finally:
+            flag.release()
+        assert poll_until(gpu, lambda: gpu.query(end), gpu.monotonic() + DEADLINE)
+        assert flag.state == 1, "the spin kernel timed out instead of being released"
+        assert (waited.view() == 7).all()
+        gpu.free_spin_flag(flag)
+        for event in (marker, end, early):
+            gpu.destroy_event(event)
+        gpu.destroy_stream(xfer)
+        gpu.destroy_stream(other)
+        gpu.free_descriptors(buf)
+        gpu.free_descriptors(buf2)
+
+
+@pytest.mark.gpu
+@pytest.mark.rule("R11")
+@pytest.mark.rule("R13")
+def test_gpu_never_completing_transfer_bounded_wait_and_proof(gpu: cb.CupyBackend) -> None:
+    stream, end = gpu.create_stream(), gpu.create_event()
+    flag = gpu.alloc_spin_flag()
+    events_before = gpu.ledger.live().get("event", 0)
+    released = False
+    try:
+        gpu.enqueue_spin(stream, flag, timeout=20.0)
+        gpu.record(end, stream, tag=("store", 9))
+        start = gpu.monotonic()
+        assert poll_until(gpu, lambda: gpu.query(end), start + 0.2) is False
+        assert 0.2 <= gpu.monotonic() - start < 0.2 + 0.25
+        start = gpu.monotonic()
+        assert gpu.prove_idle([stream], start + 0.2) is False
+        assert gpu.monotonic() - start < 0.2 + 0.25
+        assert gpu.ledger.live().get("event", 0) == events_before, "prove_idle leaked its events"
+        flag.release()
+        released = True
+        assert gpu.prove_idle([stream], gpu.monotonic() + DEADLINE) is True
+        assert gpu.query(end) is True
+        assert flag.state == 1
+    finally:
+        if not released:
+            flag.release()
+            poll_until(gpu, lambda: gpu.query(end), gpu.monotonic() + DEADLINE)
+    gpu.free_spin_flag(flag)
+    gpu.destroy_event(end)
+    gpu.destroy_stream(stream)
+
+
+class _RuntimeProxy:
+    """The real runtime, except for the functions given."""
+
+    def __init__(self, real: Any, **overrides: Callable[..., Any]) -> None:
+        self._real, self._overrides = real, overrides
+
+    def __getattr__(self, name: str) -> Any:
+        return self._overrides.get(name) or getattr(self._real, name)
+
+
+@pytest.mark.gpu
+def test_gpu_query_error_is_a_device_error_not_pending() -> None:
+    """A real event whose query reports 700 (simulated: a real illegal address would kill the context)."""
+    cupy = importlib.import_module("cupy")
+    rt = _RuntimeProxy(cupy.cuda.runtime, eventQuery=lambda ptr: 700)
+    module = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=rt, get_current_stream=cupy.cuda.get_current_stream, memory=cupy.cuda.memory,
+        driver=cupy.cuda.driver), ndarray=cupy.ndarray, empty=cupy.empty, RawModule=cupy.RawModule,
+        ascontiguousarray=cupy.ascontiguousarray)
+    backend = cb.CupyBackend(0, _cupy_module=module)
+    event = backend.create_event()
+    try:
+        backend.record(event, backend.current_stream(), tag=("load", 4))
+        with pytest.raises(DeviceError) as info:
+            backend.query(event)
+        assert info.value.status == 700
+        assert isinstance(info.value.__cause__, cupy.cuda.runtime.CUDARuntimeError)
+    finally:
+        backend.destroy_event(event)
+    assert backend.ledger.live() == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.rule("R16")
+def test_gpu_real_errors_map_and_ledger_balances(gpu: cb.CupyBackend) -> None:
+    cupy = importlib.import_module("cupy")
+    with region(gpu, 4, 4096) as host:
+        with pytest.raises(DeviceError) as info:
+            gpu.host_register(host.ptr, 4 * 4096)  # already registered
+        assert info.value.status == 712
+        assert isinstance(info.value.__cause__, cupy.cuda.runtime.CUDARuntimeError)
+        assert gpu.ledger.state_of("pinned", host.ptr) == "live"
+    with region(gpu, 4, 4096, pin=False) as host, pytest.raises(DeviceError) as info:
+        gpu.host_unregister(host.ptr)  # never registered
+    assert info.value.status == 713
+    streams = [gpu.create_stream() for _ in range(3)]
+    events = [gpu.create_event() for _ in range(3)]
+    bufs = [gpu.alloc_descriptors(c) for c in (1, 64, 5000)]
+    for s, e in zip(streams, events, strict=True):
+        gpu.record(e, s)
+        gpu.synchronize(e)
+        assert gpu.query(e)
+    for e in events:
+        gpu.destroy_event(e)
+    for s in streams:
+        gpu.destroy_stream(s)
+    for b in bufs:
+        gpu.free_descriptors(b)
+    assert gpu.ledger.acquired().get("stream", 0) == gpu.ledger.released().get("stream", 0)
+
+
+@pytest.mark.gpu
+def test_gpu_elapsed_times_a_transfer(gpu: cb.CupyBackend) -> None:
+    page, n = 65536, 256
+    dev = gpu.empty_device((n, page))
+    g = gpu.array_info(dev)
+    ids = np.random.default_rng(1).permutation(n).astype(np.int64)
+    with region(gpu, n, page) as host:
+        stream, start, end = gpu.create_stream(), gpu.create_event(), gpu.create_event()
+        buf = gpu.alloc_descriptors(n)
+        count = buf.fill(g.ptr + ids * page, host.ptr + np.arange(n) * page, np.full(n, page, np.int64))
+        gpu.record(start, stream)
+        gpu.copy_batch(stream, buf, count, tag=("store", 1))
+        gpu.record(end, stream)
+        assert poll_until(gpu, lambda: gpu.query(end), gpu.monotonic() + DEADLINE)
+        seconds = gpu.elapsed(start, end)
+        assert 0.0 < seconds < 1.0
+        for e in (start, end):
+            gpu.destroy_event(e)
+        gpu.destroy_stream(stream)
+        gpu.free_descriptors(buf)

@@ -1,0 +1,127 @@
+"""The lifecycle tables are total, their refusals are typed, and the decisions match R12-R14."""
+
+from __future__ import annotations
+
+import enum
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload_ref import lifecycle
+from kvoffload_ref.errors import LifecycleError, OffloadError, OwnershipError, WorkerClosedError
+from kvoffload_ref.lifecycle import (
+    Action,
+    Fate,
+    HandlerInput,
+    HandlerState,
+    Policy,
+    ProofDecision,
+    ProofOutcome,
+    Refusal,
+    RegionInput,
+    RegionState,
+    Transition,
+    WorkerInput,
+    WorkerState,
+)
+
+MACHINES = lifecycle.machines()
+
+
+@pytest.mark.parametrize("name", sorted(MACHINES))
+def test_lifecycle_table_is_total(name: str) -> None:
+    states, inputs, table = MACHINES[name]
+    assert set(table) == {(s, i) for s in states for i in inputs}
+    for (state, _event), entry in table.items():
+        assert isinstance(entry, (Transition, Refusal))
+        if isinstance(entry, Transition):
+            assert type(entry.next) is states, (state, entry)
+        else:
+            assert issubclass(entry.error, OffloadError)
+
+
+@given(st.sampled_from(sorted(MACHINES)), st.data())
+def test_lifecycle_every_pair_is_a_transition_or_one_typed_error(name: str, data: st.DataObject) -> None:
+    states, inputs, table = MACHINES[name]
+    state = data.draw(st.sampled_from(list(states)))
+    event = data.draw(st.sampled_from(list(inputs)))
+    entry = table[(state, event)]
+    if isinstance(entry, Transition):
+        assert lifecycle.step(table, name, state, event) == (entry.next, entry.action)
+    else:
+        with pytest.raises(entry.error, match=rf"^{name} in state {state.name} refuses {event.name}: "):
+            lifecycle.step(table, name, state, event)
+
+
+def test_lifecycle_missing_pair_raises_lifecycle_error() -> None:
+    class Other(enum.Enum):
+        X = "x"
+
+    with pytest.raises(LifecycleError, match=r"^worker: no transition for input X in state OPEN$"):
+        lifecycle.step(lifecycle.WORKER_TABLE, "worker", WorkerState.OPEN, Other.X)
+
+
+@pytest.mark.rule("R8")
+@pytest.mark.parametrize("state", [WorkerState.SHUTTING_DOWN, WorkerState.CLOSED])
+def test_lifecycle_worker_refuses_submit_once_shutdown_began(state: WorkerState) -> None:
+    with pytest.raises(WorkerClosedError):
+        lifecycle.step(lifecycle.WORKER_TABLE, "worker", state, WorkerInput.SUBMIT)
+    assert lifecycle.step(lifecycle.WORKER_TABLE, "worker", state, WorkerInput.GET_FINISHED) == (
+        state, Action.RETURN_EMPTY)
+
+
+@pytest.mark.rule("R8")
+def test_lifecycle_second_shutdown_returns_the_report() -> None:
+    assert lifecycle.step(lifecycle.WORKER_TABLE, "worker", WorkerState.CLOSED, WorkerInput.SHUTDOWN) == (
+        WorkerState.CLOSED, Action.RETURN_REPORT)
+    assert lifecycle.step(lifecycle.WORKER_TABLE, "worker", WorkerState.OPEN, WorkerInput.SHUTDOWN) == (
+        WorkerState.SHUTTING_DOWN, Action.RUN_SHUTDOWN)
+
+
+@pytest.mark.rule("R1")
+def test_lifecycle_region_release_by_caller_refused_once_a_worker_owns_it() -> None:
+    table = lifecycle.REGION_TABLE
+    state, _ = lifecycle.step(table, "region", RegionState.CALLER_OWNED, RegionInput.ADOPT)
+    assert state is RegionState.WORKER_OWNED
+    with pytest.raises(OwnershipError):
+        lifecycle.step(table, "region", state, RegionInput.CALLER_RELEASE)
+
+
+@pytest.mark.rule("R3")
+@pytest.mark.parametrize("event", [RegionInput.CALLER_RELEASE, RegionInput.WORKER_RELEASE])
+def test_lifecycle_region_released_at_most_once(event: RegionInput) -> None:
+    assert lifecycle.step(lifecycle.REGION_TABLE, "region", RegionState.RELEASED, event) == (
+        RegionState.RELEASED, Action.NOTHING)
+
+
+@pytest.mark.rule("R10")
+@pytest.mark.parametrize("event", [HandlerInput.HEAD_FAILED, HandlerInput.DEADLINE, HandlerInput.INTERRUPT])
+def test_lifecycle_handler_drain_stops_at_first_failure(event: HandlerInput) -> None:
+    state, _ = lifecycle.step(lifecycle.HANDLER_TABLE, "handler", HandlerState.DRAINING, event)
+    assert state is HandlerState.ABANDONED
+    with pytest.raises(LifecycleError):
+        lifecycle.step(lifecycle.HANDLER_TABLE, "handler", state, HandlerInput.HEAD_PROVEN)
+
+
+@pytest.mark.rule("R13")
+def test_lifecycle_proof_never_on_the_clean_path() -> None:
+    assert lifecycle.decide_proof(True, False) is ProofDecision.NOT_NEEDED
+    assert lifecycle.decide_proof(False, False) is ProofDecision.ATTEMPT
+
+
+@pytest.mark.rule("R14")
+def test_lifecycle_proof_skipped_after_interrupt_and_quarantines() -> None:
+    assert lifecycle.decide_proof(False, True) is ProofDecision.SKIPPED
+    for policy in Policy:
+        assert lifecycle.decide_fate(ProofOutcome.SKIPPED, policy) is Fate.QUARANTINE
+
+
+@pytest.mark.rule("R12")
+@pytest.mark.parametrize("outcome", list(ProofOutcome))
+def test_lifecycle_fate_releases_only_what_is_proven_under_quarantine(outcome: ProofOutcome) -> None:
+    proven = outcome in (ProofOutcome.NOT_NEEDED, ProofOutcome.OK)
+    expected = Fate.RELEASE if proven else Fate.QUARANTINE
+    assert lifecycle.decide_fate(outcome, Policy.QUARANTINE) is expected
+    if outcome is not ProofOutcome.SKIPPED:
+        assert lifecycle.decide_fate(outcome, Policy.RELEASE) is Fate.RELEASE

@@ -1,0 +1,125 @@
+"""HostRegion: geometry, chunked pinning with reverse rollback, R3's release order, quarantine."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+from _support import messages, small_layout
+
+import kvoffload_ref as kv
+from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.region import PAGE
+
+
+class RecordingSim(SimBackend):
+    """Records the region-related calls in order."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.calls: list[tuple[str, int]] = []
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        super().host_register(ptr, nbytes)
+        self.calls.append(("register", ptr))
+
+    def host_unregister(self, ptr: int) -> None:
+        self.calls.append(("unregister", ptr))
+        super().host_unregister(ptr)
+
+    def untrack_host(self, ptr: int) -> None:
+        self.calls.append(("untrack", ptr))
+        super().untrack_host(ptr)
+
+
+def test_region_geometry_one_page_aligned_segment_per_tensor() -> None:
+    be = SimBackend()
+    layout = kv.KVCacheLayout(tensor_page_bytes=(512, 640), groups=((kv.LayerRef(0, 512), kv.LayerRef(1, 600)),))
+    region = kv.HostRegion.allocate(be, layout, 3, 10)
+    g0, g1 = region.geometries()
+    assert (g0.rows, g0.row_bytes, g0.row_stride) == (10, 1536, 1536)
+    assert (g1.rows, g1.row_bytes, g1.row_stride) == (10, 1920, 1920)
+    assert g0.ptr == region.ptr and (g1.ptr - region.ptr) % PAGE == 0 and g1.ptr - g0.ptr >= 15360
+    snap = region.snapshot()
+    assert [s.shape for s in snap] == [(10, 1536), (10, 1920)] and not any(s.any() for s in snap)
+    region.release()
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("bpc", "chunks"), [(0, 4), (1, 0), (-1, 4), (1.5, 4)])
+def test_region_rejects_bad_sizes(bpc: Any, chunks: Any) -> None:
+    with pytest.raises(kv.InvalidTransferError):
+        kv.HostRegion.allocate(SimBackend(), small_layout(), bpc, chunks)
+
+
+@pytest.mark.rule("R2")
+def test_region_pin_failure_rolls_back_in_reverse_order() -> None:
+    be = RecordingSim(faults=kv.FaultPlan([kv.Fault("host_register", "error", nth=4)]))
+    region = kv.HostRegion.allocate(be, small_layout(), 3, 64)  # 2 x 64 x 1536 bytes = 48 pages
+    with pytest.raises(kv.DeviceError):
+        region.pin(chunk_bytes=4 * PAGE)
+    registered = [p for c, p in be.calls if c == "register"]
+    unregistered = [p for c, p in be.calls if c == "unregister"]
+    assert len(registered) == 3 and unregistered == registered[::-1]
+    assert not region.pinned and "pinned" not in be.ledger.live()
+    region.release()
+    assert be.ledger.live() == {}
+
+
+@pytest.mark.rule("R3")
+def test_region_release_order_unregister_reverse_then_unmap(caplog: Any) -> None:
+    be = RecordingSim()
+    region = kv.HostRegion.allocate(be, small_layout(), 3, 64)
+    region.pin(chunk_bytes=8 * PAGE)
+    be.calls.clear()
+    assert region.release() == []
+    unregs = [p for c, p in be.calls if c == "unregister"]
+    assert unregs == sorted(unregs, reverse=True) and len(unregs) == region.nbytes // (8 * PAGE)
+    assert be.calls[-1] == ("untrack", region.ptr), "unmapped only after every range was unregistered"
+    assert region.release() == [] and be.calls.count(("untrack", region.ptr)) == 1, "released at most once"
+    assert be.ledger.live() == {}
+    with pytest.raises(kv.OwnershipError):
+        region.snapshot()
+
+
+@pytest.mark.rule("R3")
+def test_region_failed_unregister_is_logged_and_release_goes_on(caplog: Any) -> None:
+    be = RecordingSim(faults=kv.FaultPlan([kv.Fault("host_unregister", "error", nth=2, status=713)]))
+    region = kv.HostRegion.allocate(be, small_layout(), 3, 64)
+    region.pin(chunk_bytes=16 * PAGE)
+    with caplog.at_level(logging.WARNING, logger="kvoffload_ref"):
+        failures = region.release()
+    assert failures == ["host_unregister failed (status 713)"]
+    assert "cudaHostUnregister failed for rank=0 (code=713)" in messages(caplog)
+    assert ("untrack", region.ptr) in be.calls, "the next steps still ran"
+    assert be.ledger.leaked() == {"pinned": 1} and be.ledger.live() == {}
+
+
+@pytest.mark.rule("R3")
+def test_region_refuses_to_unmap_under_a_live_view(caplog: Any) -> None:
+    be = SimBackend()
+    region = kv.HostRegion.allocate(be, small_layout(), 1, 4)
+    leaked_view = region._views[0]
+    with caplog.at_level(logging.ERROR, logger="kvoffload_ref"):
+        failures = region.release()
+    assert failures and failures[0].startswith("mmap close failed")
+    assert "Failed to close mmap_obj" in messages(caplog)
+    assert leaked_view[0, 0] == 0, "the view still points at mapped memory (no segfault)"
+    assert be.ledger.leaked() == {"mapping": 1}
+    assert any(item.obj is not None and item.reason == "a view is still exported" for item in kv.quarantined())
+
+
+@pytest.mark.rule("R12")
+def test_region_quarantine_keeps_memory_mapped_and_listed() -> None:
+    be = SimBackend()
+    region = kv.HostRegion.allocate(be, small_layout(), 1, 4)
+    region.pin()
+    region.adopt()
+    region.quarantine_by_owner("test")
+    assert region.state.value == "quarantined"
+    assert be.ledger.quarantined() == {"mapping": 1, "pinned": 1} and be.ledger.live() == {}
+    assert any(item.obj is region and item.kind == "region" for item in kv.quarantined())
+    assert np.frombuffer(region._mmap, np.uint8)[0] == 0, "still mapped"  # type: ignore[arg-type]
+    assert region.release_by_owner() == [], "a quarantined region is never released later"
