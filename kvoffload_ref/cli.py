@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import pathlib
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref import diagram as diagram_mod
+from kvoffload_ref import spec as spec_mod
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.faults import Fault, FaultPlan
 from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
@@ -166,14 +168,57 @@ def demo() -> int:
     return 0 if not checks.failed else 1
 
 
+def _spec(check_only: bool, root: str) -> int:
+    path = pathlib.Path(root)
+    if not check_only:
+        spec_mod.write(path)
+    problems = spec_mod.check(path)
+    for problem in problems:
+        print(f"spec: {problem}")
+    if not problems:
+        print("spec: every rule is cited by a test and the generated docs are current")
+    return 1 if problems else 0
+
+
+def _failure_modes(check_only: bool, write: bool, root: str) -> int:
+    from kvoffload_ref import failure_modes
+
+    path = pathlib.Path(root)
+    if check_only:
+        ok = failure_modes.check(path)
+        print("failure-modes: docs/failure-modes.md is current" if ok else
+              "failure-modes: docs/failure-modes.md is out of date (run: kvoffload-ref failure-modes --write)")
+        return 0 if ok else 1
+    text = failure_modes.render()
+    if write:
+        (path / "docs" / "failure-modes.md").write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvoffload-ref``."""
-    parser = argparse.ArgumentParser(prog="kvoffload-ref", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvoffload-ref", description=(__doc__ or "").splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="round trips, a hung shutdown and the release-policy hazard, on the sim")
     sub.add_parser("diagram", help="print the lifecycle machines as Mermaid stateDiagram-v2 text")
+    spec = sub.add_parser("spec", help="check (or --write) docs/spec.md's rule->test lists and docs/lifecycle.md")
+    mode = spec.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="only check (the default)")
+    mode.add_argument("--write", action="store_true", help="regenerate, then check")
+    spec.add_argument("--root", default=".", help="repository root (default: the current directory)")
+    modes = sub.add_parser("failure-modes", help="regenerate (--write) or --check docs/failure-modes.md")
+    fm_mode = modes.add_mutually_exclusive_group()
+    fm_mode.add_argument("--check", action="store_true", help="compare with the committed table")
+    fm_mode.add_argument("--write", action="store_true", help="rewrite docs/failure-modes.md")
+    modes.add_argument("--root", default=".", help="repository root (default: the current directory)")
     args = parser.parse_args(argv)
+    if args.command == "failure-modes":
+        return _failure_modes(args.check, args.write, args.root)
     if args.command == "demo":
         return demo()
+    if args.command == "spec":
+        return _spec(not args.write, args.root)
     sys.stdout.write(diagram_mod.render())
     return 0

@@ -443,8 +443,9 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
+        hang = self.plan.check_hang("device_sync")   # as the sim: both kinds count the call; an error wins
         self.plan.check("device_sync")
-        if self.plan.check_hang("device_sync"):
+        if hang:
             poll_until(self, lambda: False, deadline)
             return False
         return record_and_poll(self, streams, deadline)

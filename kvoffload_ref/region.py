@@ -12,6 +12,10 @@ registration), drop the views, unmap -- logging a failed step and going on. A qu
 pinned in a module-level registry until the process exits, so garbage collection can never unmap it.
 
 Handlers never see a region: the worker gives them ``geometries()`` (addresses and strides) only.
+
+Subclasses (``shared_region.SharedRegion``) keep all of this and override two steps: ``_release_backing`` (R3's
+last steps: unlink the file if this process is to unlink it, then close the descriptor) and
+``_quarantine_backing`` (R18: give up the file name, keep the mapping and the pins).
 """
 
 from __future__ import annotations
@@ -79,12 +83,44 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def check_sizes(blocks_per_chunk: object, num_cpu_chunks: object) -> None:
+    """Refuse non-int or non-positive region sizes (R7).
+
+    Raises:
+        InvalidTransferError: ``blocks_per_chunk`` or ``num_cpu_chunks`` is not an int >= 1.
+    """
+    if not isinstance(blocks_per_chunk, int) or isinstance(blocks_per_chunk, bool) or blocks_per_chunk < 1:
+        raise InvalidTransferError(f"blocks_per_chunk must be an int >= 1, got {blocks_per_chunk!r}")
+    if not isinstance(num_cpu_chunks, int) or isinstance(num_cpu_chunks, bool) or num_cpu_chunks < 1:
+        raise InvalidTransferError(f"num_cpu_chunks must be an int >= 1, got {num_cpu_chunks!r}")
+
+
+def _view(base: npt.NDArray[np.uint8], offset: int, rows: int, row_bytes: int,
+          row_stride: int) -> npt.NDArray[np.uint8]:
+    """A 2-D ``(rows, row_bytes)`` view of ``base`` starting at ``offset``, rows ``row_stride`` bytes apart."""
+    if row_stride == row_bytes:
+        return base[offset: offset + rows * row_bytes].reshape(rows, row_bytes)
+    span = base[offset: offset + (rows - 1) * row_stride + row_bytes]
+    return np.lib.stride_tricks.as_strided(span, shape=(rows, row_bytes), strides=(row_stride, 1))
+
+
 class HostRegion:
     """Anonymous-mmap host memory for one worker's CPU tensors. Build with :meth:`allocate`."""
 
     def __init__(self, backend: Backend, mapping: mmap.mmap, offsets: Sequence[int],
-                 row_bytes: Sequence[int], num_cpu_chunks: int) -> None:
-        """Wrap an existing mapping (use :meth:`allocate`). Announces it to the backend (ledger "mapping")."""
+                 row_bytes: Sequence[int], num_cpu_chunks: int, *,
+                 row_strides: Sequence[int] | None = None) -> None:
+        """Wrap an existing mapping (use :meth:`allocate`). Announces it to the backend (ledger "mapping").
+
+        Args:
+            backend: the device the mapping is announced to.
+            mapping: the mapping; the region owns it from here on.
+            offsets: byte offset of each CPU tensor's row 0 in the mapping.
+            row_bytes: bytes of one row of each CPU tensor.
+            num_cpu_chunks: rows per CPU tensor.
+            row_strides: bytes between consecutive rows of each tensor (default: ``row_bytes``, contiguous).
+        """
+        strides = list(row_bytes) if row_strides is None else list(row_strides)
         self._backend = backend
         # Invariant: open until release; never closed while the backend may still read it (R12).
         self._mmap: mmap.mmap | None = mapping
@@ -95,12 +131,12 @@ class HostRegion:
         self.num_cpu_chunks = num_cpu_chunks
         # Invariant: one 2-D view per layout tensor; emptied (dropped) only by release (R3 step 2).
         self._views: list[npt.NDArray[np.uint8]] = [
-            self._base[off: off + num_cpu_chunks * rb].reshape(num_cpu_chunks, rb)
-            for off, rb in zip(offsets, row_bytes, strict=True)
+            _view(self._base, off, num_cpu_chunks, rb, st) for off, rb, st in zip(offsets, row_bytes, strides,
+                                                                                  strict=True)
         ]
         self._geometries = tuple(
-            TensorGeometry(ptr=self.ptr + off, rows=num_cpu_chunks, row_bytes=rb, row_stride=rb)
-            for off, rb in zip(offsets, row_bytes, strict=True)
+            TensorGeometry(ptr=self.ptr + off, rows=num_cpu_chunks, row_bytes=rb, row_stride=st)
+            for off, rb, st in zip(offsets, row_bytes, strides, strict=True)
         )
         # Invariant: start addresses of the ranges registered and not yet unregistered, in registration order.
         self._pinned: list[int] = []
@@ -130,10 +166,7 @@ class HostRegion:
         Raises:
             InvalidTransferError: non-positive sizes.
         """
-        if not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
-            raise InvalidTransferError(f"blocks_per_chunk must be an int >= 1, got {blocks_per_chunk!r}")
-        if not isinstance(num_cpu_chunks, int) or num_cpu_chunks < 1:
-            raise InvalidTransferError(f"num_cpu_chunks must be an int >= 1, got {num_cpu_chunks!r}")
+        check_sizes(blocks_per_chunk, num_cpu_chunks)
         row_bytes = [layout.cpu_row_bytes(t, blocks_per_chunk) for t in range(layout.num_tensors)]
         offsets, total = [], 0
         for rb in row_bytes:
@@ -143,8 +176,11 @@ class HostRegion:
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
         return cls(backend, mapping, offsets, row_bytes, num_cpu_chunks)
 
+    #: The rank named in unregister warnings (upstream's text carries one; a private region is rank 0).
+    log_rank: int = 0
+
     def __repr__(self) -> str:
-        return (f"<HostRegion {self.state.value} {self.nbytes} bytes at {self.ptr:#x}, "
+        return (f"<{type(self).__name__} {self.state.value} {self.nbytes} bytes at {self.ptr:#x}, "
                 f"{len(self._pinned)} pinned range(s)>")
 
     # -- queries --------------------------------------------------------------------------------------------------
@@ -201,7 +237,7 @@ class HostRegion:
             try:
                 self._backend.host_unregister(ptr)
             except DeviceError as exc:
-                logger.warning("cudaHostUnregister failed for rank=%d (code=%d)", 0, exc.status)
+                logger.warning("cudaHostUnregister failed for rank=%d (code=%d)", self.log_rank, exc.status)
                 failures.append(exc)
                 continue
             self._pinned.remove(ptr)
@@ -228,7 +264,11 @@ class HostRegion:
         return self._finish(RegionInput.WORKER_RELEASE)
 
     def quarantine_by_owner(self, reason: str) -> list[str]:
-        """The owning worker keeps the region mapped and pinned until process exit (R12)."""
+        """The owning worker keeps the region mapped and pinned until process exit (R12).
+
+        Returns:
+            Descriptions of quarantine steps that failed (each also logged), e.g. a file region's unlink (R18).
+        """
         self._quarantine_reason = reason
         return self._finish(RegionInput.WORKER_QUARANTINE)
 
@@ -242,10 +282,28 @@ class HostRegion:
         if action is Action.RELEASE:
             return self._release_steps()
         if action is Action.QUARANTINE:
-            self._quarantine()
+            return self._quarantine()
         return []
 
-    def _quarantine(self) -> None:
+    @property
+    def quarantined_resources(self) -> dict[ResourceKind, int]:
+        """What a quarantine keeps alive until process exit, by ledger kind ({} unless quarantined, R12/R16)."""
+        if self.state is not RegionState.QUARANTINED:
+            return {}
+        kept: dict[ResourceKind, int] = {"pinned": len(self._pinned), "mapping": 1, **self._quarantined_backing()}
+        return {kind: count for kind, count in kept.items() if count}
+
+    def _quarantined_backing(self) -> dict[ResourceKind, int]:
+        """Ledger kinds, besides pins and the mapping, that a quarantine keeps (a file-backed region's fd)."""
+        return {}
+
+    def _quarantine_backing(self) -> list[str]:
+        """R18 hook: what a quarantine does to the region's backing store (nothing for anonymous memory)."""
+        return []
+
+    def _quarantine(self) -> list[str]:
+        """R12: keep the mapping and pins alive until process exit (after the backing's own step, R18)."""
+        failures = self._quarantine_backing()
         ledger = self._backend.ledger
         for ptr in self._pinned:
             ledger.quarantine("pinned", ptr)
@@ -255,18 +313,36 @@ class HostRegion:
                                    self._quarantine_reason, self))
         logger.warning("Region of %d bytes at %#x quarantined until process exit: %s",
                        self.nbytes, self.ptr, self._quarantine_reason)
+        return failures
 
     def _release_steps(self) -> list[str]:
-        """R3: unregister (reverse) -> drop views -> unmap. A failed step is logged; the next steps still run."""
+        """R3: unregister (reverse) -> drop views -> unmap -> release the backing (unlink, close).
+
+        A failed step is logged; the next steps still run.
+        """
+        errors = self._unpin_for_release()
+        self._drop_views()
+        errors.extend(self._unmap())
+        errors.extend(self._release_backing())
+        return errors
+
+    def _unpin_for_release(self) -> list[str]:
+        """R3 step 1: unregister every range (reverse); a range whose unregister failed is leaked."""
         errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin()]
         for ptr in self._pinned:  # unregister failed: the range is no longer ours to release
             self._backend.ledger.leak("pinned", ptr)
         self.leaked["pinned"] = len(self._pinned)
         self._pinned.clear()
+        return errors
+
+    def _drop_views(self) -> None:
+        """R3 step 2: drop every view the library made, then the base export, so the unmap can succeed."""
         self._views.clear()
         self._base = None
-        errors.extend(self._unmap())
-        return errors
+
+    def _release_backing(self) -> list[str]:
+        """R3 steps after the unmap (unlink the file, close its descriptor); nothing for anonymous memory."""
+        return []
 
     def _unmap(self) -> list[str]:
         mapping, self._mmap = self._mmap, None

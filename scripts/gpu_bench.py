@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -325,28 +326,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- transfer: scattered (random permutation); pages per transfer: "
           f"{', '.join(f'{p // KiB} KiB x {c}' for p, c in counts.items())}; median of {reps} after 1 warm-up\n")
     results: dict[str, Any] = {"environment": environment(bench)}
+    failures: list[str] = []
     try:
         rows = []
         for page, count in counts.items():
-            rows += run_config(bench, page, count, rng)
+            try:
+                rows += run_config(bench, page, count, rng)
+            except Exception:  # report and go on: one broken configuration must not hide the others
+                failures.append(f"{page // KiB} KiB: {traceback.format_exc()}")
         print_main(rows)
         print_goals(rows)
         results["main"] = rows
-        cross = crossover(bench, rng, [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB],
-                          [1, 4, 16, 64, 256, 1024] if not args.quick else [1, 16, 256],
-                          64 * MiB if args.quick else 256 * MiB)
-        print_crossover(cross)
-        rec = recommend(cross)
-        results["crossover"], results["recommended"] = cross, rec
-        print(f"\nRecommended auto thresholds (kernel wins or ties within 5% in both directions): "
-              f"kernel_min_count={rec['kernel_min_count']}, kernel_max_mean_bytes={rec['kernel_max_mean_bytes']}")
+        failures += [f"{r['page'] // KiB} KiB {r['direction']}: {c}" for r in rows for c in r["checks"]
+                     if not c.endswith(":ok")]
+        try:
+            cross = crossover(bench, rng, [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB],
+                              [1, 4, 16, 64, 256, 1024] if not args.quick else [1, 16, 256],
+                              64 * MiB if args.quick else 256 * MiB)
+            print_crossover(cross)
+            rec = recommend(cross)
+            results["crossover"], results["recommended"] = cross, rec
+            print(f"\nRecommended auto thresholds (kernel wins or ties within 5% in both directions): "
+                  f"kernel_min_count={rec['kernel_min_count']}, kernel_max_mean_bytes={rec['kernel_max_mean_bytes']}")
+        except Exception:
+            failures.append(f"crossover: {traceback.format_exc()}")
     finally:
         bench.close()
+        results["failures"] = failures
         if args.json:
             args.json.write_text(json.dumps(results, indent=1, default=str))
     live = bench.be.ledger.live()
     print(f"\nledger after the benchmark: live={live or 'nothing'}")
-    return 0
+    for failure in failures:
+        print(f"\nFAILURE {failure}")
+    return 1 if failures or live else 0
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ from kvoffload_ref.errors import (
     CUDA_SUCCESS,
     DeviceError,
     InvalidTransferError,
+    LifecycleError,
 )
 from kvoffload_ref.layout import TensorGeometry
 
@@ -296,6 +297,8 @@ class _DescriptorBlock:
     dev_ptr: int
     slots: int
     words: npt.NDArray[np.int64]
+    # Invariant: the DescriptorBuffer this block is issued to, or None while it is in the pool.
+    issued_to: DescriptorBuffer | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -379,6 +382,10 @@ class _SpanSet:
 class CupyBackend:
     """The Backend protocol (``kvoffload_ref.backends.base.Backend``) on one CUDA device through CuPy.
 
+    Construction compiles and loads the copy kernel (``warm_up``; NVRTC, cached on disk by CuPy) unless
+    ``copy_path="memcpy"``, and synchronizes the compute stream once. If the kernel cannot be compiled, the backend
+    logs a warning and uses the memcpy path only.
+
     Thread-safe: CUDA calls are thread-safe, the ledger locks itself, and the backend's own tables are guarded by
     a lock. Every call makes ``device`` current for its duration and restores the caller's device afterwards.
     ``current_stream()`` is the calling thread's current CuPy stream on ``device`` (CuPy's current stream is
@@ -424,10 +431,13 @@ class CupyBackend:
         # Invariant: free descriptor blocks by slot count; never freed except by release_cached_memory().
         self._descriptor_pool: dict[int, list[_DescriptorBlock]] = {}
         self._module: Any = None           # the compiled RawModule, once loaded
+        self._functions: dict[str, Any] = {}  # kernel name -> loaded function
         self._kernel_broken: str | None = None  # why the kernel path is off for good, if it is
         self._path_counts = {"kernel": 0, "memcpy": 0}
         self.last_copy_path: str | None = None
         self._host_ptr_ok, self.sm_count, self.device_name = self._probe()
+        if copy_path != "memcpy":
+            self.warm_up()
 
     def _error_types(self) -> tuple[type[BaseException], ...]:
         found: list[type[BaseException]] = [self._rt.CUDARuntimeError]
@@ -660,6 +670,7 @@ class CupyBackend:
         except BaseException:
             self._return_block(block)
             raise
+        block.issued_to = buf
         return buf
 
     def _take_block(self, slots: int, tag: Tag | None) -> _DescriptorBlock:
@@ -694,7 +705,10 @@ class CupyBackend:
             LifecycleError: freed twice (a library bug).
         """
         block = self._block_of(buf)
+        if block.issued_to is not buf:  # a second free, possibly after the block was issued again: refuse
+            raise LifecycleError(f"{buf!r} was already freed")
         self._ledger.release("descriptor", block.host_ptr)
+        block.issued_to = None
         self._return_block(block)
 
     def _block_of(self, buf: DescriptorBuffer) -> _DescriptorBlock:
@@ -905,17 +919,11 @@ class CupyBackend:
         return "kernel" if legal else "memcpy"
 
     def _kernel_available(self) -> bool:
-        """Compile the kernels if needed; False (logged once) if they cannot be compiled, so callers fall back.
-
-        Raises:
-            DeviceError: the device failed while loading them (not a compile problem).
-        """
+        """Compile and load the kernels if needed; False (logged once) if that failed, so callers fall back."""
         try:
             self._function(_COPY_KERNEL)
         except DeviceError:
-            if self._kernel_broken is not None:
-                return False
-            raise
+            return False
         return True
 
     def copy_path_counts(self) -> dict[str, int]:
@@ -952,45 +960,62 @@ class CupyBackend:
     # -- kernels ----------------------------------------------------------------------------------------------
     def warm_up(self) -> bool:
         """Compile and load the kernels now and launch the copy kernel once with nothing to copy (on the compute
-        stream), so no later launch loads a module (lazy loading may synchronize the context). Returns whether the
-        kernel path is available. Blocking (synchronizes the compute stream).
+        stream), so no later launch loads a module (lazy loading may synchronize the context). Blocking
+        (synchronizes the compute stream). Called by the constructor unless ``copy_path="memcpy"``.
 
-        Raises:
-            DeviceError: the device failed (a compile failure only disables the kernel path).
+        Any failure here (compile, load, launch) turns the kernel path off for good: it is logged, kept in
+        :attr:`kernel_unavailable`, and ``copy_batch`` uses the memcpy path. Never raises for that reason.
+
+        Returns:
+            Whether the kernel path is available.
         """
         if not self._kernel_available():
             return False
-        function = self._function(_COPY_KERNEL)
-        with self._cuda("warm_up"):
-            compute = CupyStream(self._compute_ptr(), owned=False)
-            zero = np.uint64(0)
-            function((1, 1, 1), (_THREADS, 1, 1), (zero, zero, zero, np.int64(0)), stream=compute)
-            self._rt.streamSynchronize(compute.ptr)
+        function = self._functions[_COPY_KERNEL]
+        try:
+            with self._cuda("warm_up"):
+                compute = CupyStream(self._compute_ptr(), owned=False)
+                zero = np.uint64(0)
+                function((1, 1, 1), (_THREADS, 1, 1), (zero, zero, zero, np.int64(0)), stream=compute)
+                self._rt.streamSynchronize(compute.ptr)
+        except Exception as exc:
+            self._disable_kernels(exc)
+            return False
         return True
 
+    @property
+    def kernel_unavailable(self) -> str | None:
+        """Why the kernel path is off for good (compile, load or first launch failed), or None if it is not."""
+        return self._kernel_broken
+
+    def _disable_kernels(self, exc: BaseException) -> None:
+        self._kernel_broken = f"{type(exc).__name__}: {exc}"
+        _log.warning("CuPy backend: copy kernel unavailable, using memcpy only: %s", self._kernel_broken)
+
     def _function(self, name: str) -> Any:
-        """A kernel of KERNEL_SOURCE, compiled on first use; a compile failure turns the kernel path off for good.
+        """A kernel of KERNEL_SOURCE (both are compiled and loaded on first use). Any failure to compile or load
+        turns the kernel path off for good.
 
         Raises:
-            DeviceError: the module could not be compiled or loaded.
+            DeviceError: the kernels are unavailable (status 999; the original error as ``__cause__``).
         """
-        if self._kernel_broken is not None:
-            raise DeviceError(f"kernel path unavailable: {self._kernel_broken}", CUDA_ERROR_UNKNOWN)
-        if self._module is None:
+        function = self._functions.get(name)
+        if function is not None:
+            return function
+        if self._kernel_broken is None:
             try:
                 with self._cuda("compile kernels"):
                     module = self._cp.RawModule(code=KERNEL_SOURCE)
-                    module.get_function(_COPY_KERNEL)
-                    module.get_function(_SPIN_KERNEL)
-            except DeviceError:
-                raise
-            except Exception as exc:  # CompileException, a missing libnvrtc, ...: fall back to memcpy
-                self._kernel_broken = f"{type(exc).__name__}: {exc}"
-                _log.warning("CuPy backend: copy kernel unavailable, using memcpy only: %s", self._kernel_broken)
+                    # RawModule.get_function returns a RawKernel; its .kernel (a cupy.cuda.Function) forces the
+                    # compile and load now, and launches with less overhead.
+                    loaded = {n: _loaded(module.get_function(n)) for n in (_COPY_KERNEL, _SPIN_KERNEL)}
+            except Exception as exc:  # CompileException, a missing libnvrtc, a PTX the driver rejects, ...
+                self._disable_kernels(exc)
                 raise DeviceError(f"kernel path unavailable: {self._kernel_broken}", CUDA_ERROR_UNKNOWN) from exc
             self._module = module
-        with self._cuda("get_function"):
-            return self._module.get_function(name)
+            self._functions.update(loaded)
+            return loaded[name]
+        raise DeviceError(f"kernel path unavailable: {self._kernel_broken}", CUDA_ERROR_UNKNOWN)
 
     # -- test helpers: a transfer that never completes until the host says so ----------------------------------
     def alloc_spin_flag(self) -> SpinFlag:
@@ -1055,6 +1080,11 @@ def _host_words(ptr: int, count: int, dtype: type[_Word]) -> npt.NDArray[_Word]:
     """A numpy view of ``count`` words of host memory at ``ptr`` (the caller keeps the memory alive)."""
     raw = (ctypes.c_byte * (count * np.dtype(dtype).itemsize)).from_address(ptr)
     return np.frombuffer(memoryview(raw).cast("B"), dtype=dtype)
+
+
+def _loaded(kernel: Any) -> Any:
+    """The loaded ``cupy.cuda.Function`` of a ``RawKernel`` (compiling it now), or the object itself."""
+    return getattr(kernel, "kernel", kernel)
 
 
 def _check_shape(shape: object) -> tuple[int, int]:

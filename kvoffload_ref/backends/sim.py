@@ -14,17 +14,19 @@ completed) is applied when the heap pops it. Ops finishing at the same virtual t
 so code that forgot a wait sees stale data instead of the convenient order. Work runs lazily: whenever a call
 observes the device (query, sleep, synchronize, a release that must know what is still pending), the heap is
 drained up to the current time. A hang op never finishes, so everything behind it on its stream, and every
-stream waiting on an event recorded behind it, never runs either. Draining costs O(log n) per op: 10,000
-chained transfers drain in milliseconds.
+stream waiting on an event recorded behind it, never runs either. Draining costs O(log n) per op (a heap, never
+a scan of the streams): 10,000 chained transfers drain in about a quarter of a second of real time.
 
 *Memory.* Device arrays are C-contiguous 2-D uint8 numpy arrays; host mappings announced with ``track_host``
 are viewed through numpy arrays built from their raw address. Each is a *span* in an address map. A copy is a
 batch of (src, dst, size) descriptors read from its descriptor buffer when the copy starts; every byte range
 must lie inside one live span, checked vectorized with ``np.searchsorted``. The bytes move when the copy
-finishes, grouped by (source span, destination span, size): small rows with chunked fancy indexing over
-``sliding_window_view`` windows, large rows with one slice assignment each. The sim never touches an address
-outside a live span (that would crash the interpreter): a copy whose range was unmapped or unpinned while it was
-pending is *poisoned* and is stopped at execution.
+finishes, all sources read before any destination is written, grouped by (source span, destination span,
+size): where one side advances in long runs of adjacent rows each run moves in one numpy pass (``np.take`` into
+it, or a fancy assignment from it); otherwise large rows move one slice assignment each and small rows by
+chunked fancy indexing over ``sliding_window_view`` windows; batches of a few descriptors go one by one. The sim
+never touches an address outside a live span (that would crash the interpreter): a copy whose range was
+unmapped or unpinned while it was pending is *poisoned* and is stopped at execution.
 
 *Violations.* Misuse that real hardware punishes late or silently is recorded in :attr:`SimBackend.violations`:
 unmapping or unpinning memory a pending copy touches, freeing a descriptor buffer a pending copy reads, a copy
@@ -33,7 +35,9 @@ handle that is not live. "Pending" includes a copy stuck behind a hang forever.
 
 *Faults.* A :class:`~kvoffload_ref.faults.FaultPlan` is consulted at every fault point; see ``faults.py``. A hang
 is selected at a transfer's first tagged ``record`` on a stream other than the compute stream, and is a hang op
-queued right after that record.
+queued right after that record. Once the device is lost (a sticky fault, or the sim's own illegal-address
+error) nothing queued runs any more and every call but the clock, the release calls (``destroy_*``,
+``free_descriptors``, ``untrack_host``), ``track_host``, ``array_info`` and ``current_stream`` raises.
 
 *Accounting.* Streams, events, descriptor buffers, pinned ranges and host mappings pass through the
 :class:`~kvoffload_ref.backends.base.Ledger`, only once the call that acquires them has succeeded.
@@ -41,6 +45,7 @@ queued right after that record.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import dataclasses
@@ -48,7 +53,7 @@ import heapq
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -86,6 +91,10 @@ Bytes = npt.NDArray[np.uint8]
 
 #: Rows at least this long are copied with one slice assignment each; shorter ones with chunked fancy indexing.
 _LOOP_MIN_BYTES: Final = 32 * 1024
+#: Copies with at most this many descriptors are resolved and moved descriptor by descriptor.
+_SMALL_BATCH: Final = 16
+#: A side of a copy whose adjacent-row runs average at least this many rows is copied run by run, in one pass.
+_MIN_RUN_ROWS: Final = 32
 #: Bytes gathered per fancy-indexing chunk: large enough to amortize the call, small enough to stay in cache.
 _CHUNK_BYTES: Final = 2 * 1024 * 1024
 
@@ -307,16 +316,22 @@ class _Scheduler:
 
 
 class _Intervals:
-    """An immutable, sorted set of disjoint [start, end) ranges with vectorized containment lookup."""
+    """An immutable, sorted set of disjoint [start, end) ranges with containment lookup."""
 
     def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
         pairs = sorted(ranges)
-        self.starts: I64 = np.array([a for a, _ in pairs], dtype=np.int64)
-        self.ends: I64 = np.array([b for _, b in pairs], dtype=np.int64)
+        # Invariant: the same sorted bounds as Python lists (scalar lookups) and int64 arrays (vectorized ones).
+        self._first = [a for a, _ in pairs]
+        self._last = [b for _, b in pairs]
+        self.starts: I64 = np.array(self._first, dtype=np.int64)
+        self.ends: I64 = np.array(self._last, dtype=np.int64)
 
     def find(self, addr: I64, size: I64) -> npt.NDArray[np.intp]:
         """Index of the range holding each [addr, addr+size) whole, or -1 (also for a negative size)."""
-        if self.starts.size == 0:
+        if addr.size <= _SMALL_BATCH:
+            found = [self.find_one(a, n) for a, n in zip(addr.tolist(), size.tolist(), strict=True)]
+            return np.array(found, dtype=np.intp)
+        if not self._first:
             return np.full(addr.shape, -1, dtype=np.intp)
         idx = np.searchsorted(self.starts, addr, side="right") - 1
         room = self.ends[np.maximum(idx, 0)] - addr   # no overflow: addr >= a start wherever idx >= 0
@@ -325,11 +340,12 @@ class _Intervals:
 
     def find_one(self, addr: int, size: int) -> int:
         """Scalar :meth:`find`."""
-        return int(self.find(np.array([addr], dtype=np.int64), np.array([size], dtype=np.int64))[0])
+        i = bisect.bisect_right(self._first, addr) - 1
+        return i if i >= 0 and 0 <= size <= self._last[i] - addr else -1
 
     def overlapping(self, lo: int, hi: int) -> list[int]:
         """Indices of the ranges intersecting [lo, hi)."""
-        return [int(i) for i in np.flatnonzero((self.starts < hi) & (self.ends > lo))]
+        return [i for i, (a, b) in enumerate(zip(self._first, self._last, strict=True)) if a < hi and b > lo]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -356,18 +372,19 @@ class _CopyPlan:
     di: npt.NDArray[np.intp]
 
     def first_bad(self) -> int | None:
-        """The first descriptor touching memory outside every live span, or None."""
-        bad = np.flatnonzero((self.si < 0) | (self.di < 0))
-        return int(bad[0]) if bad.size else None
+        """The first non-empty descriptor touching memory outside every live span, or None."""
+        bad = ((self.si < 0) | (self.di < 0)) & (self.sizes != 0)   # an empty copy touches nothing
+        return int(bad.argmax()) if bad.any() else None
 
     def execute(self) -> None:
         """Move the bytes (all sources are read before any destination is written). Needs first_bad() None."""
+        if self.sizes.size <= _SMALL_BATCH:
+            self._execute_each()
+            return
         live = self.sizes > 0
         if not live.all():
             _CopyPlan(self.src[live], self.dst[live], self.sizes[live], self.spans, self.si[live],
                       self.di[live]).execute()
-            return
-        if self.sizes.size == 0:
             return
         starts = np.array([s.start for s in self.spans], dtype=np.int64)
         so, do = self.src - starts[self.si], self.dst - starts[self.di]
@@ -379,6 +396,18 @@ class _CopyPlan:
             return
         for g in groups:
             _copy_rows(self.spans[g.src].data, self.spans[g.dst].data, g.size, g.pick(so), g.pick(do))
+
+    def _execute_each(self) -> None:
+        """Descriptor by descriptor, for small batches (no per-call numpy setup)."""
+        moves = [(self.spans[i], src, self.spans[j], dst, n) for i, j, src, dst, n in zip(
+            self.si.tolist(), self.di.tolist(), self.src.tolist(), self.dst.tolist(), self.sizes.tolist(),
+            strict=True) if n > 0]
+        staged = {id(m[0]) for m in moves} & {id(m[2]) for m in moves}   # read and written: copy reads first
+        reads = [a.data[src - a.start:src - a.start + n] for a, src, _, _, n in moves]
+        if staged:
+            reads = [r.copy() for r in reads]
+        for (_, _, b, dst, n), data in zip(moves, reads, strict=True):
+            b.data[dst - b.start:dst - b.start + n] = data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,15 +440,73 @@ def _window(data: Bytes, size: int) -> npt.NDArray[np.uint8]:
 
 
 def _copy_rows(src: Bytes, dst: Bytes, size: int, so: I64, do: I64) -> None:
-    """dst[do[k]:do[k]+size] = src[so[k]:so[k]+size] for every k (src and dst do not overlap)."""
-    if size >= _LOOP_MIN_BYTES:
+    """dst[do[k]:do[k]+size] = src[so[k]:so[k]+size] for every k (src and dst do not overlap).
+
+    Where one side advances in long runs of adjacent rows, each run is a plain 2-D slice and the bytes move in
+    one pass (np.take into it, or a fancy assignment from it); otherwise large rows are copied one slice each and
+    small rows are gathered and scattered in cache-sized chunks.
+    """
+    if (runs := _runs(do, size)) is not None:
+        source = _RowSource(src, size, so)
+        for a, b in runs:
+            source.copy_into(a, b, dst[int(do[a]):int(do[a]) + (b - a) * size].reshape(b - a, size))
+    elif (runs := _runs(so, size)) is not None:
+        dst_rows = _window(dst, size)
+        for a, b in runs:
+            dst_rows[do[a:b]] = src[int(so[a]):int(so[a]) + (b - a) * size].reshape(b - a, size)
+    elif size >= _LOOP_MIN_BYTES:
         for s, d in zip(so.tolist(), do.tolist(), strict=True):
             dst[d:d + size] = src[s:s + size]
-        return
-    src_rows, dst_rows = sliding_window_view(src, size), _window(dst, size)
-    step = max(1, _CHUNK_BYTES // size)
-    for i in range(0, so.size, step):
-        dst_rows[do[i:i + step]] = src_rows[so[i:i + step]]
+    else:
+        _RowSource(src, size, so).scatter(_window(dst, size), do)
+
+
+def _runs(offsets: I64, size: int) -> list[tuple[int, int]] | None:
+    """The [a, b) index ranges over which ``offsets`` advance by exactly ``size``, if they average at least
+    _MIN_RUN_ROWS rows (else None: per-run calls would cost more than they save)."""
+    breaks = np.flatnonzero(np.diff(offsets) != size) + 1
+    if (breaks.size + 1) * _MIN_RUN_ROWS > offsets.size:
+        return None
+    return list(itertools.pairwise([0, *breaks.tolist(), int(offsets.size)]))
+
+
+class _RowSource:
+    """The ``size``-byte rows at offsets ``so`` of one source span, to be copied out."""
+
+    def __init__(self, src: Bytes, size: int, so: I64) -> None:
+        self._so = so
+        self._windows = sliding_window_view(src, size)
+        self._step = max(1, _CHUNK_BYTES // size)
+        phase = int(so[0]) % size
+        # Invariant: if every offset lies on one row grid, that grid as a C-contiguous 2-D array (np.take gathers
+        # from it in one pass) and the row numbers on it; else None.
+        self._grid: tuple[Bytes, I64] | None = None
+        if bool(np.all(so % size == phase)):
+            self._grid = (src[phase:phase + (src.size - phase) // size * size].reshape(-1, size),
+                          (so - phase) // size)
+
+    def copy_into(self, a: int, b: int, out: Bytes) -> None:
+        """out[:] = rows a..b-1 (``out`` is a (b - a, size) C-contiguous block)."""
+        if self._grid is not None:
+            grid, rows = self._grid
+            np.take(grid, rows[a:b], axis=0, out=out, mode="clip")
+            return
+        for i in range(a, b, self._step):
+            out[i - a:i - a + self._step] = self._windows[self._so[i:i + self._step]]
+
+    def scatter(self, dst_rows: Bytes, do: I64) -> None:
+        """dst_rows[do[k]] = row k for every k, gathering a cache-sized chunk at a time."""
+        for i in range(0, self._so.size, self._step):
+            dst_rows[do[i:i + self._step]] = self._windows[self._so[i:i + self._step]]
+
+
+class _SpanIndex(NamedTuple):
+    """A snapshot of the live spans, sorted by address."""
+
+    intervals: _Intervals
+    spans: list[_Span]
+    # Invariant: is_host[k] == spans[k].is_host, plus a trailing False so that index -1 (no span) reads False.
+    is_host: npt.NDArray[np.bool_]
 
 
 class _Memory:
@@ -431,14 +518,15 @@ class _Memory:
         # Invariant: start -> end for every pinned range; each lies in a host mapping when pinned; none overlap.
         self.pinned: dict[int, int] = {}
         # Invariant: caches of sorted indexes over _spans / pinned; None when stale.
-        self._span_index: tuple[_Intervals, list[_Span]] | None = None
+        self._span_index: _SpanIndex | None = None
         self._pin_index: _Intervals | None = None
 
     def add(self, span: _Span) -> None:
         """Add a span. Raises InvalidTransferError if it overlaps a live one."""
-        clash = self._index()[0].overlapping(span.start, span.end)
+        index = self._index()
+        clash = index.intervals.overlapping(span.start, span.end)
         if clash:
-            other = self._index()[1][clash[0]]
+            other = index.spans[clash[0]]
             raise InvalidTransferError(f"[{span.start:#x}, {span.end:#x}) overlaps live memory "
                                        f"[{other.start:#x}, {other.end:#x})")
         self._spans[span.start] = span
@@ -456,9 +544,9 @@ class _Memory:
 
     def span_holding(self, addr: int, size: int) -> _Span | None:
         """The live span holding [addr, addr+size) whole, or None."""
-        intervals, spans = self._index()
-        idx = intervals.find_one(addr, size)
-        return spans[idx] if idx >= 0 else None
+        index = self._index()
+        idx = index.intervals.find_one(addr, size)
+        return index.spans[idx] if idx >= 0 else None
 
     def pin(self, start: int, end: int) -> None:
         self.pinned[start] = end
@@ -481,11 +569,11 @@ class _Memory:
             The plan, and how many of its bytes are slow: a host side not inside one pinned range (a copy
             between two unpinned host ranges counts its bytes twice).
         """
-        intervals, spans = self._index()
-        si, di = intervals.find(src, sizes), intervals.find(dst, sizes)
-        is_host = np.array([s.is_host for s in spans] + [False], dtype=bool)   # index -1 -> False
-        slow_bytes = self._unpinned_bytes(src, sizes, is_host[si]) + self._unpinned_bytes(dst, sizes, is_host[di])
-        return _CopyPlan(src, dst, sizes, spans, si, di), slow_bytes
+        index = self._index()
+        si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
+        slow_bytes = (self._unpinned_bytes(src, sizes, index.is_host[si]) +
+                      self._unpinned_bytes(dst, sizes, index.is_host[di]))
+        return _CopyPlan(src, dst, sizes, index.spans, si, di), slow_bytes
 
     def _unpinned_bytes(self, addr: I64, sizes: I64, on_host: npt.NDArray[np.bool_]) -> int:
         """Bytes of the host-side ranges among [addr, addr+sizes) that no pinned range holds whole."""
@@ -495,10 +583,11 @@ class _Memory:
         slow = (self._pins().find(addr, sizes) < 0) & (sizes > 0)
         return int(sizes[slow].sum())
 
-    def _index(self) -> tuple[_Intervals, list[_Span]]:
+    def _index(self) -> _SpanIndex:
         if self._span_index is None:
             spans = sorted(self._spans.values(), key=lambda s: s.start)
-            self._span_index = (_Intervals((s.start, s.end) for s in spans), spans)
+            self._span_index = _SpanIndex(_Intervals((s.start, s.end) for s in spans), spans,
+                                          np.array([s.is_host for s in spans] + [False], dtype=bool))
         return self._span_index
 
     def _pins(self) -> _Intervals:
@@ -958,8 +1047,10 @@ class SimBackend:
             DeviceError: an injected fault or a lost device.
         """
         with self._lock:
+            # Both kinds count this call (nth counts every call at the point); an error wins over a hang.
+            hang = self._plan is not None and self._plan.check_hang("device_sync")
             self._fault("device_sync", None)
-            if self._plan is not None and self._plan.check_hang("device_sync"):
+            if hang:
                 poll_until(self, lambda: False, deadline)
                 return False
             return record_and_poll(self, streams, deadline)

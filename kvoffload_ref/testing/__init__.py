@@ -1,0 +1,1 @@
+"""Conformance kit (see docs/conformance.md)."""

@@ -1,0 +1,600 @@
+"""The simulated device: clock, lazy FIFO streams, events, memory by address, violations, ledger, scale."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import types
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvoffload_ref import backends
+from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag
+from kvoffload_ref.backends.sim import SimBackend, SimHang
+from kvoffload_ref.errors import DeviceError, InvalidTransferError
+
+PAGE = 4096
+LATENCY = 5e-6
+PINNED_BW = 25e9
+PAGEABLE_BW = 8e9
+TAG: Tag = ("store", 1)
+
+
+@dataclasses.dataclass
+class Rig:
+    """A sim with one device array and one tracked host buffer (pinned unless asked otherwise)."""
+
+    be: SimBackend
+    dev: npt.NDArray[np.uint8]
+    host: npt.NDArray[np.uint8]
+
+    @property
+    def host_ptr(self) -> int:
+        return int(self.host.ctypes.data)
+
+    def dev_addr(self, row: int) -> int:
+        return int(self.dev.ctypes.data) + row * int(self.dev.shape[1])
+
+    def host_addr(self, page: int) -> int:
+        return self.host_ptr + page * PAGE
+
+    def copy(self, stream: Stream, pairs: Sequence[tuple[int, int]], tag: Tag | None = TAG,
+             size: int = PAGE) -> DescriptorBuffer:
+        """Queue one copy of ``size`` bytes per (src address, dst address) pair."""
+        buf = self.be.alloc_descriptors(len(pairs), tag=tag)
+        src, dst = (np.array([p[i] for p in pairs], dtype=np.int64) for i in (0, 1))
+        buf.fill(src, dst, np.full(len(pairs), size, dtype=np.int64))
+        self.be.copy_batch(stream, buf, len(pairs), tag=tag)
+        return buf
+
+    def end_event(self, stream: Stream, tag: Tag | None = TAG) -> Event:
+        event = self.be.create_event(tag=tag)
+        self.be.record(event, stream, tag=tag)
+        return event
+
+
+def make_rig(*, pinned: bool = True, rows: int = 8, host_pages: int = 8, latency: float = LATENCY,
+             pinned_bandwidth: float = PINNED_BW) -> Rig:
+    be = SimBackend(latency=latency, pinned_bandwidth=pinned_bandwidth, pageable_bandwidth=PAGEABLE_BW)
+    dev = be.empty_device((rows, PAGE))
+    assert isinstance(dev, np.ndarray)
+    dev[...] = np.arange(rows, dtype=np.uint8)[:, None] + 1      # row r holds byte r + 1
+    host = np.zeros(host_pages * PAGE, dtype=np.uint8)
+    be.track_host(int(host.ctypes.data), host.nbytes)
+    if pinned:
+        be.host_register(int(host.ctypes.data), host.nbytes)
+    return Rig(be, dev, host)
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    yield make_rig()
+
+
+def copy_time(nbytes: int, bandwidth: float = PINNED_BW) -> float:
+    return LATENCY + nbytes / bandwidth
+
+
+# -- protocol, clock, factory ----------------------------------------------------------------------------------
+
+
+def test_sim_satisfies_the_backend_protocol() -> None:
+    be = SimBackend()
+    assert isinstance(be, Backend) and be.name == "sim"
+    assert be.current_stream() is be.current_stream()
+    assert be.ledger.live() == {}, "the compute stream is not the library's resource"
+
+
+def test_sim_clock_starts_at_zero_and_only_sleep_advances_it(rig: Rig) -> None:
+    be = rig.be
+    assert be.monotonic() == 0.0
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0))])
+    end = rig.end_event(stream)
+    assert not be.query(end) and not be.query(end) and be.monotonic() == 0.0, "polling does not move time"
+    be.sleep(0.25)
+    be.clock_advance(0.25)
+    assert be.monotonic() == 0.5 and be.query(end)
+    with pytest.raises(ValueError, match="negative"):
+        be.sleep(-1.0)
+
+
+def test_sim_work_runs_lazily_and_takes_latency_plus_bytes_over_bandwidth(rig: Rig) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(3), rig.host_addr(0)), (rig.dev_addr(4), rig.host_addr(1))])
+    end = rig.end_event(stream)
+    be.sleep(copy_time(2 * PAGE) * 0.99)
+    assert not be.query(end) and not rig.host.any(), "nothing moves before the op's finish time"
+    be.synchronize(end)
+    assert be.monotonic() == pytest.approx(copy_time(2 * PAGE))
+    assert (rig.host[:PAGE] == 4).all() and (rig.host[PAGE:2 * PAGE] == 5).all()
+
+
+def test_sim_copies_from_unpinned_host_memory_are_legal_and_slower() -> None:
+    rig = make_rig(pinned=False)
+    be = rig.be
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0))])
+    be.synchronize(rig.end_event(stream))
+    assert be.monotonic() == pytest.approx(copy_time(PAGE, PAGEABLE_BW))
+    assert (rig.host[:PAGE] == 1).all() and not be.violations
+
+
+def test_get_backend_by_name() -> None:
+    assert isinstance(backends.get_backend("sim"), SimBackend)
+    slow = backends.get_backend("sim", latency=1.0)
+    assert isinstance(slow, SimBackend)
+    with pytest.raises(ValueError, match=r"'auto', 'sim', 'cupy'"):
+        backends.get_backend("tpu")
+
+
+def test_get_backend_auto_falls_back_to_the_sim_with_one_info_line(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    def missing() -> types.ModuleType:
+        raise ImportError("No module named 'cupy'")
+
+    monkeypatch.setattr(backends, "_cupy_module", missing)
+    with caplog.at_level(logging.INFO, logger="kvoffload_ref"):
+        assert isinstance(backends.get_backend("auto"), SimBackend)
+    assert [r.getMessage() for r in caplog.records] == [
+        "CuPy backend not available (No module named 'cupy'); using the simulated device"]
+
+    no_gpu = types.SimpleNamespace(gpu_usable=lambda: (False, "no CUDA driver"))
+    monkeypatch.setattr(backends, "_cupy_module", lambda: no_gpu)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvoffload_ref"):
+        assert isinstance(backends.get_backend(), SimBackend)
+    assert [r.getMessage() for r in caplog.records] == ["No usable GPU (no CUDA driver); using the simulated device"]
+
+
+# -- streams, events and ordering ------------------------------------------------------------------------------
+
+
+def test_sim_stream_is_fifo(rig: Rig) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(1), rig.host_addr(0))])
+    first = rig.end_event(stream)
+    rig.copy(stream, [(rig.dev_addr(2), rig.host_addr(0))])
+    second = rig.end_event(stream)
+    be.synchronize(second)
+    assert be.elapsed(first, second) == pytest.approx(copy_time(PAGE)), "the second starts when the first ends"
+    assert (rig.host[:PAGE] == 3).all(), "the later copy lands last"
+
+
+def test_sim_cross_stream_wait_orders_work(rig: Rig) -> None:
+    be = rig.be
+    producer, consumer = be.create_stream(), be.create_stream()
+    rig.copy(producer, [(rig.dev_addr(5), rig.host_addr(0))])        # host page 0 <- 6
+    produced = rig.end_event(producer)
+    be.wait_event(consumer, produced)
+    rig.copy(consumer, [(rig.host_addr(0), rig.dev_addr(0))])        # dev row 0 <- host page 0
+    consumed = rig.end_event(consumer)
+    be.synchronize(consumed)
+    assert (rig.dev[0] == 6).all(), "the consumer read what the producer wrote"
+    assert be.elapsed(produced, consumed) == pytest.approx(copy_time(PAGE))
+
+
+@pytest.mark.rule("R4")
+@pytest.mark.parametrize("with_wait", [False, True])
+def test_sim_copy_without_a_wait_on_the_compute_stream_reads_stale_data(rig: Rig, with_wait: bool) -> None:
+    be = rig.be
+    be.enqueue_compute_write(rig.dev, [2], value=0xAB, delay=1e-3)   # a kernel still writing row 2
+    stream = be.create_stream()
+    if with_wait:
+        marker = be.create_event()
+        be.record(marker, be.current_stream())
+        be.wait_event(stream, marker)
+    rig.copy(stream, [(rig.dev_addr(2), rig.host_addr(0))])
+    be.synchronize(rig.end_event(stream))
+    expected = 0xAB if with_wait else 3
+    assert (rig.host[:PAGE] == expected).all()
+    assert (be.to_host(rig.dev)[2] == 0xAB).all(), "the kernel's write landed either way"
+
+
+def test_sim_ops_ready_at_the_same_time_run_latest_submitted_first() -> None:
+    # latency 1 s and a huge bandwidth: every copy takes exactly 1.0 virtual seconds, so the two finish together.
+    rig = make_rig(latency=1.0, pinned_bandwidth=1e30)
+    be = rig.be
+    first, second = be.create_stream(), be.create_stream()
+    rig.copy(first, [(rig.dev_addr(1), rig.host_addr(0))])
+    rig.copy(second, [(rig.dev_addr(2), rig.host_addr(0))])
+    be.sleep(1.0)
+    assert (rig.host[:PAGE] == 2).all(), "the earlier submission is applied last"
+
+    be.enqueue_compute_write(rig.dev, [7], value=0xEE, delay=1.0)    # ends exactly when the copy below ends
+    rig.copy(first, [(rig.dev_addr(7), rig.host_addr(1))])
+    be.sleep(1.0)
+    assert (rig.host[PAGE:2 * PAGE] == 8).all(), "a tie never hands the copy the kernel's output"
+
+
+def test_sim_events_follow_cuda_semantics(rig: Rig) -> None:
+    be = rig.be
+    event = be.create_event()
+    assert be.query(event), "a never-recorded event is complete"
+    be.enqueue_compute_write(rig.dev, [0], value=9, delay=1.0)
+    be.record(event, be.current_stream())                             # generation 1: done at t=1
+    waiter = be.create_stream()
+    be.wait_event(waiter, event)                                      # captures generation 1
+    be.enqueue_compute_write(rig.dev, [0], value=10, delay=5.0)
+    be.record(event, be.current_stream())                             # generation 2: done at t=6
+    rig.copy(waiter, [(rig.dev_addr(0), rig.host_addr(0))])
+    done = rig.end_event(waiter)
+    be.sleep(2.0)
+    assert be.query(done) and not be.query(event), "the wait was on the generation current when it was made"
+    assert (rig.host[:PAGE] == 9).all()
+    be.synchronize(event)
+    assert be.monotonic() == pytest.approx(6.0)
+
+
+def test_sim_destroying_a_stream_does_not_cancel_its_work(rig: Rig) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(6), rig.host_addr(0))])
+    end = rig.end_event(stream)
+    be.destroy_stream(stream)
+    be.synchronize(end)
+    assert (rig.host[:PAGE] == 7).all()
+    with pytest.raises(DeviceError) as info:
+        be.record(end, stream)
+    assert info.value.status == 400
+
+
+def test_sim_to_host_waits_for_the_compute_stream(rig: Rig) -> None:
+    rig.be.enqueue_compute_write(rig.dev, [1, 3], value=0x55, delay=2.0)
+    snapshot = rig.be.to_host(rig.dev)
+    assert rig.be.monotonic() == 2.0
+    assert (snapshot[[1, 3]] == 0x55).all() and (snapshot[0] == 1).all()
+
+
+def test_sim_elapsed_needs_completed_events(rig: Rig) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    start = rig.end_event(stream)
+    rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0))])
+    end = rig.end_event(stream)
+    with pytest.raises(DeviceError) as info:
+        be.elapsed(start, end)
+    assert info.value.status == 600
+    be.synchronize(end)
+    assert be.elapsed(start, end) == pytest.approx(copy_time(PAGE))
+
+
+def test_sim_rejects_handles_it_did_not_make(rig: Rig) -> None:
+    other = SimBackend()
+    with pytest.raises(DeviceError) as info:
+        rig.be.record(rig.be.create_event(), other.create_stream())
+    assert info.value.status == 400
+    with pytest.raises(DeviceError):
+        rig.be.query(other.create_event())
+    foreign = other.alloc_descriptors(1)
+    with pytest.raises(DeviceError):
+        rig.be.copy_batch(rig.be.create_stream(), foreign, 1)
+    with pytest.raises(InvalidTransferError, match="count 2 outside"):
+        rig.be.copy_batch(rig.be.create_stream(), rig.be.alloc_descriptors(1), 2)
+
+
+# -- memory ------------------------------------------------------------------------------------------------------
+
+
+def test_sim_device_arrays_and_their_geometry() -> None:
+    be = SimBackend()
+    dev = be.empty_device((4, 512))
+    assert isinstance(dev, np.ndarray) and dev.dtype == np.uint8 and dev.flags.c_contiguous and not dev.any()
+    info = be.array_info(dev)
+    assert (info.ptr, info.rows, info.row_bytes, info.row_stride) == (dev.ctypes.data, 4, 512, 512)
+    padded = dev[1:3, :500]
+    assert be.array_info(padded) == type(info)(int(dev.ctypes.data) + 512, 2, 500, 512)
+    source = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    copy = be.from_host(source)
+    np.testing.assert_array_equal(be.to_host(copy), source)
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("bad", [
+    np.zeros((4, 512), dtype=np.uint8),                # a plain numpy array, not the sim's
+    "not an array",
+])
+def test_sim_array_info_rejects_foreign_arrays(bad: object) -> None:
+    with pytest.raises(InvalidTransferError, match="device array"):
+        SimBackend().array_info(bad)
+
+
+def test_sim_array_info_rejects_wrong_dtype_rank_and_other_sims() -> None:
+    be = SimBackend()
+    dev = be.empty_device((4, 512))
+    assert isinstance(dev, np.ndarray)
+    with pytest.raises(InvalidTransferError, match="2-D uint8"):
+        be.array_info(dev.view(np.int32))
+    with pytest.raises(InvalidTransferError, match="2-D uint8"):
+        be.array_info(dev.reshape(-1))
+    with pytest.raises(InvalidTransferError, match="not a device array of this backend"):
+        SimBackend().array_info(dev)
+    with pytest.raises(InvalidTransferError, match="shape"):
+        be.empty_device((0, 512))
+
+
+def reference_copy(memory: dict[int, npt.NDArray[np.uint8]], src: list[int], dst: list[int],
+                   sizes: list[int]) -> None:
+    """Read every source, then write every destination, by address."""
+    def locate(addr: int, n: int) -> tuple[npt.NDArray[np.uint8], int]:
+        base = next(b for b, a in memory.items() if b <= addr and addr + n <= b + a.size)
+        return memory[base], addr - base
+
+    reads = [locate(s, n)[0][locate(s, n)[1]:locate(s, n)[1] + n].copy() for s, n in zip(src, sizes, strict=True)]
+    for d, n, data in zip(dst, sizes, reads, strict=True):
+        array, offset = locate(d, n)
+        array[offset:offset + n] = data
+
+
+def descriptor_pattern(rng: np.random.Generator, kind: str, n: int, row: int, size: int,
+                       rows: int) -> npt.NDArray[np.int64]:
+    """Byte offsets of n rows: a contiguous run, random rows on a row grid, or arbitrary byte offsets."""
+    if kind == "run":
+        first = int(rng.integers(0, rows - n + 1))
+        return (np.arange(first, first + n) * row).astype(np.int64)
+    picked = rng.choice(rows, size=n, replace=False).astype(np.int64)
+    if kind == "grid":
+        return picked * row
+    return picked * row + rng.integers(0, row - size + 1, size=n)   # "bytes": off the row grid
+
+
+@pytest.mark.parametrize("size", [64, 4096, 40_000])
+@pytest.mark.parametrize(("src_kind", "dst_kind"), [
+    ("run", "grid"), ("grid", "run"), ("grid", "grid"), ("bytes", "bytes"), ("run", "run")])
+@pytest.mark.parametrize("count", [3, 200])
+def test_sim_copy_moves_exactly_the_described_bytes(size: int, src_kind: str, dst_kind: str, count: int) -> None:
+    rng = np.random.default_rng(size * 7 + count)
+    be = SimBackend()
+    row = size + 64                                      # padded rows: offsets sit on a grid wider than a copy
+    rows = count * 2
+    dev = be.empty_device((rows, row))
+    assert isinstance(dev, np.ndarray)
+    dev[...] = rng.integers(0, 256, dev.shape, dtype=np.uint8)
+    host = rng.integers(0, 256, rows * row, dtype=np.uint8)
+    be.track_host(int(host.ctypes.data), host.nbytes)
+    so = descriptor_pattern(rng, src_kind, count, row, size, rows) + int(dev.ctypes.data)
+    do = descriptor_pattern(rng, dst_kind, count, row, size, rows) + int(host.ctypes.data)
+    memory = {int(dev.ctypes.data): dev.reshape(-1).copy(), int(host.ctypes.data): host.copy()}
+    reference_copy(memory, so.tolist(), do.tolist(), [size] * count)
+    buf = be.alloc_descriptors(count)
+    buf.fill(so, do, np.full(count, size, dtype=np.int64))
+    stream, end = be.create_stream(), be.create_event()
+    be.copy_batch(stream, buf, count)
+    be.record(end, stream)
+    be.synchronize(end)
+    np.testing.assert_array_equal(host, memory[int(host.ctypes.data)])
+    np.testing.assert_array_equal(dev.reshape(-1), memory[int(dev.ctypes.data)])
+    assert not be.violations
+
+
+@pytest.mark.parametrize("count", [2, 100])
+def test_sim_copy_within_one_array_reads_all_sources_first(count: int) -> None:
+    be = SimBackend()
+    dev = be.empty_device((count + 1, 64))
+    assert isinstance(dev, np.ndarray)
+    dev[...] = np.arange(count + 1, dtype=np.uint8)[:, None]
+    base = int(dev.ctypes.data)
+    buf = be.alloc_descriptors(count)        # shift every row down by one: row k+1 <- row k
+    buf.fill(base + np.arange(count) * 64, base + np.arange(1, count + 1) * 64, np.full(count, 64))
+    stream, end = be.create_stream(), be.create_event()
+    be.copy_batch(stream, buf, count)
+    be.record(end, stream)
+    be.synchronize(end)
+    np.testing.assert_array_equal(dev[:, 0], [0, *range(count)])
+
+
+# -- host registration -------------------------------------------------------------------------------------------
+
+
+def test_sim_host_registration_errors() -> None:
+    rig = make_rig(pinned=False)
+    be, ptr = rig.be, rig.host_ptr
+    with pytest.raises(DeviceError) as info:
+        be.host_register(ptr + rig.host.nbytes - PAGE, 2 * PAGE)     # runs past the mapping
+    assert info.value.status == 1
+    be.host_register(ptr, 2 * PAGE)
+    with pytest.raises(DeviceError) as info:
+        be.host_register(ptr + PAGE, PAGE)
+    assert info.value.status == 712
+    with pytest.raises(DeviceError) as info:
+        be.host_unregister(ptr + PAGE)
+    assert info.value.status == 713 and not be.violations, "an unknown pointer is no double unregister"
+    be.host_unregister(ptr)
+    with pytest.raises(DeviceError) as info:
+        be.host_unregister(ptr)
+    assert info.value.status == 713
+    assert [v.kind for v in be.violations] == ["double_unregister"]
+
+
+# -- violations --------------------------------------------------------------------------------------------------
+
+
+def assert_sticky_illegal_address(be: SimBackend, stream: Stream) -> None:
+    """Every later device call raises 700; release calls still succeed."""
+    calls: list[Callable[[], object]] = [be.create_stream, be.create_event, lambda: be.alloc_descriptors(1),
+             lambda: be.record(be.create_event(), stream), lambda: be.empty_device((1, 1))]
+    for call in calls:
+        with pytest.raises(DeviceError) as info:
+            call()
+        assert info.value.status == 700
+    be.destroy_stream(stream)
+
+
+@pytest.mark.rule("R12")
+def test_sim_untrack_under_a_pending_copy_is_a_violation_and_turns_sticky(rig: Rig) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(2))])
+    end = rig.end_event(stream)
+    be.host_unregister(rig.host_ptr)
+    kinds = [v.kind for v in be.violations]
+    assert kinds == ["unregister_under_dma"] and be.violations[0].tag == TAG
+    be.untrack_host(rig.host_ptr)
+    assert [v.kind for v in be.violations] == ["unregister_under_dma", "unmap_under_dma"]
+    be.sleep(1.0)
+    assert be.violations[-1].kind == "illegal_address"
+    assert not rig.host.any(), "the unmapped range was never touched"
+    with pytest.raises(DeviceError) as info:
+        be.query(end)
+    assert info.value.status == 700
+    assert_sticky_illegal_address(be, stream)
+
+
+@pytest.mark.rule("R12")
+def test_sim_unregister_under_a_pending_copy_is_a_violation(rig: Rig) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.host_addr(1), rig.dev_addr(0))])
+    end = rig.end_event(stream)
+    be.host_unregister(rig.host_ptr)
+    assert [v.kind for v in be.violations] == ["unregister_under_dma"]
+    with pytest.raises(DeviceError) as info:
+        be.synchronize(end)
+    assert info.value.status == 700 and be.violations[-1].kind == "illegal_address"
+
+
+def test_sim_release_after_the_copy_completed_is_clean(rig: Rig) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    buf = rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0))])
+    be.sleep(1.0)                      # done, though nobody queried an event
+    be.free_descriptors(buf)
+    be.host_unregister(rig.host_ptr)
+    be.untrack_host(rig.host_ptr)
+    assert not be.violations and (rig.host[:PAGE] == 1).all()
+
+
+def test_sim_freeing_descriptors_under_a_pending_copy_is_a_violation(rig: Rig) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    buf = rig.copy(stream, [(rig.dev_addr(4), rig.host_addr(0))])
+    be.free_descriptors(buf)
+    assert [v.kind for v in be.violations] == ["descriptor_freed_under_dma"]
+    be.synchronize(rig.end_event(stream))
+    assert (rig.host[:PAGE] == 5).all(), "the copy still ran with what it read"
+
+
+def test_sim_copy_outside_every_live_span_is_an_illegal_address(rig: Rig) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0)), (rig.dev_addr(7), rig.host_addr(7) + 1)])
+    end = rig.end_event(stream)
+    with pytest.raises(DeviceError) as info:
+        be.synchronize(end)
+    assert info.value.status == 700
+    assert [v.kind for v in be.violations] == ["illegal_address"] and "descriptor 1" in be.violations[0].detail
+    assert not rig.host.any(), "a failing copy moves nothing"
+    assert_sticky_illegal_address(be, stream)
+
+
+def test_sim_releasing_what_is_not_live_is_recorded_not_raised(rig: Rig) -> None:
+    be = rig.be
+    stream, event, buf = be.create_stream(), be.create_event(), be.alloc_descriptors(1)
+    releases: list[Callable[[], None]] = [lambda: be.destroy_stream(stream), lambda: be.destroy_event(event),
+                                          lambda: be.free_descriptors(buf)]
+    for release in releases:
+        release()
+        release()
+    be.untrack_host(rig.host_ptr + 1)
+    assert [v.kind for v in be.violations] == ["invalid_release"] * 4
+
+
+# -- ledger ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.rule("R16")
+def test_sim_ledger_balances(rig: Rig) -> None:
+    be = rig.be
+    assert be.ledger.live() == {"mapping": 1, "pinned": 1}
+    stream, event, buf = be.create_stream(), be.create_event(), be.alloc_descriptors(2)
+    assert be.ledger.live() == {"mapping": 1, "pinned": 1, "stream": 1, "event": 1, "descriptor": 1}
+    assert be.ledger.state_of("stream", id(stream)) == "live"
+    assert be.ledger.state_of("pinned", rig.host_ptr) == "live"
+    with pytest.raises(DeviceError):
+        be.host_register(rig.host_ptr, PAGE)              # already pinned: no acquisition
+    be.destroy_stream(stream)
+    be.destroy_event(event)
+    be.free_descriptors(buf)
+    be.host_unregister(rig.host_ptr)
+    be.untrack_host(rig.host_ptr)
+    assert be.ledger.live() == {}
+    assert be.ledger.acquired() == be.ledger.released() == {
+        "mapping": 1, "pinned": 1, "stream": 1, "event": 1, "descriptor": 1}
+
+
+# -- scale and speed ---------------------------------------------------------------------------------------------
+
+
+def test_sim_ten_thousand_chained_transfers_drain_quickly(capsys: pytest.CaptureFixture[str]) -> None:
+    rig = make_rig(rows=16, host_pages=16)
+    be, n = rig.be, 10_000
+    previous: Event | None = None
+    started = time.perf_counter()
+    for job in range(n):
+        tag = ("store", job)
+        stream = be.create_stream(tag=tag)
+        if previous is not None:
+            be.wait_event(stream, previous)
+        rig.copy(stream, [(rig.dev_addr(job % 16), rig.host_addr(job % 16))], tag=tag)
+        previous = rig.end_event(stream, tag)
+    submitted = time.perf_counter()
+    assert previous is not None and not be.query(previous)
+    be.synchronize(previous)
+    drained = time.perf_counter() - submitted
+    with capsys.disabled():
+        print(f"\n10k chained transfers: submit {submitted - started:.3f} s, drain {drained:.3f} s (real)")
+    assert be.monotonic() == pytest.approx(n * copy_time(PAGE))
+    assert drained < 5.0, "generous bound; expected well under a second"
+
+
+def measure_data_path(page: int, total: int = 32 << 20, repeats: int = 3) -> tuple[float, float]:
+    """(store, load) throughput of the sim over one contiguous numpy copy of the same bytes (higher is better)."""
+    be, rows = SimBackend(), total // page
+    dev = be.empty_device((2 * rows, page))
+    assert isinstance(dev, np.ndarray)
+    dev[...] = 7
+    host = np.ones(total, dtype=np.uint8)
+    be.track_host(int(host.ctypes.data), total)
+    be.host_register(int(host.ctypes.data), total)
+    gpu = int(dev.ctypes.data) + np.random.default_rng(0).permutation(2 * rows)[:rows] * page
+    cpu = int(host.ctypes.data) + np.arange(rows, dtype=np.int64) * page
+    store, load = be.alloc_descriptors(rows), be.alloc_descriptors(rows)
+    store.fill(gpu, cpu, np.full(rows, page))
+    load.fill(cpu, gpu, np.full(rows, page))
+    stream, end = be.create_stream(), be.create_event()
+    a, b = np.ones(total, dtype=np.uint8), np.zeros(total, dtype=np.uint8)
+
+    def best(run: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    def transfer(buf: DescriptorBuffer) -> None:
+        be.copy_batch(stream, buf, rows)
+        be.record(end, stream)
+        be.synchronize(end)
+
+    reference = best(lambda: np.copyto(b, a))
+    return reference / best(lambda: transfer(store)), reference / best(lambda: transfer(load))
+
+
+def test_sim_data_path_bandwidth_against_a_contiguous_numpy_copy(capsys: pytest.CaptureFixture[str]) -> None:
+    for page in (4096, 65536):
+        store, load = measure_data_path(page)
+        with capsys.disabled():
+            print(f"\nsim data path, {page >> 10} KiB pages: store {store:.2f}x, load {load:.2f}x "
+                  "of one contiguous numpy copy")
+        assert store > 0.1 and load > 0.1, "loose bound: CI machines are noisy"
+
+
+def test_sim_hang_is_not_an_exception() -> None:
+    assert issubclass(SimHang, BaseException) and not issubclass(SimHang, Exception)
