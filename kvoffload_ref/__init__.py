@@ -23,6 +23,7 @@ from kvoffload_ref.faults import Fault, FaultPlan, FaultyBackend
 from kvoffload_ref.handler import TransferResult
 from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.region import HostRegion, QuarantinedItem, quarantined
+from kvoffload_ref.shared_region import SharedRegion
 from kvoffload_ref.worker import (
     CPUOffloadingWorker,
     HandlerReport,
@@ -52,6 +53,7 @@ __all__ = [
     "OffloadError",
     "OwnershipError",
     "QuarantinedItem",
+    "SharedRegion",
     "ShutdownPolicy",
     "ShutdownReport",
     "TransferResult",

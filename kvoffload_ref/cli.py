@@ -1,4 +1,4 @@
-"""The ``kvoffload-ref`` command line: ``demo`` and ``diagram``.
+"""The ``kvoffload-ref`` command line: ``demo``, ``bench``, ``fuzz``, ``diagram``, ``spec``, ``failure-modes``.
 
 ``demo`` runs the main job on the simulated device: a realistic layout, a few hundred store and load jobs with
 every byte verified, then a never-completing load to show a bounded shutdown that quarantines the region, and the
@@ -213,7 +213,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     fm_mode.add_argument("--check", action="store_true", help="compare with the committed table")
     fm_mode.add_argument("--write", action="store_true", help="rewrite docs/failure-modes.md")
     modes.add_argument("--root", default=".", help="repository root (default: the current directory)")
+    bench = sub.add_parser("bench", help="measure the planner, the sim data path, shutdown and fuzzing (ratios)")
+    bench.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    bench.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    fuzz = sub.add_parser("fuzz", help="a stateful fuzz campaign of the worker against the lifecycle model")
+    fuzz.add_argument("--steps", type=int, default=10_000, help="rule steps to run (default 10000)")
+    fuzz.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    fuzz.add_argument("--policy", choices=("quarantine", "release"), default=None,
+                      help="shutdown policy to fuzz (default: drawn per run)")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from kvoffload_ref.bench import run_bench
+
+        run_bench(args.json, quick=args.quick)
+        return 0
+    if args.command == "fuzz":
+        from kvoffload_ref.testing.campaign import run_campaign
+
+        return run_campaign(args.steps, args.seed, args.policy)
     if args.command == "failure-modes":
         return _failure_modes(args.check, args.write, args.root)
     if args.command == "demo":

@@ -3,9 +3,10 @@
 Theory of operation
 -------------------
 ``submit`` plans the copies (``layout.plan_copies``; invalid input raises before any device work, R7), takes a
-stream, three events and a descriptor buffer from the pools (or creates them), and queues on the stream: a wait
+stream, two events and a descriptor buffer from the pools (or creates them), and queues on the stream: a wait
 for a marker event just recorded on the compute stream, a wait for the previous transfer's end event (R4), the
-start event, one batched copy, the end event.
+start event, one batched copy, the end event. (The marker goes back to the pool at once: a stream's wait captures
+the record current when it is issued, so re-recording the marker later cannot affect it.)
 
 A transfer leaves the queue only once *proven*: its end event was observed done without error (R5, R10). Proven
 transfers give their stream, events and descriptor buffer back to the pools. When observing the head raises,
@@ -93,17 +94,17 @@ class _Taken:
 class _Transfer:
     job_id: int
     stream: Stream
-    events: tuple[Event, Event, Event]  # (compute marker, start, end)
+    events: tuple[Event, Event]  # (start, end)
     descriptors: DescriptorBuffer | None  # None for a zero-op transfer
     nbytes: int
 
     @property
     def start(self) -> Event:
-        return self.events[1]
+        return self.events[0]
 
     @property
     def end(self) -> Event:
-        return self.events[2]
+        return self.events[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +226,8 @@ class DirectionHandler:
             backend.copy_batch(stream, descriptors, plan.num_ops, tag=tag)
             taken.copy_queued = True
         backend.record(end, stream, tag=tag)
-        return _Transfer(job_id, stream, (marker, start, end), descriptors, plan.nbytes)
+        self._events.append(marker)  # reusable at once: the stream's wait captured the record it needs
+        return _Transfer(job_id, stream, (start, end), descriptors, plan.nbytes)
 
     def _take_descriptors(self, count: int, tag: Tag, taken: _Taken) -> DescriptorBuffer:
         while self._descriptors and self._descriptors[-1].capacity < count:
@@ -239,7 +241,8 @@ class DirectionHandler:
             stream = cast(Stream, taken.items_of(self._streams)[0])
             marker, start, end = (cast(Event, e) for e in taken.items_of(self._events))
             descriptors = cast(DescriptorBuffer, taken.items_of(self._descriptors)[0])
-            self._unproven.append(_Transfer(-1, stream, (marker, start, end), descriptors, 0))
+            self._unproven.append(_Transfer(-1, stream, (start, end), descriptors, 0))
+            self._events.append(marker)
             return
         release: dict[int, Callable[[Any], None]] = {
             id(self._streams): self._backend.destroy_stream,
@@ -311,15 +314,18 @@ class DirectionHandler:
     def _prove_head(self) -> None:
         self._step(HandlerInput.HEAD_PROVEN)
         head = self._queue.popleft()
-        try:
-            seconds: float | None = self._backend.elapsed(head.start, head.end)
-        except DeviceError:
-            logger.warning("Could not read the timing of %s job %d", self.direction, head.job_id, exc_info=True)
-            seconds = None
+        if self.state is HandlerState.ACCEPTING:  # after shutdown began nothing is reported (R8)
+            self._resolved.append(TransferResult(head.job_id, True, head.nbytes, self._seconds(head)))
         self._recycle(head)
         self._counts["completed"] += 1
-        if self.state is HandlerState.ACCEPTING:  # after shutdown began nothing is reported (R8)
-            self._resolved.append(TransferResult(head.job_id, True, head.nbytes, seconds))
+
+    def _seconds(self, transfer: _Transfer) -> float | None:
+        try:
+            return self._backend.elapsed(transfer.start, transfer.end)
+        except DeviceError:
+            logger.warning("Could not read the timing of %s job %d", self.direction, transfer.job_id,
+                           exc_info=True)
+            return None
 
     def _fail_queue(self, exc: DeviceError) -> None:
         """R5/R10: observing the head raised. It and everything behind it have unknown completion: their

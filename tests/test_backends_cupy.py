@@ -654,18 +654,23 @@ DEADLINE = 30.0  # seconds: generous bound for work that must complete
 def gpu_backend() -> Iterator[cb.CupyBackend]:
     backend = cb.CupyBackend(0)  # compiles, loads and launches the copy kernel once (warm_up)
     if backend.kernel_unavailable is None:  # else the kernel tests fail, saying why; the others still run
-        flag = backend.alloc_spin_flag()  # launch the spin kernel once: no module may load while a spin runs
-        flag.release()
-        stream, end = backend.create_stream(), backend.create_event()
-        backend.enqueue_spin(stream, flag, timeout=5.0)
-        backend.record(end, stream)
-        backend.synchronize(end)
-        assert flag.state == 1
-        backend.destroy_event(end)
-        backend.destroy_stream(stream)
-        backend.free_spin_flag(flag)
+        warm_spin(backend)
     yield backend
     backend.release_cached_memory()
+
+
+def warm_spin(backend: cb.CupyBackend) -> None:
+    """Launch the spin kernel once, released in advance: no module may load while a spin runs (lazy loading)."""
+    flag = backend.alloc_spin_flag()
+    flag.release()
+    stream, end = backend.create_stream(), backend.create_event()
+    backend.enqueue_spin(stream, flag, timeout=5.0)
+    backend.record(end, stream)
+    backend.synchronize(end)
+    assert flag.state == 1
+    backend.destroy_event(end)
+    backend.destroy_stream(stream)
+    backend.free_spin_flag(flag)
 
 
 @pytest.fixture
@@ -1005,3 +1010,66 @@ def test_gpu_elapsed_times_a_transfer(gpu: cb.CupyBackend) -> None:
             gpu.destroy_event(e)
         gpu.destroy_stream(stream)
         gpu.free_descriptors(buf)
+
+
+# -- the worker on the real GPU (integration with handler, region and worker) ------------------------------------
+def _worker_setup(backend: cb.CupyBackend) -> tuple[Any, Any, list[U8], list[Any]]:
+    kv = importlib.import_module("kvoffload_ref")
+    layout = kv.KVCacheLayout(tensor_page_bytes=(4096, 4096),
+                              groups=((kv.LayerRef(0, 4096), kv.LayerRef(1, 4096)),))
+    rng = np.random.default_rng(11)
+    data = [rng.integers(0, 256, (64, 4096), dtype=np.uint8) for _ in range(2)]
+    return kv, layout, data, [backend.from_host(d) for d in data]
+
+
+@pytest.mark.gpu
+@pytest.mark.rule("R16")
+def test_gpu_worker_round_trip() -> None:
+    backend = cb.CupyBackend(0)
+    kv, layout, data, gpu = _worker_setup(backend)
+    with kv.create_worker(backend, gpu, layout, blocks_per_chunk=2, num_cpu_chunks=16,
+                          policy=kv.ShutdownPolicy(timeout=5.0, on_unproven="quarantine")) as w:
+        assert w.submit_store(1, kv.GPULoadStoreSpec([5, 9, 1, 3], group_sizes=(4,), block_indices=(0,)),
+                              kv.CPULoadStoreSpec([10, 7]))
+        w.wait({1}, timeout=DEADLINE)
+        w.submit_load(2, kv.CPULoadStoreSpec([10, 7]), kv.GPULoadStoreSpec([20, 21, 22, 23], (4,), (0,)))
+        w.wait({2}, timeout=DEADLINE)
+        results = w.get_finished()
+    report = w.shutdown()
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True)]
+    for t in range(2):
+        assert np.array_equal(backend.to_host(gpu[t])[[20, 21, 22, 23]], data[t][[5, 9, 1, 3]])
+    assert (report.region, report.device_sync) == ("released", "not_needed")
+    assert backend.ledger.live() == {}
+    backend.release_cached_memory()
+
+
+@pytest.mark.gpu
+@pytest.mark.rule("R11")
+@pytest.mark.rule("R12")
+def test_gpu_worker_shutdown_is_bounded_while_the_compute_stream_hangs() -> None:
+    """A store waits on a compute stream that never finishes: shutdown returns in time and quarantines."""
+    backend = cb.CupyBackend(0)
+    assert backend.kernel_unavailable is None, backend.kernel_unavailable
+    warm_spin(backend)
+    kv, layout, _data, gpu = _worker_setup(backend)
+    w = kv.create_worker(backend, gpu, layout, blocks_per_chunk=2, num_cpu_chunks=16,
+                         policy=kv.ShutdownPolicy(timeout=0.5, on_unproven="quarantine"))
+    spin_done = backend.create_event()
+    with spin_flag(backend, spin_done) as flag:
+        backend.enqueue_spin(backend.current_stream(), flag, timeout=20.0)
+        backend.record(spin_done, backend.current_stream())
+        assert w.submit_store(1, kv.GPULoadStoreSpec([5, 9], group_sizes=(2,), block_indices=(0,)),
+                              kv.CPULoadStoreSpec([3]))
+        start = backend.monotonic()
+        report = w.shutdown()
+        took = backend.monotonic() - start
+        assert took < 0.5 + 1.0, f"shutdown took {took:.2f} s"
+        assert report.region == "quarantined"
+        assert report.device_sync == "timeout"
+        assert backend.query(spin_done) is False, "the spin ended early: the test proved nothing"
+        flag.release()
+        assert poll_until(backend, lambda: backend.query(spin_done), backend.monotonic() + DEADLINE)
+        assert flag.state == 1, "the spin kernel timed out instead of being released"
+    backend.destroy_event(spin_done)
+    assert backend.ledger.live() == {}, "only quarantined resources may remain"

@@ -313,14 +313,22 @@ class SpinFlag:
     host_ptr: int
     dev_ptr: int
     words: npt.NDArray[np.int32]
+    freed: bool = False
 
     def release(self) -> None:
-        """Let the spinning kernel finish (the GPU sees the write within microseconds)."""
-        self.words[0] = 1
+        """Let the spinning kernel finish (the GPU sees the write within microseconds). No-op once freed."""
+        if not self.freed:
+            self.words[0] = 1
 
     @property
     def state(self) -> int:
-        """0 = not finished, 1 = released by the flag, 2 = timed out (read after the kernel's event completed)."""
+        """0 = not finished, 1 = released by the flag, 2 = timed out (read after the kernel's event completed).
+
+        Raises:
+            RuntimeError: the flag was freed (its memory is gone).
+        """
+        if self.freed:
+            raise RuntimeError("SpinFlag used after free_spin_flag()")
         return int(self.words[1])
 
 
@@ -650,7 +658,8 @@ class CupyBackend:
     # -- descriptor buffers -----------------------------------------------------------------------------------
     def alloc_descriptors(self, capacity: int, *, tag: Tag | None = None) -> DescriptorBuffer:
         """A descriptor buffer for ``capacity`` copies: int64 ``src``/``dst``/``sizes`` arrays of exactly that
-        length in pinned host memory (plus a device twin for the kernel path). Ledger kind "descriptor".
+        length in pinned host memory (plus a device twin for the kernel path). Ledger kind "descriptor", key
+        ``id(buffer)`` (as the simulated device; the handler quarantines by that key).
 
         Blocks are pooled by power-of-two size and reused; they are never freed on the transfer or shutdown path.
 
@@ -666,7 +675,7 @@ class CupyBackend:
         buf = DescriptorBuffer(words[0:capacity], words[slots:slots + capacity],
                                words[2 * slots:2 * slots + capacity], block)
         try:
-            self._ledger.acquire("descriptor", block.host_ptr)
+            self._ledger.acquire("descriptor", id(buf))
         except BaseException:
             self._return_block(block)
             raise
@@ -707,7 +716,7 @@ class CupyBackend:
         block = self._block_of(buf)
         if block.issued_to is not buf:  # a second free, possibly after the block was issued again: refuse
             raise LifecycleError(f"{buf!r} was already freed")
-        self._ledger.release("descriptor", block.host_ptr)
+        self._ledger.release("descriptor", id(buf))
         block.issued_to = None
         self._return_block(block)
 
@@ -745,15 +754,17 @@ class CupyBackend:
             return CupyStream(self._compute_ptr(), owned=False)
 
     def create_stream(self, *, tag: Tag | None = None) -> Stream:
-        """A new non-blocking stream (``cudaStreamCreateWithFlags(cudaStreamNonBlocking)``; ledger "stream").
+        """A new non-blocking stream (``cudaStreamCreateWithFlags(cudaStreamNonBlocking)``; ledger "stream", key
+        ``id(handle)``).
 
         Raises:
             DeviceError: the creation failed (nothing recorded).
         """
         with self._cuda("create_stream", tag):
             ptr = int(self._rt.streamCreateWithFlags(_STREAM_NON_BLOCKING))
-        self._ledger.acquire("stream", ptr)
-        return CupyStream(ptr, owned=True)
+        handle = CupyStream(ptr, owned=True)
+        self._ledger.acquire("stream", id(handle))
+        return handle
 
     def destroy_stream(self, stream: Stream) -> None:
         """Destroy a stream this backend created (queued work still runs; returns at once). A failure is logged,
@@ -773,7 +784,7 @@ class CupyBackend:
                     self._rt.streamDestroy(handle.ptr)
             except DeviceError as exc:
                 _log.warning("%s; the stream is forgotten", exc)
-        self._ledger.release("stream", handle.ptr)
+        self._ledger.release("stream", id(handle))
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         """Later work on ``stream`` waits (on the device) for the event's latest record.
@@ -786,15 +797,16 @@ class CupyBackend:
             self._rt.streamWaitEvent(s.ptr, e.ptr, 0)
 
     def create_event(self, *, tag: Tag | None = None) -> Event:
-        """A new timing event (``cudaEventCreateWithFlags(0)``; ledger "event").
+        """A new timing event (``cudaEventCreateWithFlags(0)``; ledger "event", key ``id(handle)``).
 
         Raises:
             DeviceError: the creation failed (nothing recorded).
         """
         with self._cuda("create_event", tag):
             ptr = int(self._rt.eventCreateWithFlags(_EVENT_DEFAULT))
-        self._ledger.acquire("event", ptr)
-        return CupyEvent(ptr)
+        handle = CupyEvent(ptr)
+        self._ledger.acquire("event", id(handle))
+        return handle
 
     def destroy_event(self, event: Event) -> None:
         """Destroy an event (returns at once even if its record is pending). A failure is logged, never raised.
@@ -811,7 +823,7 @@ class CupyBackend:
                     self._rt.eventDestroy(handle.ptr)
             except DeviceError as exc:
                 _log.warning("%s; the event is forgotten", exc)
-        self._ledger.release("event", handle.ptr)
+        self._ledger.release("event", id(handle))
 
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
         """Record the event on the stream (``cudaEventRecord``); remembers ``tag`` for the event's errors.
@@ -1037,8 +1049,11 @@ class CupyBackend:
         Raises:
             DeviceError: the free failed.
         """
+        if flag.freed:
+            return
         with self._cuda("free_spin_flag"):
             self._rt.freeHost(flag.host_ptr)
+        flag.freed = True
 
     def enqueue_spin(self, stream: Stream, flag: SpinFlag, *, timeout: float = 30.0) -> None:
         """Test helper: queue a one-thread kernel on ``stream`` that spins (volatile reads of mapped host memory)
