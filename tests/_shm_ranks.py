@@ -11,7 +11,7 @@ import os
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -125,7 +125,7 @@ def store_and_check(spec: Rank, barrier: Any, conn: Connection) -> None:
     _report(conn, body)
 
 
-def _block(reached: Any, resume: Any) -> None:
+def _block(reached: Any, resume: Any) -> NoReturn:
     """Tell the parent this point was reached, then wait until it resumes us (or kills us)."""
     reached.set()
     if not resume.wait(WAIT):
@@ -138,18 +138,22 @@ def stop_at(spec: Rank, where: str, reached: Any, resume: Any, conn: Connection)
 
     The parent then kills the process (SIGKILL) or sets ``resume``, which makes the stopped step raise.
     """
+    def stuck(fd: int, size: int) -> NoReturn:
+        _block(reached, resume)
+
     def body() -> str:
         if where == "before_size":
-            shared_region._size_file = lambda fd, size: _block(reached, resume)  # type: ignore[assignment]
+            shared_region._size_file = stuck
         elif where == "before_map":
-            shared_region._map_file = lambda fd, size: _block(reached, resume)  # type: ignore[assignment]
+            shared_region._map_file = stuck
         be = SimBackend()
         try:
             region = spec.open(be)
         except RuntimeError as exc:
             assert not be.ledger.live(), be.ledger.live()
             return f"open failed as told: {exc}"
-        _block(reached, resume)
-        region.release()  # pragma: no cover - _block raises
-        return "unreachable"
+        try:
+            _block(reached, resume)
+        finally:
+            region.release()
     _report(conn, body)

@@ -84,8 +84,8 @@ CopyPath = Literal["auto", "kernel", "memcpy"]
 _Word = TypeVar("_Word", np.int32, np.int64)
 
 #: Placeholder thresholds for ``copy_path="auto"`` (see docs/backends.md; scripts/gpu_bench.py measures them).
-DEFAULT_KERNEL_MIN_COUNT: Final = 8
-DEFAULT_KERNEL_MAX_MEAN_BYTES: Final = 256 * 1024
+DEFAULT_KERNEL_MIN_COUNT: Final = 16
+DEFAULT_KERNEL_MAX_MEAN_BYTES: Final = 1 << 20  # 1 MiB
 
 # CUDA constants CuPy does not export (values from the CUDA runtime headers).
 _HOST_REGISTER_FLAGS: Final = 1 | 2        # cudaHostRegisterPortable | cudaHostRegisterMapped
@@ -431,6 +431,8 @@ class CupyBackend:
         self.kernel_max_mean_bytes = int(kernel_max_mean_bytes)
         self._ledger = Ledger()
         self._lock = threading.Lock()
+        # Invariant: at most one (unowned) handle per compute-stream pointer; see current_stream().
+        self._compute_handles: dict[int, CupyStream] = {}
         # Invariant: _mappings / _pinned map a tracked / registered range's start to its size (what the ledger's
         # "mapping" / "pinned" entries describe); _spans is what the copy kernel may dereference.
         self._mappings: dict[int, int] = {}
@@ -751,7 +753,9 @@ class CupyBackend:
     def current_stream(self) -> Stream:
         """The compute stream: the calling thread's current CuPy stream on this device (not owned)."""
         with self._cuda("current_stream"):
-            return CupyStream(self._compute_ptr(), owned=False)
+            ptr = self._compute_ptr()
+        # One handle per compute stream, so callers (e.g. FaultyBackend) can tell it apart by identity.
+        return self._compute_handles.setdefault(ptr, CupyStream(ptr, owned=False))
 
     def create_stream(self, *, tag: Tag | None = None) -> Stream:
         """A new non-blocking stream (``cudaStreamCreateWithFlags(cudaStreamNonBlocking)``; ledger "stream", key
