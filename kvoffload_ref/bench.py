@@ -81,8 +81,6 @@ MiB: Final = 1024 * KiB
 LAYERS: Final = 32
 PLANNER_PAGE: Final = 16 * KiB
 BPC: Final = 4
-#: Blocks per job in the data-path measurement.
-JOB_BLOCKS: Final = 16
 #: Goals (issue 6, item 4).
 GOAL_PLANNER_RATE: Final = 20e6
 GOAL_PLANNER_VS_LOOP: Final = 50.0
@@ -98,14 +96,16 @@ class _Sizes:
     """What one run measures: the full run or the quick smoke run."""
 
     planner: tuple[int, int, int]  # descriptors: small, medium, large
-    datapath_bytes: int  # per direction
+    datapath_bytes: int  # per direction (at least one job)
+    job_blocks: int  # blocks per data-path job
     drain_transfers: int
+    drain_runs: int
     fuzz_steps: int
-    repeats: int  # best-of for the medium-cost measurements
+    repeats: int  # best-of for the data path and the hung shutdown
 
 
-FULL: Final = _Sizes((1024, 65536, 655360), 64 * MiB, 10_000, 2000, 5)
-QUICK: Final = _Sizes((1024, 8192, 81920), 4 * MiB, 1000, 100, 2)
+FULL: Final = _Sizes((1024, 65536, 655360), 64 * MiB, 64, 10_000, 3, 2000, 7)
+QUICK: Final = _Sizes((1024, 8192, 81920), 8 * MiB, 16, 1000, 1, 100, 2)
 
 
 # ----------------------------------------------------------------------------------------------------- results
@@ -324,10 +324,10 @@ def _gpu_spec(rows: I64) -> GPULoadStoreSpec:
     return GPULoadStoreSpec(rows, [len(rows)], [0])
 
 
-def _data_path_rig(page: int, nbytes: int, seed: int = 0) -> _DataPathRig:
-    """Build the worker and the jobs moving ``nbytes`` each way with ``page``-byte pages."""
+def _data_path_rig(page: int, nbytes: int, job_blocks: int, seed: int = 0) -> _DataPathRig:
+    """Build the worker and the jobs of ``job_blocks`` blocks moving ``nbytes`` (at least one job) each way."""
     rng = np.random.default_rng(seed)
-    blocks = max(JOB_BLOCKS, nbytes // (page * LAYERS) // JOB_BLOCKS * JOB_BLOCKS)
+    blocks = max(job_blocks, nbytes // (page * LAYERS) // job_blocks * job_blocks)
     be = SimBackend()
     layout = KVCacheLayout([page] * LAYERS, [[LayerRef(t, page) for t in range(LAYERS)]])
     source = [np.frombuffer(rng.bytes(2 * blocks * page), dtype=np.uint8).reshape(2 * blocks, page)
@@ -336,10 +336,10 @@ def _data_path_rig(page: int, nbytes: int, seed: int = 0) -> _DataPathRig:
     worker = create_worker(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=blocks // BPC)
     rows = rng.permutation(2 * blocks).astype(np.int64)
     store_rows, load_rows = rows[:blocks], rows[blocks:]
-    per_job = JOB_BLOCKS // BPC
+    per_job = job_blocks // BPC
     stores, loads = [], []
-    for j in range(blocks // JOB_BLOCKS):
-        part = slice(j * JOB_BLOCKS, (j + 1) * JOB_BLOCKS)
+    for j in range(blocks // job_blocks):
+        part = slice(j * job_blocks, (j + 1) * job_blocks)
         chunks = CPULoadStoreSpec(np.arange(j * per_job, (j + 1) * per_job, dtype=np.int64))
         stores.append((_gpu_spec(store_rows[part]), chunks))
         loads.append((chunks, _gpu_spec(load_rows[part])))
@@ -373,39 +373,45 @@ def _verify_sample(rig: _DataPathRig, tensors: Sequence[int]) -> None:
             raise AssertionError(f"data path: tensor {t} was not loaded back byte-exact")
 
 
-def _time_data_path(rig: _DataPathRig, repeats: int) -> float:
-    """Best real time of a round trip; the sampled destination rows are cleared before and checked after each."""
+def _time_data_path(rig: _DataPathRig, repeats: int) -> tuple[float, float]:
+    """Best real times of a round trip and of its reference copy, measured alternately so that slow spells of
+    the machine hit both; the sampled destination rows are cleared before and checked after each round trip.
+
+    Returns:
+        (round trip seconds, reference seconds).
+    """
     sample = (0, LAYERS // 2, LAYERS - 1)
-    best = math.inf
+    moved = 2 * int(rig.store_rows.size) * int(rig.gpu[0].shape[1]) * LAYERS
+    src, dst = np.ones(moved, dtype=np.uint8), np.ones(moved, dtype=np.uint8)
+    best, reference = math.inf, math.inf
     for attempt in range(repeats + 1):  # the first is a warm-up (pools fill, pages fault in)
         for t in sample:
             rig.gpu[t][rig.load_rows] = 0  # the sim is idle: writing its arrays directly races nothing
         elapsed = _round_trip(rig)
         _verify_sample(rig, sample)
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        copied = time.perf_counter() - start
         if attempt:
-            best = min(best, elapsed)
-    return best
+            best, reference = min(best, elapsed), min(reference, copied)
+    return best, reference
 
 
 def bench_data_path(sizes: _Sizes) -> list[Result]:
     """Store + load bytes/s through a worker on the sim against one contiguous numpy copy of the same bytes."""
     results = []
     for page, goal in ((4 * KiB, 0.4), (64 * KiB, 0.8)):
-        rig = _data_path_rig(page, sizes.datapath_bytes)
+        rig = _data_path_rig(page, sizes.datapath_bytes, sizes.job_blocks)
         try:
-            seconds = _time_data_path(rig, sizes.repeats)
+            seconds, reference = _time_data_path(rig, sizes.repeats)
         finally:
             rig.worker.shutdown()
-        moved = 2 * int(rig.store_rows.size) * page * LAYERS
-        a, b = np.ones(moved, dtype=np.uint8), np.zeros(moved, dtype=np.uint8)
-        reference = _best_of(lambda a=a, b=b: np.copyto(b, a), sizes.repeats)  # type: ignore[misc]
-        del a, b
-        jobs = len(rig.stores)
+        moved, jobs = 2 * int(rig.store_rows.size) * page * LAYERS, len(rig.stores)
         results.append(_result(
             f"datapath_{page // KiB}k", f"sim data path, {page // KiB} KiB pages, store+load {moved // MiB} MiB",
             (moved / seconds, "bytes/s"), (moved / reference, "bytes/s", "one np.copyto of the same bytes"),
             f">= {goal}x", [_Goal("ratio", ">=", goal)],
-            note=f"{jobs} stores + {jobs} loads of {JOB_BLOCKS} blocks x {LAYERS} layers"))
+            note=f"{jobs} stores + {jobs} loads of {sizes.job_blocks} blocks x {LAYERS} layers"))
     return results
 
 
@@ -436,15 +442,300 @@ class _WatchedSim(SimBackend):
         super().destroy_stream(stream)
 
 
+#: GPU blocks and CPU chunks of the shutdown workers (kept small: a quarantined region lives until exit).
+SMALL_BLOCKS: Final = 16
+SMALL_CHUNKS: Final = 4
+
+
 def _small_worker(be: SimBackend, policy: ShutdownPolicy | None = None) -> CPUOffloadingWorker:
-    """32 layers of 4 KiB pages, 64 GPU blocks, 16 CPU chunks of 4 blocks."""
+    """32 layers of 4 KiB pages, SMALL_BLOCKS GPU blocks, SMALL_CHUNKS CPU chunks of 4 blocks."""
     page = 4 * KiB
     layout = KVCacheLayout([page] * LAYERS, [[LayerRef(t, page) for t in range(LAYERS)]])
-    gpu = [be.empty_device((64, page)) for _ in range(LAYERS)]
-    return create_worker(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=16, policy=policy)
+    gpu = [be.empty_device((SMALL_BLOCKS, page)) for _ in range(LAYERS)]
+    return create_worker(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=SMALL_CHUNKS, policy=policy)
 
 
 def _one_block(job: int) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
-    return _gpu_spec(np.array([job % 64], dtype=np.int64)), CPULoadStoreSpec([job % 16])
+    """A one-block transfer (32 descriptors of 4 KiB); jobs cycle over the blocks and chunks."""
+    return _gpu_spec(np.array([job % SMALL_BLOCKS], dtype=np.int64)), CPULoadStoreSpec([job % SMALL_CHUNKS])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shutdown:
+    """One timed shutdown: the backend (with its milestones), the report and the real start and end times."""
+
+    be: _WatchedSim
+    report: ShutdownReport
+    start: float
+    end: float
+
+    @property
+    def wall(self) -> float:
+        return self.end - self.start
+
+    @property
+    def past_deadline(self) -> float:
+        """Real time from the virtual clock reaching the deadline to the end (0 if it never reached it)."""
+        return 0.0 if self.be.passed_deadline_at is None else self.end - self.be.passed_deadline_at
+
+    @property
+    def drain(self) -> float:
+        """Real time until the handlers' release began (the drains, and the proof if one was attempted)."""
+        return (self.be.release_at or self.end) - self.start
+
+
+def _timed_shutdown(be: _WatchedSim, worker: CPUOffloadingWorker, timeout: float) -> _Shutdown:
+    be.deadline = be.monotonic() + timeout
+    start = time.perf_counter()
+    report = worker.shutdown()
+    return _Shutdown(be, report, start, time.perf_counter())
+
+
+def _hung_shutdown(hang: bool) -> _Shutdown:
+    """Three stores (the second never completes if ``hang``) and two loads, the clock advanced, then shutdown
+    under the default policy."""
+    be = _WatchedSim(FaultPlan([Fault("copy", "hang", direction="store", job_id=1)] if hang else []))
+    w = _small_worker(be, ShutdownPolicy())
+    for job in range(3):
+        w.submit_store(job, *_one_block(job))
+    for job in range(3, 5):
+        gpu_spec, cpu_spec = _one_block(job)
+        w.submit_load(job, cpu_spec, gpu_spec)
+    be.sleep(0.1)
+    return _timed_shutdown(be, w, DEFAULT_TIMEOUT)
+
+
+def bench_hung_shutdown(repeats: int) -> list[Result]:
+    """Shutdown with a never-completing store: virtual overshoot, real wall time, real time past the deadline."""
+    clean = min(_hung_shutdown(False).wall for _ in range(repeats))
+    hung = min((_hung_shutdown(True) for _ in range(repeats)), key=lambda run: run.wall)
+    report, timeout = hung.report, DEFAULT_TIMEOUT
+    if report.device_sync != "timeout" or report.region != "quarantined" or report.store.abandoned != 2:
+        raise AssertionError(f"hung shutdown: unexpected report {report}")
+    overshoot = report.elapsed - timeout
+    goal = f"<= {GOAL_OVERSHOOT_S * 1e3:.0f} ms"
+    return [
+        _result("shutdown_hung_virtual", f"hung shutdown, virtual elapsed (timeout {timeout:g} s)",
+                (report.elapsed, "virtual s"), (timeout, "virtual s", "the policy timeout"),
+                f"overshoot {goal}", [_Goal("value", "<=", timeout + GOAL_OVERSHOOT_S)],
+                note=f"virtual overshoot {overshoot * 1e3:.3f} ms"),
+        _result("shutdown_hung_wall", "hung shutdown, real wall time (whole shutdown)", (hung.wall, "s"),
+                (clean, "s", "clean shutdown, same setup"), goal, [_Goal("value", "<=", GOAL_OVERSHOOT_S)],
+                note=f"includes polling through {timeout:g} virtual s (steps <= 1 ms), sleeping on a real GPU"),
+        _result("shutdown_hung_past_deadline", "hung shutdown, real time after the clock reached the deadline",
+                (hung.past_deadline, "s"), (hung.wall, "s", "the whole hung shutdown"), goal,
+                [_Goal("value", "<=", GOAL_OVERSHOOT_S)],
+                note="the sim's analogue of the real overshoot: abandon, device proof, release, quarantine"),
+    ]
+
+
+def _completed_transfers(count: int) -> tuple[_WatchedSim, CPUOffloadingWorker, float]:
+    """A worker with ``count`` one-block stores submitted and completed (clock advanced, nothing observed yet).
+
+    Returns:
+        The backend, the worker and the real time the submissions took.
+    """
+    be = _WatchedSim()
+    w = _small_worker(be)
+    start = time.perf_counter()
+    for job in range(count):
+        w.submit_store(job, *_one_block(job))
+    submitted = time.perf_counter() - start
+    be.sleep(1.0 + count * 1e-4)  # each takes ~10 virtual us
+    return be, w, submitted
+
+
+def _drain_shutdown(count: int) -> tuple[_Shutdown, float]:
+    """Shut down a worker with ``count`` completed transfers; returns the timed shutdown and the submit time."""
+    be, w, submitted = _completed_transfers(count)
+    run = _timed_shutdown(be, w, DEFAULT_TIMEOUT)
+    report = run.report
+    if report.store.drained != count or report.region != "released" or be.ledger.live():
+        raise AssertionError(f"drain shutdown: unexpected report {report}")
+    return run, submitted
+
+
+def _profile(count: int) -> list[dict[str, object]]:
+    """The top cost centers (by own time) of one shutdown of ``count`` completed transfers, under cProfile."""
+    _, w, _ = _completed_transfers(count)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    w.shutdown()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # pstats' documented-by-use table
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:PROFILE_TOP]
+    return [{"function": _where(key), "calls": int(value[1]), "tottime_ms": value[2] * 1e3,
+             "cumtime_ms": value[3] * 1e3} for key, value in rows]
+
+
+def _where(key: tuple[str, int, str]) -> str:
+    """``package/module.py:line(function)``, or the built-in's name."""
+    filename, line, name = key
+    if filename == "~":
+        return name
+    parts = filename.replace(os.sep, "/").split("/")
+    short = "/".join(parts[parts.index("kvoffload_ref"):]) if "kvoffload_ref" in parts else parts[-1]
+    return f"{short}:{line}({name})"
+
+
+def bench_drain(sizes: _Sizes) -> tuple[list[Result], float, list[dict[str, object]]]:
+    """Shutdown of many completed transfers: the drain phase and the whole, against submitting them.
+
+    Returns:
+        The results, the submit rate (transfers/s, the fuzz baseline) and the cProfile top cost centers.
+    """
+    count = sizes.drain_transfers
+    runs = [_drain_shutdown(count) for _ in range(sizes.drain_runs)]
+    best, _ = min(runs, key=lambda r: r[0].wall)
+    submitted = min(s for _, s in runs)
+    reference = (submitted, "s", f"submitting the {_label(count)} transfers")
+    goal = f"<= {GOAL_DRAIN_S * 1e3:.0f} ms"
+    results = [
+        _result("shutdown_drain_phase", f"shutdown of {_label(count)} completed transfers, drain phase",
+                (best.drain, "s"), reference, goal, [_Goal("value", "<=", GOAL_DRAIN_S)],
+                note="until the handlers' release begins"),
+        _result("shutdown_drain_total", f"shutdown of {_label(count)} completed transfers, whole",
+                (best.wall, "s"), reference, goal, [_Goal("value", "<=", GOAL_DRAIN_S)],
+                note=f"release: {(best.wall - best.drain) * 1e3:.1f} ms "
+                     f"({3 * count} streams/events/buffers destroyed)"),
+    ]
+    return results, count / submitted, _profile(count)
+
+
+# -------------------------------------------------------------------------------------------------------- fuzz
+
+
+def _campaign() -> tuple[Callable[..., int] | None, str]:
+    """``run_campaign`` from the conformance kit, or None and why it is not available."""
+    try:
+        module = importlib.import_module("kvoffload_ref.testing.campaign")
+    except ImportError as exc:
+        return None, f"not available ({exc})"
+    run = getattr(module, "run_campaign", None)
+    return (cast(Callable[..., int], run), "") if callable(run) else (None, "not available (no run_campaign)")
+
+
+def bench_fuzz(sizes: _Sizes, submit_rate: float) -> Result:
+    """Stateful fuzz steps/s (if the conformance kit exists), against the plain submit rate."""
+    steps, goal = sizes.fuzz_steps, f">= {GOAL_FUZZ_RATE:.0f} steps/s"
+    metric = f"stateful fuzz, {steps} steps"
+    reference = (submit_rate, "transfers/s", "plain submits (drain setup)")
+    run, why = _campaign()
+    if run is None:
+        return Result("fuzz", metric, None, "steps/s", submit_rate, reference[1], reference[2], None, goal, None,
+                      why)
+    start = time.perf_counter()
+    status = run(steps, 0, None, out=io.StringIO())
+    seconds = time.perf_counter() - start
+    return _result("fuzz", metric, (steps / seconds, "steps/s"), reference, goal,
+                   [_Goal("value", ">=", GOAL_FUZZ_RATE)],
+                   note=f"seed 0, policy drawn; campaign exit status {status}")
+
+
+# ------------------------------------------------------------------------------------------------ presentation
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    """A value with its unit, human-scaled."""
+    if value is None:
+        return "n/a"
+    if unit == "descriptors/s":
+        return f"{value / 1e6:.3g} M desc/s"
+    if unit == "bytes/s":
+        return f"{value / 1e9:.2f} GB/s"
+    if unit == "s":
+        return f"{value * 1e3:.3g} ms"
+    if unit == "virtual s":
+        return f"{value:.4f} s (virtual)"
+    return f"{value:,.0f} {unit}"
+
+
+def _fmt_ratio(ratio: float | None) -> str:
+    if ratio is None:
+        return "n/a"
+    return f"{ratio:.1f}x" if ratio >= 10 else f"{ratio:.3f}x"
+
+
+def render(doc: dict[str, object]) -> str:
+    """The markdown report of a :func:`run_bench` result: the table, the notes and the drain profile."""
+    results = cast(list[dict[str, object]], doc["results"])
+    lines = ["| metric | measured | reference (same run) | ratio | goal | met |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        met = {True: "yes", False: "**no**", None: "n/a"}[cast(bool | None, r["met"])]
+        reference = f"{_fmt(cast(float | None, r['reference']), str(r['reference_unit']))} " \
+                    f"({r['reference_label']})"
+        lines.append(f"| {r['metric']} | {_fmt(cast(float | None, r['value']), str(r['unit']))} | {reference} | "
+                     f"{_fmt_ratio(cast(float | None, r['ratio']))} | {r['goal']} | {met} |")
+    lines += ["", "Notes:", ""]
+    lines += [f"- {r['metric']}: {r['note']}" for r in results if r["note"]]
+    profile = cast(list[dict[str, object]], doc["drain_profile"])
+    lines += ["", f"Top cost centers of one drain shutdown under cProfile (own time; profiling inflates it):", "",
+              "| function | calls | own ms | cumulative ms |", "|---|---|---|---|"]
+    lines += [f"| `{p['function']}` | {p['calls']} | {cast(float, p['tottime_ms']):.1f} | "
+              f"{cast(float, p['cumtime_ms']):.1f} |" for p in profile]
+    lines += ["", f"run_bench took {cast(float, doc['elapsed_s']):.1f} s ({'quick' if doc['quick'] else 'full'})."]
+    return "\n".join(lines) + "\n"
+
+
+def _cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo, else what platform reports."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _machine() -> dict[str, object]:
+    """Python, numpy, platform, CPU count and the date (UTC)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return {
+        "python": platform.python_version(), "implementation": platform.python_implementation(),
+        "numpy": np.__version__, "platform": platform.platform(), "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(), "usable_cpus": len(affinity(0)) if affinity is not None else os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _finite(value: object) -> object:
+    """``value`` with non-finite floats (nested too) turned into None, so the JSON stays standard."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def run_bench(json_path: str | None = None, quick: bool = False, out: TextIO | None = None) -> dict[str, object]:
+    """Run every measurement, print the markdown report to ``out`` and write the JSON to ``json_path``.
+
+    Args:
+        json_path: where to write the results as JSON (None: do not write).
+        quick: small sizes, for a smoke test (a few seconds).
+        out: where the report goes (default: ``sys.stdout`` at call time).
+
+    Returns:
+        ``{"quick", "elapsed_s", "machine", "results": [Result as dict, ...], "drain_profile": [...]}``, the same
+        as the JSON.
+    """
+    sizes = QUICK if quick else FULL
+    start = time.perf_counter()
+    with _captured_logs():
+        results = [*bench_planner(sizes, quick), *bench_data_path(sizes), *bench_hung_shutdown(sizes.repeats)]
+        drain, submit_rate, profile = bench_drain(sizes)
+        results += [*drain, bench_fuzz(sizes, submit_rate)]
+    doc = cast(dict[str, object], _finite({
+        "quick": quick, "elapsed_s": time.perf_counter() - start, "machine": _machine(),
+        "results": [dataclasses.asdict(r) for r in results], "drain_profile": profile,
+    }))
+    (out or sys.stdout).write(render(doc))
+    if json_path is not None:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    return doc
 
 

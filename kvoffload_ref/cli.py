@@ -18,8 +18,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref import diagram as diagram_mod
+from kvoffload_ref import failure_modes
 from kvoffload_ref import spec as spec_mod
 from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.bench import run_bench
 from kvoffload_ref.faults import Fault, FaultPlan
 from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import CPUOffloadingWorker, ShutdownPolicy, ShutdownReport, create_worker
@@ -146,7 +148,7 @@ def _print_report(title: str, report: ShutdownReport) -> None:
 
 
 class _NoTraceback(logging.Formatter):
-    def formatException(self, ei: object) -> str:  # noqa: N802  # logging's API name
+    def formatException(self, ei: object) -> str:
         return ""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -181,8 +183,6 @@ def _spec(check_only: bool, root: str) -> int:
 
 
 def _failure_modes(check_only: bool, write: bool, root: str) -> int:
-    from kvoffload_ref import failure_modes
-
     path = pathlib.Path(root)
     if check_only:
         ok = failure_modes.check(path)
@@ -199,7 +199,8 @@ def _failure_modes(check_only: bool, write: bool, root: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvoffload-ref``."""
-    parser = argparse.ArgumentParser(prog="kvoffload-ref", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvoffload-ref", description="kvoffload_ref: a reference KV-cache offloading worker (GPU <-> pinned CPU)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="round trips, a hung shutdown and the release-policy hazard, on the sim")
     sub.add_parser("diagram", help="print the lifecycle machines as Mermaid stateDiagram-v2 text")
@@ -223,14 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="shutdown policy to fuzz (default: drawn per run)")
     args = parser.parse_args(argv)
     if args.command == "bench":
-        from kvoffload_ref.bench import run_bench
-
         run_bench(args.json, quick=args.quick)
         return 0
     if args.command == "fuzz":
-        from kvoffload_ref.testing.campaign import run_campaign
+        # Imported here: the conformance kit needs Hypothesis, which the demo and the core do not.
+        from kvoffload_ref.testing.campaign import run_campaign  # noqa: PLC0415
 
-        return run_campaign(args.steps, args.seed, args.policy)
+        return int(run_campaign(args.steps, args.seed, args.policy))
     if args.command == "failure-modes":
         return _failure_modes(args.check, args.write, args.root)
     if args.command == "demo":

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from kvoffload_ref.backends.base import Event
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.errors import DeviceError
 from kvoffload_ref.faults import Fault, FaultPlan
@@ -167,10 +168,10 @@ class _InterruptOnQuery(SimBackend):
         super().__init__(plan)
         self.armed = False
 
-    def query(self, event: object) -> bool:  # type: ignore[override]
+    def query(self, event: Event) -> bool:
         if self.armed:
             raise KeyboardInterrupt
-        return super().query(event)  # type: ignore[arg-type]
+        return super().query(event)
 
 
 def _run_interrupt(row: Row, policy: str) -> str:

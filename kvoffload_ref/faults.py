@@ -127,7 +127,7 @@ class FaultPlan:
     """
 
     def __init__(self, faults: Iterable[Fault] = ()) -> None:
-        # Invariant: faults never changes after construction (a plan can be shared and printed).
+        # Invariant: faults only grows, through add() (a plan can be shared and printed); never reordered.
         self.faults: tuple[Fault, ...] = tuple(faults)
         # Invariant: _counts[i] = number of calls so far that matched faults[i]'s point and selectors.
         self._counts = [0] * len(self.faults)
@@ -139,6 +139,21 @@ class FaultPlan:
 
     def __repr__(self) -> str:
         return f"FaultPlan([{', '.join(map(repr, self.faults))}])"
+
+    def add(self, fault: Fault) -> None:
+        """Arm one more fault, e.g. in the middle of a run. Thread-safe.
+
+        The new fault's ``nth`` counts the matching calls made from now on (earlier calls are not counted), and a
+        hang fault at a transfer point can only select transfers submitted from now on.
+
+        Raises:
+            TypeError: ``fault`` is not a :class:`Fault`.
+        """
+        if not isinstance(fault, Fault):
+            raise TypeError(f"expected a Fault, got {type(fault).__name__}")
+        with self._lock:
+            self.faults = (*self.faults, fault)
+            self._counts.append(0)
 
     def lost(self) -> Fault | None:
         """The sticky fault that lost the device, or None."""

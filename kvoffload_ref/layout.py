@@ -624,7 +624,7 @@ def _build(layout: KVCacheLayout, slices: list[_Slice], gpu: _Side, cpu: _Side, 
     return CopyPlan(_readonly(src), _readonly(dst), _readonly(sizes), total, nbytes)
 
 
-def plan_copies(  # noqa: PLR0917  (positional order fixed by the public contract)
+def plan_copies(
     layout: KVCacheLayout, direction: Direction, src_spec: GPULoadStoreSpec | CPULoadStoreSpec,
     dst_spec: GPULoadStoreSpec | CPULoadStoreSpec, gpu: Sequence[TensorGeometry],
     cpu: Sequence[TensorGeometry], blocks_per_chunk: int,

@@ -59,7 +59,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends.base import Backend, Ledger, ResourceKind
-from kvoffload_ref.errors import DeadlineExceeded, InvalidTransferError, OwnershipError
+from kvoffload_ref.errors import DeadlineExceeded, InvalidTransferError, LifecycleError, OwnershipError
 from kvoffload_ref.layout import KVCacheLayout
 from kvoffload_ref.lifecycle import RegionState
 from kvoffload_ref.region import PAGE, HostRegion, check_sizes
@@ -287,7 +287,7 @@ class _SharedFile:
     @property
     def fileno(self) -> int:
         if self.fd is None:
-            raise OwnershipError(f"the descriptor of {self.path} is closed")
+            raise LifecycleError(f"the descriptor of {self.path} is closed")
         return self.fd
 
     def names_inode(self) -> bool:
@@ -299,7 +299,7 @@ class _SharedFile:
         return (st.st_dev, st.st_ino) == self.identity
 
     def others_live(self) -> bool:
-        """Whether another admitted opener (in any process, this one included) still holds the live lock."""
+        """Whether another open description (another process, or another opener in this one) holds the live lock."""
         return _held_elsewhere(self.fileno, _LIVE_BYTE)
 
     @contextlib.contextmanager
@@ -455,7 +455,7 @@ def _finish_creation(shared: _SharedFile, geometry: SharedGeometry, directory: s
     """Creator: admit, write the header, check space, size the file, mark it READY. False: start over."""
     try:
         with shared.gate(deadline):
-            reaped = not shared.names_inode()  # taken for a dead creator's file between O_EXCL and the gate
+            reaped = not shared.names_inode()  # removed or replaced by someone between O_EXCL and the gate
             if not reaped:
                 shared.admit()
                 os.pwrite(shared.fileno, geometry.header(_CREATING), 0)
@@ -619,6 +619,16 @@ class SharedRegion(HostRegion):
             region = cls(backend, mapping, geometry, rank, shared, engine_id=engine_id, is_creator=is_creator)
             guards.pop_all()
         return region
+
+    @classmethod
+    def allocate(cls, backend: Backend, layout: KVCacheLayout, blocks_per_chunk: int,
+                 num_cpu_chunks: int) -> HostRegion:
+        """Not for shared regions: they need an engine id, a rank and a world size.
+
+        Raises:
+            TypeError: always; use :meth:`open`.
+        """
+        raise TypeError("SharedRegion.allocate() is not available: use SharedRegion.open(engine_id, ...)")
 
     @property
     def path(self) -> str:

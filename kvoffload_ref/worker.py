@@ -247,16 +247,14 @@ class _WorkerCore:
 
     def _finish_region(self, fate: Fate, reason: str, run: _ShutdownRun) -> None:
         region = self.region
-        pinned = region.pinned_ranges
         if fate is Fate.RELEASE:
-            failures = region.release_by_owner()
-            run.errors.extend(f"region: {f}" for f in failures)
-            for kind, count in region.leaked.items():
-                run.add("leaked", kind, count)
+            run.errors.extend(f"region: {f}" for f in region.release_by_owner())
+            kept = region.leaked
         else:
-            region.quarantine_by_owner(reason)
-            run.add("quarantined", "pinned", pinned)
-            run.add("quarantined", "mapping", 1)
+            run.errors.extend(f"region: {f}" for f in region.quarantine_by_owner(reason))
+            kept = region.quarantined_resources
+        for kind, count in kept.items():
+            run.add("leaked" if fate is Fate.RELEASE else "quarantined", kind, count)
         run.region = region.state
 
 

@@ -27,5 +27,5 @@ def test_docs_readme_usage_example_runs(capsys: object) -> None:
     namespace: dict[str, object] = {}
     exec(compile(example, "README.md", "exec"), namespace)
     report = namespace["report"]
-    assert getattr(report, "region") == "released"
+    assert report.region == "released"  # type: ignore[attr-defined]
     assert not namespace["be"].ledger.live()  # type: ignore[attr-defined]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -111,6 +112,44 @@ def test_faults_plan_selects_by_tag_and_nth_and_records_what_fired() -> None:
             plan.check("copy", ("load", 9))
     assert plan.fired == [second_store_2, every_load, every_load] and plan.lost() is None
     assert repr(plan).startswith("FaultPlan([Fault('copy', 'error', direction='store'")
+
+
+def test_faults_plan_add_arms_a_fault_mid_run_counting_from_then_on() -> None:
+    plan = FaultPlan([Fault("copy", job_id=1)])
+    plan.check("copy", ("store", 2))
+    plan.check("copy", ("store", 2))
+    added = Fault("copy", direction="store", nth=2, status=STATUS)
+    plan.add(added)
+    assert plan.faults[-1] is added and repr(plan).endswith(f"{added!r}])")
+    plan.check("copy", ("store", 2))  # the first match counted from now on
+    with pytest.raises(DeviceError) as info:
+        plan.check("copy", ("store", 2))
+    assert info.value.status == STATUS and plan.fired == [added]
+    hang = Fault("copy", "hang", job_id=5)
+    plan.add(hang)
+    assert plan.select_hang(("load", 5)) is hang
+    with pytest.raises(TypeError, match="expected a Fault"):
+        plan.add("copy")  # type: ignore[arg-type]
+
+
+def test_faults_plan_add_is_thread_safe() -> None:
+    plan = FaultPlan()
+    faults = [Fault("copy", job_id=i) for i in range(400)]
+
+    def arm(chunk: list[Fault]) -> None:
+        for fault in chunk:
+            plan.add(fault)
+            plan.check("event_query", ("store", -1))
+
+    threads = [threading.Thread(target=arm, args=(faults[i::4],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(f.job_id or 0 for f in plan.faults) == list(range(400))
+    for i in range(400):
+        with pytest.raises(DeviceError):
+            plan.check("copy", ("store", i))
 
 
 def test_faults_sticky_error_loses_the_device_for_every_point() -> None:

@@ -38,16 +38,22 @@ CTX = multiprocessing.get_context("spawn")
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM), reason="needs /dev/shm")
 
 
-def _library_names() -> set[str]:
-    return {n for n in os.listdir(SHM) if n.startswith((shared_region.FILE_PREFIX, TEST_DIR_PREFIX))}
+# Invariant: the test directories this session created (other sessions may run at the same time).
+_CREATED_DIRS: set[str] = set()
+
+
+def _library_files() -> set[str]:
+    return {n for n in os.listdir(SHM) if n.startswith(shared_region.FILE_PREFIX)}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_left_in_dev_shm() -> Iterator[None]:
-    """Session check: no file named like the library's (or a test directory) was left in /dev/shm."""
-    before = _library_names()
+    """Session check: no file named like the library's appeared in /dev/shm itself, and every test directory of
+    this session is gone."""
+    before = _library_files()
     yield
-    assert _library_names() - before == set()
+    assert _library_files() - before == set()
+    assert [d for d in _CREATED_DIRS if os.path.exists(d)] == []
 
 
 @pytest.fixture
@@ -55,6 +61,7 @@ def shm_dir() -> Iterator[str]:
     """A fresh directory under /dev/shm; it must be empty at teardown (then it is removed)."""
     path = os.path.join(SHM, f"{TEST_DIR_PREFIX}{uuid.uuid4().hex}")
     os.mkdir(path, 0o700)
+    _CREATED_DIRS.add(path)
     yield path
     left = sorted(os.listdir(path))
     shutil.rmtree(path)

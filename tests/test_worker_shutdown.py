@@ -367,3 +367,28 @@ def test_shutdown_worker_owns_the_region_and_handlers_never_see_it() -> None:
     w.shutdown()
     assert region.state.value == "released"
     assert region.release() == [], "R3: release is idempotent"
+
+
+@pytest.mark.rule("R15")
+def test_shutdown_worker_alive_at_interpreter_exit_is_shut_down(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import logging, sys
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+        import kvoffload_ref as kv
+        import atexit
+        be = kv.get_backend("sim")
+        # atexit runs handlers last-in first-out: this one, registered before the worker's finalizer, runs after it
+        atexit.register(lambda: print("ledger live at exit:", dict(be.ledger.live()), w.stats().state))
+        layout = kv.KVCacheLayout(tensor_page_bytes=(512,), groups=((kv.LayerRef(0, 512),),))
+        w = kv.create_worker(be, [be.empty_device((8, 512))], layout, blocks_per_chunk=1, num_cpu_chunks=4)
+        w.submit_store(1, kv.GPULoadStoreSpec([1], (1,), (0,)), kv.CPULoadStoreSpec([1]))
+    """)
+    root = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=root, check=True).stdout
+    assert "CPUOffloadingWorker was not shut down; shutting it down from its finalizer" in out
+    assert "ledger live at exit: {} closed" in out
