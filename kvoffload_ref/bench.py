@@ -17,15 +17,19 @@ Measurements (sizes in brackets: full run / ``quick=True``):
   checked equal to the planner's. Plus the scaling figure: planner time at the largest size over the middle one.
 * **Sim data path** -- store then load through a real worker on the :class:`~kvoffload_ref.backends.sim.SimBackend`
   (submit every job, ``wait``, ``get_finished``; the store source and load destination are disjoint random GPU
-  blocks, CPU chunks contiguous per job) for 4 KiB and 64 KiB pages, [64 MiB / 4 MiB] each way; a sample of the
-  loaded rows is verified byte-exact after every repetition (outside the timing). Reference: one ``np.copyto``
-  between two preallocated contiguous arrays of the same total bytes (store + load).
+  blocks, CPU chunks contiguous per job), 32 layer tensors, ``blocks_per_chunk = 4``, for 4 KiB and 64 KiB pages,
+  at least [64 MiB / 8 MiB] each way in jobs of [64 / 16] blocks (at 64 KiB pages one 64-block job is already
+  128 MiB); a sample of the loaded rows is verified byte-exact after every repetition (outside the timing).
+  Reference: one ``np.copyto`` between two preallocated contiguous arrays of the same total bytes (store + load),
+  timed alternately with the round trips so that a slow spell of the machine hits both.
 * **Shutdown past the deadline** -- a store whose copy never completes (a ``copy`` hang), with the default
   :class:`~kvoffload_ref.worker.ShutdownPolicy` timeout. Reported: the virtual elapsed time against the timeout,
   the real wall time of the whole shutdown against a clean shutdown of the same setup, and the real wall time
   spent after the virtual clock reached the deadline (the sim's analogue of a real overshoot; see
   docs/benchmarks.md).
-* **Shutdown drain** -- [10k / 1k] one-block stores, the clock advanced until all completed, then ``shutdown()``:
+* **Shutdown drain** -- [10k / 1k] one-block stores (a K and a V tensor: two 4 KiB descriptors each, so that the
+  sim's own cost of running the copies stays small; shutdown never touches them), the clock advanced until all
+  completed, then ``shutdown()``:
   the drain phase (until the first stream is destroyed, i.e. release begins) and the whole shutdown, both against
   the real time it took to submit those transfers. The whole shutdown is also profiled with cProfile once; the
   top cost centers are part of the results.
@@ -111,15 +115,12 @@ QUICK: Final = _Sizes((1024, 8192, 81920), 8 * MiB, 16, 1000, 1, 100, 2)
 # ----------------------------------------------------------------------------------------------------- results
 
 
-Direction_ = Literal[">=", "<="]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Goal:
     """One condition on a result: ``field op threshold`` (field "value" or "ratio")."""
 
     field: Literal["value", "ratio"]
-    op: Direction_
+    op: Literal[">=", "<="]
     threshold: float
 
     def holds(self, value: float | None, ratio: float | None) -> bool:
@@ -137,7 +138,7 @@ class Result:
         key: a stable identifier (the same in quick and full runs).
         metric: what was measured, with its size.
         value: the measured figure (None when not available), in ``unit``.
-        unit: "descriptors/s", "bytes/s", "s", "virtual s" or "steps/s".
+        unit: "descriptors/s", "bytes/s", "s" (real), "virtual s" (the sim's clock), "steps/s" or "transfers/s".
         reference: the same-run baseline, in ``reference_unit``.
         reference_unit: the baseline's unit.
         reference_label: what the baseline is.
@@ -270,36 +271,68 @@ def _label(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where ``getrusage`` is not available)."""
+    try:
+        resource = importlib.import_module("resource")
+    except ImportError:
+        return 0
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlannerTiming:
+    """Best real times of the planner and of the naive loop on one case, and the planner's page faults."""
+
+    descriptors: int
+    planner: float
+    loop: float
+    faults_per_call: float
+
+
+def _time_planner(num_descriptors: int, quick: bool) -> _PlannerTiming:
+    """Check the loop against the planner once, then time both (planner first, as the sizes come)."""
+    case = _planner_case(num_descriptors)
+    got, want = _plan(case), _naive_plan(case)
+    if not all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)):
+        raise AssertionError(f"the naive loop and plan_copies disagree at {num_descriptors} descriptors")
+    fast_runs, loop_runs = _planner_repeats(num_descriptors, quick)
+    faults = _minor_faults()
+    fast = _best_of(lambda: _plan(case), fast_runs)
+    faults = _minor_faults() - faults
+    slow = _best_of(lambda: _naive_plan(case), loop_runs)
+    return _PlannerTiming(case.descriptors, fast, slow, faults / (fast_runs + 1))
+
+
+def _planner_goal(which: str) -> tuple[str, list[_Goal]]:
+    """The goal of one planner size: none at the small size (the fixed per-call cost dominates there)."""
+    if which == "small":
+        return "none (fixed per-call cost dominates)", []
+    loop = f">= {GOAL_PLANNER_VS_LOOP:.0f}x loop"
+    if which == "large":
+        return loop, [_Goal("ratio", ">=", GOAL_PLANNER_VS_LOOP)]
+    return (f">= {GOAL_PLANNER_RATE / 1e6:.0f} M/s and {loop}",
+            [_Goal("ratio", ">=", GOAL_PLANNER_VS_LOOP), _Goal("value", ">=", GOAL_PLANNER_RATE)])
+
+
 def bench_planner(sizes: _Sizes, quick: bool) -> list[Result]:
     """Planner rate at three sizes against the naive loop, and the scaling from the middle to the largest size."""
-    times: list[float] = []
+    timings = [_time_planner(n, quick) for n in sizes.planner]
     results: list[Result] = []
-    for which, n in zip(("small", "medium", "large"), sizes.planner, strict=True):
-        case = _planner_case(n)
-        got, want = _plan(case), _naive_plan(case)
-        if not all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)):
-            raise AssertionError(f"the naive loop and plan_copies disagree at {n} descriptors")
-        fast_runs, loop_runs = _planner_repeats(n, quick)
-        fast = _best_of(lambda c=case: _plan(c), fast_runs)  # type: ignore[misc]
-        slow = _best_of(lambda c=case: _naive_plan(c), loop_runs)  # type: ignore[misc]
-        times.append(fast)
-        rate, loop_rate = case.descriptors / fast, case.descriptors / slow
-        goal, conditions = "none (fixed per-call cost dominates)", []
-        if which != "small":
-            conditions = [_Goal("ratio", ">=", GOAL_PLANNER_VS_LOOP)]
-            goal = f">= {GOAL_PLANNER_VS_LOOP:.0f}x loop"
-        if which == "medium":
-            conditions.append(_Goal("value", ">=", GOAL_PLANNER_RATE))
-            goal = f">= {GOAL_PLANNER_RATE / 1e6:.0f} M/s and {goal}"
+    for which, t in zip(("small", "medium", "large"), timings, strict=True):
+        goal, conditions = _planner_goal(which)
         results.append(_result(
-            f"planner_{which}", f"planner, {_label(n)} descriptors", (rate, "descriptors/s"),
-            (loop_rate, "descriptors/s", "naive per-block Python loop, same descriptors"), goal, conditions,
-            note=f"planner {fast * 1e3:.3f} ms, loop {slow * 1e3:.1f} ms"))
-    large, medium = sizes.planner[2], sizes.planner[1]
+            f"planner_{which}", f"planner, {_label(t.descriptors)} descriptors",
+            (t.descriptors / t.planner, "descriptors/s"),
+            (t.descriptors / t.loop, "descriptors/s", "naive per-block Python loop, same descriptors"), goal,
+            conditions, note=f"planner {t.planner * 1e3:.3f} ms ({t.faults_per_call:.0f} minor page faults per "
+                             f"call), loop {t.loop * 1e3:.1f} ms"))
+    medium, large = timings[1], timings[2]
     results.append(_result(
-        "planner_scaling", f"planner time, {_label(large)} vs {_label(medium)} descriptors", (times[2], "s"),
-        (times[1], "s", f"planner time at {_label(medium)}"), f"<= {GOAL_SCALING:.0f}x",
-        [_Goal("ratio", "<=", GOAL_SCALING)], note=f"{large // medium}x the descriptors"))
+        "planner_scaling", f"planner time, {_label(large.descriptors)} vs {_label(medium.descriptors)} descriptors",
+        (large.planner, "s"), (medium.planner, "s", f"planner time at {_label(medium.descriptors)}"),
+        f"<= {GOAL_SCALING:.0f}x", [_Goal("ratio", "<=", GOAL_SCALING)],
+        note=f"{large.descriptors // medium.descriptors}x the descriptors"))
     return results
 
 
@@ -411,7 +444,7 @@ def bench_data_path(sizes: _Sizes) -> list[Result]:
             f"datapath_{page // KiB}k", f"sim data path, {page // KiB} KiB pages, store+load {moved // MiB} MiB",
             (moved / seconds, "bytes/s"), (moved / reference, "bytes/s", "one np.copyto of the same bytes"),
             f">= {goal}x", [_Goal("ratio", ">=", goal)],
-            note=f"{jobs} stores + {jobs} loads of {sizes.job_blocks} blocks x {LAYERS} layers"))
+            note=f"{jobs} store(s) + {jobs} load(s) of {sizes.job_blocks} blocks x {LAYERS} layers"))
     return results
 
 
@@ -430,9 +463,11 @@ class _WatchedSim(SimBackend):
         self.deadline = math.inf
         self.passed_deadline_at: float | None = None
         self.release_at: float | None = None
+        self.sleeps = 0  # sleeps so far: the polls of bounded waits, plus the bench's own clock advances
 
     def sleep(self, seconds: float) -> None:
         super().sleep(seconds)
+        self.sleeps += 1
         if self.passed_deadline_at is None and self.monotonic() >= self.deadline:
             self.passed_deadline_at = time.perf_counter()
 
@@ -442,21 +477,23 @@ class _WatchedSim(SimBackend):
         super().destroy_stream(stream)
 
 
-#: GPU blocks and CPU chunks of the shutdown workers (kept small: a quarantined region lives until exit).
+#: The shutdown workers: a K and a V tensor of 4 KiB pages, few blocks (a quarantined region lives until exit;
+#: small copies keep the sim's own cost of running 10k transfers low -- shutdown never touches the copies).
+SMALL_TENSORS: Final = 2
 SMALL_BLOCKS: Final = 16
 SMALL_CHUNKS: Final = 4
 
 
 def _small_worker(be: SimBackend, policy: ShutdownPolicy | None = None) -> CPUOffloadingWorker:
-    """32 layers of 4 KiB pages, SMALL_BLOCKS GPU blocks, SMALL_CHUNKS CPU chunks of 4 blocks."""
+    """SMALL_TENSORS tensors of 4 KiB pages, SMALL_BLOCKS GPU blocks, SMALL_CHUNKS CPU chunks of 4 blocks."""
     page = 4 * KiB
-    layout = KVCacheLayout([page] * LAYERS, [[LayerRef(t, page) for t in range(LAYERS)]])
-    gpu = [be.empty_device((SMALL_BLOCKS, page)) for _ in range(LAYERS)]
+    layout = KVCacheLayout([page] * SMALL_TENSORS, [[LayerRef(t, page) for t in range(SMALL_TENSORS)]])
+    gpu = [be.empty_device((SMALL_BLOCKS, page)) for _ in range(SMALL_TENSORS)]
     return create_worker(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=SMALL_CHUNKS, policy=policy)
 
 
 def _one_block(job: int) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
-    """A one-block transfer (32 descriptors of 4 KiB); jobs cycle over the blocks and chunks."""
+    """A one-block transfer (2 descriptors of 4 KiB); jobs cycle over the blocks and chunks."""
     return _gpu_spec(np.array([job % SMALL_BLOCKS], dtype=np.int64)), CPULoadStoreSpec([job % SMALL_CHUNKS])
 
 
@@ -468,6 +505,8 @@ class _Shutdown:
     report: ShutdownReport
     start: float
     end: float
+    polls: int  # sleeps during the shutdown
+    released: int  # ledger releases during the shutdown (streams, events, buffers, pins, mappings)
 
     @property
     def wall(self) -> float:
@@ -485,10 +524,13 @@ class _Shutdown:
 
 
 def _timed_shutdown(be: _WatchedSim, worker: CPUOffloadingWorker, timeout: float) -> _Shutdown:
+    """Shut ``worker`` down (deadline ``timeout`` from now on the sim clock), timing it in real time."""
     be.deadline = be.monotonic() + timeout
+    sleeps, released = be.sleeps, sum(be.ledger.released().values())
     start = time.perf_counter()
     report = worker.shutdown()
-    return _Shutdown(be, report, start, time.perf_counter())
+    end = time.perf_counter()
+    return _Shutdown(be, report, start, end, be.sleeps - sleeps, sum(be.ledger.released().values()) - released)
 
 
 def _hung_shutdown(hang: bool) -> _Shutdown:
@@ -521,7 +563,8 @@ def bench_hung_shutdown(repeats: int) -> list[Result]:
                 note=f"virtual overshoot {overshoot * 1e3:.3f} ms"),
         _result("shutdown_hung_wall", "hung shutdown, real wall time (whole shutdown)", (hung.wall, "s"),
                 (clean, "s", "clean shutdown, same setup"), goal, [_Goal("value", "<=", GOAL_OVERSHOOT_S)],
-                note=f"includes polling through {timeout:g} virtual s (steps <= 1 ms), sleeping on a real GPU"),
+                note=f"{hung.polls} polls through {timeout:g} virtual s; a real GPU sleeps those out before the "
+                     "deadline"),
         _result("shutdown_hung_past_deadline", "hung shutdown, real time after the clock reached the deadline",
                 (hung.past_deadline, "s"), (hung.wall, "s", "the whole hung shutdown"), goal,
                 [_Goal("value", "<=", GOAL_OVERSHOOT_S)],
@@ -596,8 +639,8 @@ def bench_drain(sizes: _Sizes) -> tuple[list[Result], float, list[dict[str, obje
                 note="until the handlers' release begins"),
         _result("shutdown_drain_total", f"shutdown of {_label(count)} completed transfers, whole",
                 (best.wall, "s"), reference, goal, [_Goal("value", "<=", GOAL_DRAIN_S)],
-                note=f"release: {(best.wall - best.drain) * 1e3:.1f} ms "
-                     f"({3 * count} streams/events/buffers destroyed)"),
+                note=f"release: {(best.wall - best.drain) * 1e3:.1f} ms, {best.released} resources released "
+                     "(streams, events, descriptor buffers, pin, mapping)"),
     ]
     return results, count / submitted, _profile(count)
 
@@ -670,7 +713,7 @@ def render(doc: dict[str, object]) -> str:
     lines += ["", "Notes:", ""]
     lines += [f"- {r['metric']}: {r['note']}" for r in results if r["note"]]
     profile = cast(list[dict[str, object]], doc["drain_profile"])
-    lines += ["", f"Top cost centers of one drain shutdown under cProfile (own time; profiling inflates it):", "",
+    lines += ["", "Top cost centers of one drain shutdown under cProfile (own time; profiling inflates it):", "",
               "| function | calls | own ms | cumulative ms |", "|---|---|---|---|"]
     lines += [f"| `{p['function']}` | {p['calls']} | {cast(float, p['tottime_ms']):.1f} | "
               f"{cast(float, p['cumtime_ms']):.1f} |" for p in profile]

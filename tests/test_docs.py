@@ -29,3 +29,11 @@ def test_docs_readme_usage_example_runs(capsys: object) -> None:
     report = namespace["report"]
     assert report.region == "released"  # type: ignore[attr-defined]
     assert not namespace["be"].ledger.live()  # type: ignore[attr-defined]
+
+
+def test_docs_readme_diagram_is_generated_from_the_lifecycle_table() -> None:
+    from kvoffload_ref import diagram
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- diagram:handler -->\n```mermaid\n(.*?)```\n<!-- /diagram -->", text, flags=re.S)
+    assert block is not None and block.group(1) == diagram.render_machine("handler")

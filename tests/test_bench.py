@@ -1,0 +1,51 @@
+"""Smoke test of ``kvoffload-ref bench``: the quick run produces every figure, the table and the JSON.
+
+No performance assertions here (CI machines vary); docs/benchmarks.md holds the measured numbers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pathlib
+
+from kvoffload_ref.bench import run_bench
+
+KEYS = [
+    "planner_small", "planner_medium", "planner_large", "planner_scaling",
+    "datapath_4k", "datapath_64k",
+    "shutdown_hung_virtual", "shutdown_hung_wall", "shutdown_hung_past_deadline",
+    "shutdown_drain_phase", "shutdown_drain_total",
+    "fuzz",
+]
+FIELDS = {"key", "metric", "value", "unit", "reference", "reference_unit", "reference_label", "ratio", "goal",
+          "met", "note"}
+
+
+def test_quick_bench_reports_every_metric_and_writes_json(tmp_path: pathlib.Path) -> None:
+    out, path = io.StringIO(), tmp_path / "bench.json"
+    doc = run_bench(str(path), quick=True, out=out)
+
+    results = doc["results"]
+    assert isinstance(results, list)
+    assert [r["key"] for r in results] == KEYS
+    for r in results:
+        assert set(r) == FIELDS, r
+        if r["key"] == "fuzz" and r["value"] is None:   # the conformance kit is optional
+            assert r["met"] is None and "not available" in r["note"]
+            continue
+        assert isinstance(r["value"], float) and r["value"] >= 0, r
+        assert isinstance(r["reference"], float) and r["reference"] > 0, r
+        assert isinstance(r["ratio"], float) and math.isfinite(r["ratio"]) and r["ratio"] > 0, r
+        assert r["met"] in (True, False) or (r["met"] is None and r["key"] == "planner_small"), r
+
+    machine = doc["machine"]
+    assert isinstance(machine, dict)
+    assert {"python", "numpy", "platform", "cpu_count", "date"} <= set(machine)
+    assert doc["quick"] is True and isinstance(doc["drain_profile"], list) and doc["drain_profile"]
+
+    assert json.loads(path.read_text()) == doc, "the JSON holds exactly what run_bench returned"
+    table = out.getvalue()
+    assert table.startswith("| metric | measured | reference (same run) | ratio | goal | met |")
+    assert all(r["metric"] in table for r in results)
