@@ -2,8 +2,10 @@
 
 Theory of operation
 -------------------
-``submit`` plans the copies (``layout.plan_copies``; invalid input raises before any device work, R7), takes a
-stream, two events and a descriptor buffer from the pools (or creates them), and queues on the stream: a wait
+``submit`` validates and plans the copies (the handler's ``layout.Planner``, built once over its geometry;
+invalid input raises before any device work and before anything is taken from a pool, R7), takes a stream, two
+events and a descriptor buffer from the pools (or creates them), writes the copies straight into the descriptor
+buffer (no per-transfer arrays), and queues on the stream: a wait
 for a marker event just recorded on the compute stream, a wait for the previous transfer's end event (R4), the
 start event, one batched copy, the end event. (The marker goes back to the pool at once: a stream's wait captures
 the record current when it is issued, so re-recording the marker later cannot affect it.)
@@ -33,13 +35,13 @@ from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag, poll_until
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError
 from kvoffload_ref.layout import (
-    CopyPlan,
     CPULoadStoreSpec,
     Direction,
     GPULoadStoreSpec,
     KVCacheLayout,
+    Planner,
+    PreparedPlan,
     TensorGeometry,
-    plan_copies,
 )
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
 
@@ -158,15 +160,14 @@ class DirectionHandler:
         """Build a handler; ``prewarm`` streams (and three events each) are created up front.
 
         Raises:
+            InvalidTransferError: the geometry does not fit the layout (nothing was created).
             DeviceError: creating a prewarmed stream or event failed (what was created is destroyed).
         """
         self._backend = backend
         self.direction: Direction = direction
-        self._layout = layout
-        # Invariant: geometry only (addresses and strides), never the region (R1); cleared on release.
-        self._gpu: tuple[TensorGeometry, ...] = tuple(gpu)
-        self._cpu: tuple[TensorGeometry, ...] = tuple(cpu)
-        self._bpc = blocks_per_chunk
+        self._machine = f"{direction} handler"  # the lifecycle machine's name in error messages
+        # Invariant: holds geometry only (addresses and strides, validated once here), never the region (R1).
+        self._planner = Planner(layout, gpu, cpu, blocks_per_chunk)
         # Invariant: submission order; each waits on its predecessor's end event (R4); none is proven yet.
         self._queue: collections.deque[_Transfer] = collections.deque()
         # Invariant: completion known (proven or failed), not yet reported; in resolution (= submission) order.
@@ -197,7 +198,7 @@ class DirectionHandler:
             DeviceError: a device call failed; nothing was queued and what was taken for it is given back.
         """
         self._check_state(HandlerInput.SUBMIT)
-        plan = plan_copies(self._layout, self.direction, src, dst, self._gpu, self._cpu, self._bpc)
+        plan = self._planner.prepare(self.direction, src, dst)  # R7: every check happens here, before any take
         taken = _Taken()
         try:
             transfer = self._enqueue(job_id, plan, taken)
@@ -209,12 +210,12 @@ class DirectionHandler:
         self._jobs.add(job_id)
         self._counts["submitted"] += 1
 
-    def _enqueue(self, job_id: int, plan: CopyPlan, taken: _Taken) -> _Transfer:
+    def _enqueue(self, job_id: int, plan: PreparedPlan, taken: _Taken) -> _Transfer:
         backend, tag = self._backend, (self.direction, job_id)
         descriptors = None
         if plan.num_ops:
             descriptors = self._take_descriptors(plan.num_ops, tag, taken)
-            descriptors.fill(plan.src, plan.dst, plan.sizes)
+            plan.write(descriptors.src, descriptors.dst, descriptors.sizes)
         stream = taken.take(self._streams, lambda: backend.create_stream(tag=tag))
         marker, start, end = (taken.take(self._events, lambda: backend.create_event(tag=tag)) for _ in range(3))
         backend.record(marker, backend.current_stream(), tag=tag)
@@ -422,21 +423,20 @@ class DirectionHandler:
         buffers of unproven transfers are freed if ``fate`` is RELEASE, else returned for quarantine (and
         marked quarantined in the ledger). Idempotent.
         """
-        _, action = lifecycle.step(lifecycle.HANDLER_TABLE, f"{self.direction} handler", self.state,
-                                   HandlerInput.RELEASE)
+        _, action = lifecycle.step(lifecycle.HANDLER_TABLE, self._machine, self.state, HandlerInput.RELEASE)
         if action is Action.NOTHING:
             return ReleaseOutcome(())
         self._step(HandlerInput.RELEASE)
         backend = self._backend
+        destroy_stream, destroy_event, free = backend.destroy_stream, backend.destroy_event, backend.free_descriptors
         for stream in self.streams_in_use():
-            backend.destroy_stream(stream)
+            destroy_stream(stream)
         for event in [*self._events, *(e for t in self._unproven for e in t.events)]:
-            backend.destroy_event(event)
+            destroy_event(event)
         for buf in self._descriptors:
-            backend.free_descriptors(buf)
+            free(buf)
         unproven = [t.descriptors for t in self._unproven if t.descriptors is not None]
         self._streams, self._events, self._descriptors, self._unproven = [], [], [], []
-        self._gpu, self._cpu = (), ()
         if fate is Fate.RELEASE:
             for buf in unproven:
                 backend.free_descriptors(buf)
@@ -476,7 +476,7 @@ class DirectionHandler:
             raise
 
     def _check_state(self, event: HandlerInput) -> None:
-        lifecycle.step(lifecycle.HANDLER_TABLE, f"{self.direction} handler", self.state, event)
+        lifecycle.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)
 
     def _step(self, event: HandlerInput) -> None:
-        self.state, _ = lifecycle.step(lifecycle.HANDLER_TABLE, f"{self.direction} handler", self.state, event)
+        self.state, _ = lifecycle.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)

@@ -27,6 +27,12 @@ then t1 the same way. 8 descriptors, 4096 bytes.
 Rules: everything is validated before a plan is returned (R7) and invalid input raises
 :class:`~kvoffload_ref.errors.InvalidTransferError`; nothing is mutated. The planner is vectorized: Python loops
 run over tensors (geometry checks), groups, and sub-block positions within a chunk, never over blocks or refs.
+
+A :class:`Planner` binds one layout, geometry and ``blocks_per_chunk`` (a handler's, for its lifetime): it
+validates the geometry once and precomputes each group's per-ref factors, so a call only validates the specs
+(completely: R7) and does the arithmetic. It plans in two steps -- :meth:`Planner.prepare` validates and knows the
+descriptor count, :meth:`PreparedPlan.write` fills caller-provided (reused) int64 arrays -- so that no output is
+allocated per transfer. :func:`plan_copies` is the one-call form: validate everything, return new arrays.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ __all__ = [
     "CPULoadStoreSpec",
     "CopyPlan",
     "Direction",
+    "Planner",
+    "PreparedPlan",
     "check_geometry",
     "plan_copies",
 ]
@@ -466,23 +474,43 @@ def check_geometry(layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: Se
 
 @dataclasses.dataclass(frozen=True)
 class _Side:
-    """One side of a transfer, as arrays indexed by tensor."""
+    """One side's validated geometry, as arrays indexed by tensor (built once per :class:`Planner`)."""
 
     name: str  # Invariant: "GPU" or "CPU" (used in messages).
     label: str  # Invariant: "gpu" or "cpu" (the geometry list's name in messages).
     spec_name: str  # Invariant: the spec class and argument that hold this side's ids, for messages.
-    ids: Int64Array  # Invariant: this side's block ids, 1-D, >= 0.
     ptr: Int64Array
     stride: Int64Array
     rows: Int64Array
-    sub: Int64Array  # Invariant: bytes between sub-blocks of a row (the GPU page size; unused on the GPU side).
 
     @classmethod
-    def of(cls, name: str, spec_name: str, ids: Int64Array, cols: Int64Array, layout: KVCacheLayout) -> _Side:
-        """Build a side from its ids and its validated ``(4, n)`` geometry columns."""
+    def of(cls, name: str, spec_name: str, cols: Int64Array) -> _Side:
+        """Build a side from its validated ``(4, n)`` geometry columns."""
         ptr, rows, _, stride = cols
-        return cls(name, name.lower(), spec_name, ids, ptr, stride, rows,
-                   np.array(layout.tensor_page_bytes, dtype=np.int64))
+        return cls(name, name.lower(), spec_name, ptr, stride, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupColumns:
+    """One KV-cache group's refs resolved against both sides' geometry: the per-ref factors of its descriptors,
+    as ``(refs, 1)`` columns (``(refs, bpc)`` for the CPU sub-block offsets), computed once per Planner."""
+
+    refs: _GroupRefs
+    gpu_ptr: Int64Array
+    gpu_stride: Int64Array
+    gpu_rows: int  # Invariant: the fewest GPU rows among the group's tensors (an id below it fits all).
+    cpu_ptr: Int64Array
+    cpu_stride: Int64Array
+    cpu_rows: int  # Invariant: the same for the CPU views.
+    cpu_subs: Int64Array  # Invariant: cpu_subs[r, j] = j * tensor_page_bytes[tensor of ref r].
+    page_sizes: Int64Array
+
+    @classmethod
+    def of(cls, refs: _GroupRefs, gpu: _Side, cpu: _Side, pages: Int64Array, bpc: int) -> _GroupColumns:
+        t = refs.tensors
+        return cls(refs, gpu.ptr[t][:, None], gpu.stride[t][:, None], int(gpu.rows[t].min()),
+                   cpu.ptr[t][:, None], cpu.stride[t][:, None], int(cpu.rows[t].min()),
+                   pages[t][:, None] * np.arange(bpc, dtype=np.int64)[None, :], refs.page_sizes[:, None])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,12 +572,14 @@ def _slice_groups(layout: KVCacheLayout, gpu_spec: GPULoadStoreSpec, cpu_spec: C
     return slices
 
 
-def _check_ids_in_range(side: _Side, ids: Int64Array, offset: int, refs: _GroupRefs, group: int) -> None:
-    """Raise InvalidTransferError unless every id is a row of every tensor the group's refs use."""
-    rows = side.rows[refs.tensors]
-    if ids.size == 0 or int(ids.max()) < int(rows.min()):
+def _check_ids_in_range(side: _Side, ids: Int64Array, offset: int, least_rows: int, refs: _GroupRefs,
+                        group: int) -> None:
+    """Raise InvalidTransferError unless every id is a row of every tensor the group's refs use (all of them
+    have at least ``least_rows`` rows)."""
+    if ids.size == 0 or int(ids.max()) < least_rows:
         return
-    pos = int(np.flatnonzero(ids >= rows.min())[0])
+    rows = side.rows[refs.tensors]
+    pos = int(np.flatnonzero(ids >= least_rows)[0])
     bad = int(ids[pos])
     tensor = int(refs.tensors[int(np.flatnonzero(rows <= bad)[0])])
     raise InvalidTransferError(
@@ -557,10 +587,10 @@ def _check_ids_in_range(side: _Side, ids: Int64Array, offset: int, refs: _GroupR
         f"{side.label}[{tensor}] (group {group}): expected 0 <= id < {int(side.rows[tensor])}")
 
 
-def _fill_gpu(out: Int64Array, side: _Side, ids: Int64Array, tensors: Int64Array) -> None:
-    """Write ``ptr[t] + ids * stride[t]`` into ``out`` (shape: refs x blocks): one block per row."""
-    np.multiply(side.stride[tensors][:, None], ids[None, :], out=out)
-    out += side.ptr[tensors][:, None]
+def _fill_gpu(out: Int64Array, ptr: Int64Array, stride: Int64Array, ids: Int64Array) -> None:
+    """Write ``ptr[r] + ids * stride[r]`` into ``out`` (shape: refs x blocks): one block per row."""
+    np.multiply(stride, ids[None, :], out=out)
+    out += ptr
 
 
 def _add_outer(out: Int64Array, rows: Int64Array, subs: Int64Array) -> None:
@@ -576,8 +606,7 @@ def _add_outer(out: Int64Array, rows: Int64Array, subs: Int64Array) -> None:
         np.add(rows[:, :, None], subs[:, None, :], out=out)
 
 
-def _fill_cpu(out: Int64Array, side: _Side, chunks: Int64Array, skip: int, *, bpc: int,
-              tensors: Int64Array) -> None:
+def _fill_cpu(out: Int64Array, cols: _GroupColumns, chunks: Int64Array, skip: int, bpc: int) -> None:
     """Write the group's CPU sub-block addresses into ``out`` (shape: refs x blocks).
 
     The sub-blocks of the chunks in order (``ptr[t] + chunk * stride[t] + j * sub[t]``), the first ``skip``
@@ -585,43 +614,161 @@ def _fill_cpu(out: Int64Array, side: _Side, chunks: Int64Array, skip: int, *, bp
     written as a refs x chunks x bpc view of ``out``, and a partial last chunk (``tail``).
     """
     if bpc == 1:
-        _fill_gpu(out, side, chunks, tensors)
+        _fill_gpu(out, cols.cpu_ptr, cols.cpu_stride, chunks)
         return
-    rows = side.stride[tensors][:, None] * chunks[None, :] + side.ptr[tensors][:, None]  # refs x chunks
-    subs = side.sub[tensors][:, None] * np.arange(bpc, dtype=np.int64)[None, :]  # refs x bpc
+    rows = cols.cpu_stride * chunks[None, :] + cols.cpu_ptr  # refs x chunks
+    subs = cols.cpu_subs  # refs x bpc
     size = out.shape[1]
     head = min(size, (bpc - skip) % bpc)
     first = 1 if skip else 0
     whole = (size - head) // bpc
     tail = size - head - whole * bpc
-    out[:, :head] = rows[:, :1] + subs[:, skip:skip + head]
-    # Splitting the contiguous last axis never copies, so this reshape is a view that writes into ``out``.
-    middle = out[:, head:head + whole * bpc].reshape(len(tensors), whole, bpc)
-    _add_outer(middle, rows[:, first:first + whole], subs)
-    out[:, size - tail:] = rows[:, first + whole:first + whole + 1] + subs[:, :tail]
+    if head:
+        np.add(rows[:, :1], subs[:, skip:skip + head], out=out[:, :head])
+    if whole:
+        # Splitting the contiguous last axis never copies, so this reshape is a view that writes into ``out``.
+        middle = out[:, head:head + whole * bpc].reshape(out.shape[0], whole, bpc)
+        _add_outer(middle, rows[:, first:first + whole], subs)
+    if tail:
+        np.add(rows[:, first + whole:first + whole + 1], subs[:, :tail], out=out[:, size - tail:])
 
 
-def _build(layout: KVCacheLayout, slices: list[_Slice], gpu: _Side, cpu: _Side, *, bpc: int,
-           store: bool) -> CopyPlan:
-    """Lay out the descriptors group-major, then ref, then block, validating every id first."""
-    for s in slices:
-        refs = layout._group_refs[s.group]
-        _check_ids_in_range(gpu, gpu.ids[s.gpu_off:s.gpu_off + s.size], s.gpu_off, refs, s.group)
-        _check_ids_in_range(cpu, cpu.ids[s.cpu_off:s.cpu_off + s.cpu_count], s.cpu_off, refs, s.group)
-    total = sum(s.size * len(layout.groups[s.group]) for s in slices)
-    gpu_out, cpu_out, sizes = (np.empty(total, dtype=np.int64) for _ in range(3))
-    pos = nbytes = 0
-    for s in slices:
-        refs = layout._group_refs[s.group]
-        end = pos + s.size * len(refs.tensors)
-        shape = (len(refs.tensors), s.size)
-        _fill_gpu(gpu_out[pos:end].reshape(shape), gpu, gpu.ids[s.gpu_off:s.gpu_off + s.size], refs.tensors)
-        _fill_cpu(cpu_out[pos:end].reshape(shape), cpu, cpu.ids[s.cpu_off:s.cpu_off + s.cpu_count], s.skip,
-                  bpc=bpc, tensors=refs.tensors)
-        sizes[pos:end].reshape(shape)[:] = refs.page_sizes[:, None]
-        pos, nbytes = end, nbytes + s.size * refs.bytes_per_block
-    src, dst = (gpu_out, cpu_out) if store else (cpu_out, gpu_out)
-    return CopyPlan(_readonly(src), _readonly(dst), _readonly(sizes), total, nbytes)
+class PreparedPlan:
+    """One transfer, validated (R7) but not yet written out: how many descriptors and bytes it has, and
+    :meth:`write` to lay them out into caller-provided arrays (or :meth:`to_plan` into new ones).
+
+    Made by :meth:`Planner.prepare`. Writing cannot fail on valid output arrays: everything that can be wrong
+    with the transfer was checked when this was made.
+
+    Attributes:
+        num_ops: number of copies.
+        nbytes: total bytes copied.
+    """
+
+    __slots__ = ("_cpu_ids", "_gpu_ids", "_planner", "_slices", "_store", "nbytes", "num_ops")
+
+    def __init__(self, planner: Planner, gpu_ids: Int64Array, cpu_ids: Int64Array, slices: list[_Slice],
+                 store: bool) -> None:
+        self._planner = planner
+        # Invariant: the specs' read-only id arrays (specs are immutable), validated against the geometry.
+        self._gpu_ids, self._cpu_ids = gpu_ids, cpu_ids
+        self._slices = slices
+        self._store = store
+        groups = planner._columns
+        self.num_ops: int = sum(s.size * len(groups[s.group].refs.tensors) for s in slices)
+        self.nbytes: int = sum(s.size * groups[s.group].refs.bytes_per_block for s in slices)
+
+    def write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> int:
+        """Write the copies into the first :attr:`num_ops` entries of ``src``, ``dst`` and ``sizes``, in the
+        order :func:`plan_copies` returns them; the entries after those are left alone.
+
+        Args:
+            src, dst, sizes: writeable 1-D int64 arrays of at least ``num_ops`` entries each (for example a
+                descriptor buffer's).
+
+        Returns:
+            ``num_ops``.
+
+        Raises:
+            ValueError: an array that is not 1-D int64, is read-only or is too short (nothing written).
+        """
+        n = self.num_ops
+        for name, array in (("src", src), ("dst", dst), ("sizes", sizes)):
+            if not isinstance(array, np.ndarray) or array.dtype != np.int64 or array.ndim != 1 \
+                    or array.shape[0] < n or not array.flags.writeable:
+                raise ValueError(f"PreparedPlan.write: {name} must be a writeable 1-D int64 array of at least "
+                                 f"{n} entries")
+        targets = [a[:n] for a in (src, dst, sizes)]
+        if all(t.flags.c_contiguous for t in targets):
+            self._write(*targets)
+        else:   # the reshapes below must be views: fill contiguous arrays, then copy them over
+            staged = [np.empty(n, dtype=np.int64) for _ in targets]
+            self._write(*staged)
+            for target, values in zip(targets, staged, strict=True):
+                target[...] = values
+        return n
+
+    def to_plan(self) -> CopyPlan:
+        """The copies as a new :class:`CopyPlan` (read-only arrays the caller keeps)."""
+        src, dst, sizes = (np.empty(self.num_ops, dtype=np.int64) for _ in range(3))
+        self._write(src, dst, sizes)
+        return CopyPlan(_readonly(src), _readonly(dst), _readonly(sizes), self.num_ops, self.nbytes)
+
+    def _write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> None:
+        """Lay the descriptors out group-major, then ref, then block, into C-contiguous arrays of num_ops."""
+        gpu_out, cpu_out = (src, dst) if self._store else (dst, src)
+        columns, bpc = self._planner._columns, self._planner.blocks_per_chunk
+        pos = 0
+        for s in self._slices:
+            cols = columns[s.group]
+            refs = len(cols.refs.tensors)
+            end = pos + s.size * refs
+            shape = (refs, s.size)
+            _fill_gpu(gpu_out[pos:end].reshape(shape), cols.gpu_ptr, cols.gpu_stride,
+                      self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
+            _fill_cpu(cpu_out[pos:end].reshape(shape), cols, self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count],
+                      s.skip, bpc)
+            sizes[pos:end].reshape(shape)[...] = cols.page_sizes
+            pos = end
+
+
+class Planner:
+    """The copy planner for one fixed layout, tensor geometry and ``blocks_per_chunk`` (a handler's).
+
+    The geometry is validated once, here, by :func:`check_geometry`'s rules, and what every plan needs from it
+    is precomputed; each transfer's specs are still validated completely, on every call (R7). Planning in two
+    steps lets a caller learn the number of descriptors before it provides the arrays they go into:
+    ``prepared = planner.prepare(...)`` validates (and raises) and ``prepared.write(src, dst, sizes)`` fills
+    reused arrays without allocating. ``planner.plan(...)`` is ``plan_copies`` with the geometry bound.
+
+    Args:
+        layout: the KV-cache layout.
+        gpu: geometry of each GPU tensor (copied: later changes to the sequence do not matter).
+        cpu: geometry of each CPU view.
+        blocks_per_chunk: GPU pages per CPU row, >= 1.
+
+    Raises:
+        InvalidTransferError: what :func:`check_geometry` raises.
+    """
+
+    def __init__(self, layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry],
+                 blocks_per_chunk: int) -> None:
+        bpc = _require_int(blocks_per_chunk, "blocks_per_chunk", 1)
+        gpu_cols, cpu_cols = _geometry_columns(layout, gpu, cpu, bpc)
+        self.layout = layout
+        self.blocks_per_chunk = bpc
+        self._gpu = _Side.of("GPU", "GPULoadStoreSpec", gpu_cols)
+        self._cpu = _Side.of("CPU", "CPULoadStoreSpec", cpu_cols)
+        pages = np.array(layout.tensor_page_bytes, dtype=np.int64)
+        # Invariant: _columns[g] describes layout.groups[g] on this geometry.
+        self._columns = tuple(_GroupColumns.of(refs, self._gpu, self._cpu, pages, bpc)
+                              for refs in layout._group_refs)
+
+    def prepare(self, direction: Direction, src_spec: GPULoadStoreSpec | CPULoadStoreSpec,
+                dst_spec: GPULoadStoreSpec | CPULoadStoreSpec) -> PreparedPlan:
+        """Validate one transfer (R7) and return it ready to be written out.
+
+        Raises:
+            InvalidTransferError: what :func:`plan_copies` raises for the direction and the specs.
+        """
+        gpu_spec, cpu_spec = _specs_for(direction, src_spec, dst_spec)
+        return self._prepare(gpu_spec, cpu_spec, direction == "store")
+
+    def plan(self, direction: Direction, src_spec: GPULoadStoreSpec | CPULoadStoreSpec,
+             dst_spec: GPULoadStoreSpec | CPULoadStoreSpec) -> CopyPlan:
+        """:func:`plan_copies` on this planner's layout, geometry and blocks_per_chunk."""
+        return self.prepare(direction, src_spec, dst_spec).to_plan()
+
+    def _prepare(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, store: bool) -> PreparedPlan:
+        slices = _slice_groups(self.layout, gpu_spec, cpu_spec, self.blocks_per_chunk)
+        gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids
+        for s in slices:
+            cols = self._columns[s.group]
+            _check_ids_in_range(self._gpu, gpu_ids[s.gpu_off:s.gpu_off + s.size], s.gpu_off, cols.gpu_rows,
+                                cols.refs, s.group)
+            _check_ids_in_range(self._cpu, cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.cpu_off, cols.cpu_rows,
+                                cols.refs, s.group)
+        return PreparedPlan(self, gpu_ids, cpu_ids, slices, store)
 
 
 def plan_copies(
@@ -630,6 +777,10 @@ def plan_copies(
     cpu: Sequence[TensorGeometry], blocks_per_chunk: int,
 ) -> CopyPlan:
     """Plan the byte copies of one transfer (reference §2.3/§2.4), validating everything first (R7).
+
+    Validates the geometry on every call and returns new arrays; a caller planning many transfers on one
+    geometry (the handler) uses a :class:`Planner`, which validates the geometry once and can write into reused
+    arrays. Both give the same copies and raise the same errors.
 
     Args:
         layout: the KV-cache layout.
@@ -650,9 +801,5 @@ def plan_copies(
             a CPU id count other than the groups need; an id ``>=`` the rows of a tensor it indexes.
     """
     gpu_spec, cpu_spec = _specs_for(direction, src_spec, dst_spec)
-    bpc = _require_int(blocks_per_chunk, "blocks_per_chunk", 1)
-    gpu_cols, cpu_cols = _geometry_columns(layout, gpu, cpu, bpc)
-    slices = _slice_groups(layout, gpu_spec, cpu_spec, bpc)
-    gpu_side = _Side.of("GPU", "GPULoadStoreSpec", gpu_spec.block_ids, gpu_cols, layout)
-    cpu_side = _Side.of("CPU", "CPULoadStoreSpec", cpu_spec.block_ids, cpu_cols, layout)
-    return _build(layout, slices, gpu_side, cpu_side, bpc=bpc, store=direction == "store")
+    planner = Planner(layout, gpu, cpu, blocks_per_chunk)
+    return planner._prepare(gpu_spec, cpu_spec, direction == "store").to_plan()

@@ -58,7 +58,15 @@ __all__ = [
 ]
 
 
-class Action(enum.Enum):
+class _IdentityHash:
+    """Enum mixin: members hash by identity, in C. ``enum.Enum.__hash__`` is Python code (it hashes the member's
+    name), and every table lookup hashes two members. Members are singletons compared by identity, so every
+    lookup finds exactly what it found before; only the hash values differ."""
+
+    __hash__ = object.__hash__
+
+
+class Action(_IdentityHash, enum.Enum):
     """What the driver does after a transition."""
 
     PROCEED = "proceed"  # carry out the call normally
@@ -88,13 +96,13 @@ Table = Mapping[tuple[enum.Enum, enum.Enum], Transition | Refusal]
 
 
 # -- worker -----------------------------------------------------------------------------------------------------
-class WorkerState(enum.Enum):
+class WorkerState(_IdentityHash, enum.Enum):
     OPEN = "open"
     SHUTTING_DOWN = "shutting_down"
     CLOSED = "closed"
 
 
-class WorkerInput(enum.Enum):
+class WorkerInput(_IdentityHash, enum.Enum):
     SUBMIT = "submit"  # submit_store / submit_load
     GET_FINISHED = "get_finished"
     WAIT = "wait"
@@ -135,7 +143,7 @@ WORKER_TABLE: Final[Table] = {
 
 
 # -- handler ----------------------------------------------------------------------------------------------------
-class HandlerState(enum.Enum):
+class HandlerState(_IdentityHash, enum.Enum):
     ACCEPTING = "accepting"
     DRAINING = "draining"
     DRAINED = "drained"  # every queued transfer was proven complete by its own event
@@ -143,7 +151,7 @@ class HandlerState(enum.Enum):
     CLOSED = "closed"  # transfer-side resources released (or handed to quarantine)
 
 
-class HandlerInput(enum.Enum):
+class HandlerInput(_IdentityHash, enum.Enum):
     SUBMIT = "submit"
     HEAD_PROVEN = "head_proven"  # the oldest transfer's end event was observed done without error
     HEAD_FAILED = "head_failed"  # observing the oldest transfer raised (R5/R10)
@@ -186,14 +194,14 @@ HANDLER_TABLE: Final[Table] = {
 
 
 # -- region -----------------------------------------------------------------------------------------------------
-class RegionState(enum.Enum):
+class RegionState(_IdentityHash, enum.Enum):
     CALLER_OWNED = "caller_owned"  # built, not (yet) adopted by a worker (R1)
     WORKER_OWNED = "worker_owned"  # a worker's constructor returned successfully with it (R1)
     RELEASED = "released"  # unpinned, views dropped, unmapped (R3)
     QUARANTINED = "quarantined"  # kept mapped and pinned until process exit (R12)
 
 
-class RegionInput(enum.Enum):
+class RegionInput(_IdentityHash, enum.Enum):
     ADOPT = "adopt"  # a worker takes ownership
     CALLER_RELEASE = "caller_release"  # region.release() by its caller
     WORKER_RELEASE = "worker_release"  # the owning worker's shutdown proved it idle (or policy "release")
@@ -226,7 +234,7 @@ REGION_TABLE: Final[Table] = {
 
 
 # -- shutdown decisions -----------------------------------------------------------------------------------------
-class ProofDecision(enum.Enum):
+class ProofDecision(_IdentityHash, enum.Enum):
     """Whether the device-level proof (R13) runs. Values are the report's ``device_sync`` spelling."""
 
     NOT_NEEDED = "not_needed"  # the clean path held: every transfer proven by its own event
@@ -234,7 +242,7 @@ class ProofDecision(enum.Enum):
     SKIPPED = "skipped"  # a BaseException stopped all waiting (R14)
 
 
-class ProofOutcome(enum.Enum):
+class ProofOutcome(_IdentityHash, enum.Enum):
     """What the proof established. Values are the report's ``device_sync`` spelling."""
 
     NOT_NEEDED = "not_needed"
@@ -244,14 +252,14 @@ class ProofOutcome(enum.Enum):
     SKIPPED = "skipped"
 
 
-class Policy(enum.Enum):
+class Policy(_IdentityHash, enum.Enum):
     """``ShutdownPolicy.on_unproven``: what to do with memory that may still be under DMA."""
 
     QUARANTINE = "quarantine"  # the default: keep it alive until process exit (R12)
     RELEASE = "release"  # vLLM #51622: release regardless, after a best-effort proof
 
 
-class Fate(enum.Enum):
+class Fate(_IdentityHash, enum.Enum):
     """What happens to the region and to the descriptor buffers of unproven transfers."""
 
     RELEASE = "release"

@@ -390,7 +390,7 @@ class CPUOffloadingWorker:
             raise InvalidTransferError(f"job_id must be an int, got {type(job_id).__name__}")
         if core.store.knows(int(job_id)) or core.load.knows(int(job_id)):
             raise InvalidTransferError(f"job_id {int(job_id)} is already in flight")
-        handler.submit(int(job_id), src, dst)  # type: ignore[arg-type]  # plan_copies checks the types (R7)
+        handler.submit(int(job_id), src, dst)  # type: ignore[arg-type]  # the planner checks the types (R7)
         return True
 
     def get_finished(self) -> list[TransferResult]:

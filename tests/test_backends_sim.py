@@ -13,9 +13,9 @@ import numpy.typing as npt
 import pytest
 
 from kvoffload_ref import backends
-from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag
+from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Ledger, Stream, Tag
 from kvoffload_ref.backends.sim import SimBackend, SimHang
-from kvoffload_ref.errors import DeviceError, InvalidTransferError
+from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError
 
 PAGE = 4096
 LATENCY = 5e-6
@@ -389,6 +389,129 @@ def test_sim_copy_within_one_array_reads_all_sources_first(count: int) -> None:
     np.testing.assert_array_equal(dev[:, 0], [0, *range(count)])
 
 
+@dataclasses.dataclass
+class Scatter:
+    """A random copy over several spans (for the copy engine's grouping): descriptors, and every span's bytes."""
+
+    spans: list[npt.NDArray[np.uint8]]   # 1-D views of the device arrays and the host buffers, by span
+    src: list[int]
+    dst: list[int]
+    sizes: list[int]
+
+
+def _pattern(rng: np.random.Generator, kind: str, n: int, size: int, start: int, room: int) -> list[int]:
+    """n offsets of ``size``-byte ranges inside [start, start + room), which is at least 2 * n * size bytes:
+    one run of adjacent ranges, two runs with a gap (on the first one's grid or not), distinct rows of one grid
+    (random phase), or disjoint ranges off any grid."""
+    if kind == "run":
+        first = start + int(rng.integers(0, room - n * size + 1))
+        return [first + k * size for k in range(n)]
+    if kind == "runs":
+        half, gap = n // 2, int(rng.integers(1, n * size + 1))
+        gap = gap // size * size if rng.random() < 0.5 else gap
+        return [start + k * size for k in range(half)] + [start + gap + k * size for k in range(half, n)]
+    if kind == "grid":
+        phase = int(rng.integers(0, size))
+        rows = rng.permutation((room - phase) // size)[:n]
+        return [start + phase + int(r) * size for r in rows]
+    slots = rng.permutation(room // (2 * size))[:n]   # "bytes": a slot of 2 * size each, entered anywhere
+    return [start + int(s) * 2 * size + int(rng.integers(0, size + 1)) for s in slots]
+
+
+def random_scatter(seed: int, order: str, one_way: bool) -> tuple[SimBackend, Scatter, list[int]]:
+    """Blocks of descriptors, each with one source span, one destination span, one size and one pattern per
+    side; destinations never overlap (sources may). ``order``: the blocks one after another, shuffled
+    descriptor by descriptor, or one block cut in two around the others. ``one_way``: no span is both read and
+    written (else some usually are: all reads are staged first). Zero-size descriptors are mixed in."""
+    rng = np.random.default_rng(seed)
+    be = SimBackend()
+    devs = [be.empty_device((64, 4096 + 64 * k)) for k in range(3)]
+    hosts = [np.zeros(300_000 + 4096 * k, dtype=np.uint8) for k in range(2)]
+    for host in hosts:
+        be.track_host(int(host.ctypes.data), host.nbytes)
+    spans = [np.asarray(d).reshape(-1) for d in devs] + hosts
+    for span in spans:
+        span[...] = rng.integers(0, 256, span.size, dtype=np.uint8)
+    cursor = [0] * len(spans)                    # destinations are carved from each span front to back
+    readable = rng.permutation(len(spans))[:2].tolist() if one_way else list(range(len(spans)))
+    writable = [k for k in range(len(spans)) if k not in readable] if one_way else list(range(len(spans)))
+    blocks: list[list[tuple[int, int, int]]] = []
+    for _ in range(int(rng.integers(2, 9))):
+        size = int(rng.choice([64, 1000, 4096, 40_000]))
+        a = int(rng.choice(readable))
+        b = min(writable, key=lambda k: (cursor[k] - spans[k].size + rng.random() * 2e5))
+        n = int(rng.integers(1, max(2, min(100, (spans[b].size - cursor[b]) // (2 * size)))))
+        room = 2 * n * size
+        if cursor[b] + room > spans[b].size or 2 * n * size > spans[a].size:
+            continue
+        dst = _pattern(rng, str(rng.choice(["run", "runs", "grid", "bytes"])), n, size, cursor[b], room)
+        cursor[b] += room
+        src_room = int(rng.integers(room, spans[a].size + 1))
+        src = _pattern(rng, str(rng.choice(["run", "runs", "grid", "bytes"])), n, size,
+                       int(rng.integers(0, spans[a].size - src_room + 1)), src_room)
+        base_a, base_b = int(spans[a].ctypes.data), int(spans[b].ctypes.data)
+        blocks.append([(base_a + s, base_b + d, size) for s, d in zip(src, dst, strict=True)])
+    if order == "segments":
+        flat = [d for block in blocks for d in block]
+    elif order == "shuffled":
+        flat = [d for block in blocks for d in block]
+        flat = [flat[k] for k in rng.permutation(len(flat))]
+    else:   # "split": the first block's two halves around the others
+        half = len(blocks[0]) // 2
+        flat = blocks[0][:half] + [d for block in blocks[1:] for d in block] + blocks[0][half:]
+    for k in sorted(rng.integers(0, len(flat) + 1, size=3).tolist(), reverse=True):
+        flat.insert(k, (8, 16, 0))               # empty: touches nothing, even outside every span
+    return be, Scatter(spans, *(list(x) for x in zip(*flat, strict=True))), [int(s.ctypes.data) for s in spans]
+
+
+@pytest.mark.parametrize("one_way", [True, False])
+@pytest.mark.parametrize("order", ["segments", "shuffled", "split"])
+@pytest.mark.parametrize("seed", range(12))
+def test_sim_copy_over_many_spans_moves_exactly_the_described_bytes(seed: int, order: str, one_way: bool) -> None:
+    be, sc, bases = random_scatter(seed, order, one_way)
+    memory = {base: span.copy() for base, span in zip(bases, sc.spans, strict=True)}
+    live = [k for k, n in enumerate(sc.sizes) if n]
+    reference_copy(memory, [sc.src[k] for k in live], [sc.dst[k] for k in live], [sc.sizes[k] for k in live])
+    count = len(sc.sizes)
+    buf = be.alloc_descriptors(count)
+    buf.fill(np.array(sc.src, dtype=np.int64), np.array(sc.dst, dtype=np.int64), np.array(sc.sizes, dtype=np.int64))
+    stream, end = be.create_stream(), be.create_event()
+    be.copy_batch(stream, buf, count)
+    be.record(end, stream)
+    be.synchronize(end)
+    assert not be.violations
+    for base, span in zip(bases, sc.spans, strict=True):
+        np.testing.assert_array_equal(span, memory[base])
+
+
+def test_sim_copy_of_many_tensors_in_one_batch_runs_each_way_as_planned() -> None:
+    """The worker's shape: 32 layer tensors (32 spans) to one host buffer and back, group after group."""
+    be, rng, page, rows = SimBackend(), np.random.default_rng(5), 4096, 64
+    devs = [be.empty_device((2 * rows, page)) for _ in range(32)]
+    for dev in devs:
+        np.asarray(dev)[...] = rng.integers(0, 256, (2 * rows, page), dtype=np.uint8)
+    host = np.zeros(32 * rows * page, dtype=np.uint8)
+    be.track_host(int(host.ctypes.data), host.nbytes)
+    picked = rng.permutation(2 * rows)
+    out_rows, back_rows = picked[:rows], picked[rows:]
+    gpu = np.concatenate([int(np.asarray(d).ctypes.data) + out_rows * page for d in devs])
+    back = np.concatenate([int(np.asarray(d).ctypes.data) + back_rows * page for d in devs])
+    cpu = int(host.ctypes.data) + np.arange(32 * rows, dtype=np.int64) * page
+    stream, end = be.create_stream(), be.create_event()
+    for src, dst in ((gpu, cpu), (cpu, back)):
+        buf = be.alloc_descriptors(src.size)
+        buf.fill(src, dst, np.full(src.size, page))
+        be.copy_batch(stream, buf, src.size)
+    be.record(end, stream)
+    be.synchronize(end)
+    for t, dev in enumerate(devs):
+        array = np.asarray(dev)
+        np.testing.assert_array_equal(host[t * rows * page:(t + 1) * rows * page].reshape(rows, page),
+                                      array[out_rows])
+        np.testing.assert_array_equal(array[back_rows], array[out_rows])
+    assert not be.violations
+
+
 # -- host registration -------------------------------------------------------------------------------------------
 
 
@@ -526,6 +649,39 @@ def test_sim_ledger_balances(rig: Rig) -> None:
     assert be.ledger.live() == {}
     assert be.ledger.acquired() == be.ledger.released() == {
         "mapping": 1, "pinned": 1, "stream": 1, "event": 1, "descriptor": 1}
+
+
+@pytest.mark.rule("R16")
+def test_ledger_transitions_tallies_and_misuse() -> None:
+    ledger = Ledger()
+    ledger.acquire("mapping", 0x1000)
+    ledger.acquire("event", 1)
+    ledger.acquire("stream", 7)
+    ledger.acquire("event", 2)
+    with pytest.raises(LifecycleError, match=r"^ledger: event 1 acquired twice$"):
+        ledger.acquire("event", 1)
+    assert list(ledger.live().items()) == [("mapping", 1), ("event", 2), ("stream", 1)], "first-seen kind order"
+    ledger.quarantine("event", 1)
+    ledger.leak("stream", 7)
+    with pytest.raises(LifecycleError, match=r"^ledger: event 1 acquired twice$"):
+        ledger.acquire("event", 1)                      # quarantined counts as taken
+    for misuse, message in ((lambda: ledger.leak("event", 1), "cannot mark event 1 leaked: it is quarantined"),
+                            (lambda: ledger.release("stream", 7), "cannot mark stream 7 released: it is leaked"),
+                            (lambda: ledger.release("event", 3), "cannot mark event 3 released: it is unknown"),
+                            (lambda: ledger.quarantine("pinned", 9), "cannot mark pinned 9 quarantined: it is "
+                                                                       "unknown")):
+        with pytest.raises(LifecycleError, match=rf"^ledger: {message}$"):
+            misuse()
+    ledger.release("event", 1)                          # a quarantined resource may still be released
+    ledger.release("event", 2)
+    ledger.acquire("event", 2)                          # a released key may come back (addresses get reused)
+    assert ledger.state_of("event", 1) == "released" and ledger.state_of("event", 5) is None
+    assert (ledger.live(), ledger.quarantined(), ledger.leaked()) == ({"mapping": 1, "event": 1}, {}, {"stream": 1})
+    assert ledger.acquired() == {"mapping": 1, "event": 3, "stream": 1} and ledger.released() == {"event": 2}
+    assert list(ledger.keys("event")) == [2] and list(ledger.keys("event", "released")) == [1]
+    for kind in ("mapping", "event", "stream"):       # the conservation law, per kind
+        assert ledger.acquired().get(kind, 0) == sum(tally().get(kind, 0) for tally in (
+            ledger.released, ledger.live, ledger.quarantined, ledger.leaked))
 
 
 # -- scale and speed ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from kvoffload_ref.layout import (
     GPULoadStoreSpec,
     KVCacheLayout,
     LayerRef,
+    Planner,
     TensorGeometry,
     check_geometry,
     plan_copies,
@@ -468,6 +469,97 @@ def test_layout_failed_plan_changes_nothing() -> None:
     assert before == (repr(gpu_spec), repr(cpu_spec), EX_GPU, EX_CPU)
     bigger = cpu_with(0, rows=71)[:1] + cpu_with(1, rows=71)[1:]
     assert plan_copies(EX_LAYOUT, "store", gpu_spec, cpu_spec, EX_GPU, bigger, 3).num_ops == 8
+
+
+# ------------------------------------------------------------------------------------- Planner (the handler's)
+
+
+@settings(derandomize=True)
+@given(scenarios(), st.sampled_from(["store", "load"]), st.integers(0, 3), st.sampled_from([1, 2]))
+def test_layout_planner_writes_what_plan_copies_returns(sc: Scenario, direction: str, spare: int,
+                                                       step: int) -> None:
+    """prepare + write into reused arrays (longer than needed, or strided) equals plan_copies; the spare
+    entries are left alone, and the same arrays serve again."""
+    src, dst = sc.args(direction)
+    want = plan_copies(sc.layout, direction, src, dst, sc.gpu, sc.cpu, sc.bpc)  # type: ignore[arg-type]
+    planner = Planner(sc.layout, sc.gpu, sc.cpu, sc.bpc)
+    assert planner.plan(direction, src, dst) == want  # type: ignore[arg-type]
+    prepared = planner.prepare(direction, src, dst)  # type: ignore[arg-type]
+    assert (prepared.num_ops, prepared.nbytes) == (want.num_ops, want.nbytes)
+    n = want.num_ops
+    out = [np.full((n + spare) * step, -7, dtype=np.int64)[::step] for _ in range(3)]
+    for _ in range(2):
+        assert prepared.write(*out) == n
+        assert [a[:n].tolist() for a in out] == [want.src.tolist(), want.dst.tolist(), want.sizes.tolist()]
+        assert all((a[n:] == -7).all() for a in out)
+
+
+def test_layout_planner_validates_its_geometry_when_built() -> None:
+    with pytest.raises(InvalidTransferError, match=r"^gpu\[1\]\.rows must be >= 1, got 0$"):
+        Planner(EX_LAYOUT, gpu_with(1, rows=0), EX_CPU, 3)
+    with pytest.raises(InvalidTransferError, match=r"^blocks_per_chunk must be >= 1, got 0$"):
+        Planner(EX_LAYOUT, EX_GPU, EX_CPU, 0)
+    with pytest.raises(InvalidTransferError, match=r"^got 1 GPU tensor geometries, expected 2 "):
+        Planner(EX_LAYOUT, EX_GPU[:1], EX_CPU, 3)
+    geometry = list(EX_GPU)
+    planner = Planner(EX_LAYOUT, geometry, EX_CPU, 3)
+    geometry[0] = TensorGeometry(G0, 1, 512, 512)  # the planner keeps what it validated, not the list
+    assert planner.plan("store", *GOOD_STORE) == plan_copies(EX_LAYOUT, "store", *GOOD_STORE, EX_GPU, EX_CPU, 3)
+
+
+PLANNER_SPEC_CASES = [  # (gpu geometry, direction, src, dst, message): what every prepare still checks (R7)
+    pytest.param(EX_GPU, "store", GOOD_STORE[1], GOOD_STORE[1],
+                 r"^store: src_spec must be a GPULoadStoreSpec, got CPULoadStoreSpec$", id="store-src-type"),
+    pytest.param(EX_GPU, "load", GOOD_STORE[1], [5, 9, 1, 3],
+                 r"^load: dst_spec must be a GPULoadStoreSpec, got list$", id="load-dst-type"),
+    pytest.param(EX_GPU, "sideways", *GOOD_STORE, r"^direction must be 'store' or 'load', got 'sideways'$",
+                 id="direction"),
+    pytest.param(EX_GPU, "store", GPULoadStoreSpec([5, 9, 1, 3], (4, 0), (0, 0)), GOOD_STORE[1],
+                 r"^GPULoadStoreSpec has 2 group sizes, expected 1 ", id="group-count"),
+    pytest.param(EX_GPU, "store", GPULoadStoreSpec([5, 9, 1, 3], (4,), (3,)), GOOD_STORE[1],
+                 r"^block_indices\[0\] = 3 is out of range: ", id="block-index-range"),
+    pytest.param(EX_GPU, "store", GOOD_STORE[0], CPULoadStoreSpec([10, 7, 8]),
+                 r"^CPULoadStoreSpec has 3 block ids, expected 2 ", id="cpu-too-many"),
+    pytest.param(EX_GPU, "store", GPULoadStoreSpec([5, 64, 1, 3], (4,), (0,)), GOOD_STORE[1],
+                 r"^GPU block id 64 \(GPULoadStoreSpec\.block_ids\[1\]\) is out of range for gpu\[0\] \(group 0\): "
+                 r"expected 0 <= id < 64$", id="gpu-id-range"),
+    pytest.param(gpu_with(1, rows=9), "store", *GOOD_STORE,
+                 r"^GPU block id 9 \(GPULoadStoreSpec\.block_ids\[1\]\) is out of range for gpu\[1\] \(group 0\): "
+                 r"expected 0 <= id < 9$", id="gpu-id-range-second-tensor"),
+    pytest.param(EX_GPU, "load", CPULoadStoreSpec([10, 16]), GOOD_STORE[0],
+                 r"^CPU block id 16 \(CPULoadStoreSpec\.block_ids\[1\]\) is out of range for cpu\[0\] \(group 0\): "
+                 r"expected 0 <= id < 16$", id="cpu-id-range"),
+]
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("gpu", "direction", "src", "dst", "message"), PLANNER_SPEC_CASES)
+def test_layout_planner_prepare_rejects_what_plan_copies_rejects(gpu: tuple[TensorGeometry, ...], direction: str,
+                                                                 src: object, dst: object, message: str) -> None:
+    planner = Planner(EX_LAYOUT, gpu, EX_CPU, 3)
+    for call in (lambda: planner.prepare(direction, src, dst),  # type: ignore[arg-type]
+                 lambda: plan_copies(EX_LAYOUT, direction, src, dst, gpu, EX_CPU, 3)):  # type: ignore[arg-type]
+        with pytest.raises(InvalidTransferError, match=message):
+            call()
+    if gpu is EX_GPU:
+        assert planner.plan("store", *GOOD_STORE).num_ops == 8, "a refused transfer leaves the planner as it was"
+
+
+def test_layout_prepared_plan_write_checks_its_arrays() -> None:
+    prepared = Planner(EX_LAYOUT, EX_GPU, EX_CPU, 3).prepare("store", *GOOD_STORE)
+    good = np.zeros(8, dtype=np.int64)
+    read_only = np.zeros(8, dtype=np.int64)
+    read_only.setflags(write=False)
+    for bad in (np.zeros(7, dtype=np.int64), np.zeros(8, dtype=np.int32), np.zeros((8, 1), dtype=np.int64),
+                read_only, [0] * 8):
+        with pytest.raises(ValueError, match=r"^PreparedPlan\.write: sizes must be a writeable 1-D int64 array "
+                                             r"of at least 8 entries$"):
+            prepared.write(good, good.copy(), bad)  # type: ignore[arg-type]
+        assert not good.any(), "nothing written"
+    empty = Planner(MG_LAYOUT, MG_GPU, MG_CPU, 2).prepare("load", CPULoadStoreSpec([]),
+                                                         GPULoadStoreSpec([], (0, 0, 0), (0, 0, 0)))
+    none = np.zeros(0, dtype=np.int64)
+    assert (empty.num_ops, empty.nbytes, empty.write(none, none, none)) == (0, 0, 0)
 
 
 # ------------------------------------------------------------------------------------------- performance

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import enum
+import pickle
 
 import pytest
 from hypothesis import given
@@ -60,6 +62,20 @@ def test_lifecycle_missing_pair_raises_lifecycle_error() -> None:
 
     with pytest.raises(LifecycleError, match=r"^worker: no transition for input X in state OPEN$"):
         lifecycle.step(lifecycle.WORKER_TABLE, "worker", WorkerState.OPEN, Other.X)
+
+
+def test_lifecycle_members_hash_by_identity_and_behave_as_plain_enums() -> None:
+    """The enums hash in C (by identity) for the table lookups; nothing else about them changes."""
+    enums = [Action, ProofDecision, ProofOutcome, Policy, Fate, *(c for m in MACHINES.values() for c in m[:2])]
+    for cls in enums:
+        assert issubclass(cls, enum.Enum)
+        for member in cls:
+            assert hash(member) == object.__hash__(member)
+            assert cls(member.value) is member and cls[member.name] is member
+            assert pickle.loads(pickle.dumps(member)) is member and copy.deepcopy(member) is member
+    for _, _, table in MACHINES.values():
+        rebuilt = {(type(s)[s.name], type(e)[e.name]): entry for (s, e), entry in table.items()}
+        assert rebuilt == dict(table) and all(rebuilt[key] is table[key] for key in table)
 
 
 @pytest.mark.rule("R8")

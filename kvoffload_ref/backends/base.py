@@ -12,6 +12,7 @@ Nothing here knows about handlers, regions or workers.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Final, Literal, Protocol, runtime_checkable
@@ -108,47 +109,62 @@ class Ledger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # Invariant: maps each (kind, key) ever acquired to its current fate: "live", "released",
-        # "quarantined" or "leaked". A released key may be acquired again (addresses get reused).
-        self._state: dict[tuple[ResourceKind, Hashable], str] = {}
+        # Invariant: per kind, each key ever acquired -> its current fate: "live", "released", "quarantined" or
+        # "leaked". A released key may be acquired again (addresses get reused). One dict per kind, so that a
+        # transition is one lookup keyed by the key itself (no (kind, key) tuple to build and hash).
+        self._state: dict[ResourceKind, dict[Hashable, str]] = {kind: {} for kind in RESOURCE_KINDS}
+        # Invariant: per kind, each key ever acquired -> when it was first acquired (a global sequence number), so
+        # that the tallies list kinds in the order their resources first appeared.
+        self._born: dict[ResourceKind, dict[Hashable, int]] = {kind: {} for kind in RESOURCE_KINDS}
+        self._sequence = itertools.count()
         # Invariant: running totals; acquired == released + (live + quarantined + leaked now), per kind.
-        self._counts: dict[str, dict[ResourceKind, int]] = {
-            s: dict.fromkeys(RESOURCE_KINDS, 0) for s in ("acquired", "released")
-        }
+        self._acquired: dict[ResourceKind, int] = dict.fromkeys(RESOURCE_KINDS, 0)
+        self._released: dict[ResourceKind, int] = dict.fromkeys(RESOURCE_KINDS, 0)
 
     def acquire(self, kind: ResourceKind, key: Hashable) -> None:
         """Record a new live resource. Raises LifecycleError if the key is already live."""
         with self._lock:
-            if self._state.get((kind, key)) in ("live", "quarantined"):
+            states = self._state[kind]
+            state = states.get(key)
+            if state in {"live", "quarantined"}:
                 raise LifecycleError(f"ledger: {kind} {key!r} acquired twice")
-            self._state[(kind, key)] = "live"
-            self._counts["acquired"][kind] += 1
+            if state is None:
+                self._born[kind][key] = next(self._sequence)
+            states[key] = "live"
+            self._acquired[kind] += 1
 
     def release(self, kind: ResourceKind, key: Hashable) -> None:
         """Record that a live (or quarantined) resource was released. Raises LifecycleError otherwise."""
-        self._move(kind, key, ("live", "quarantined"), "released")
+        with self._lock:   # the hot path (every destroy/free): inlined rather than through _move
+            states = self._state.get(kind)
+            state = None if states is None else states.get(key)
+            if state not in {"live", "quarantined"}:
+                raise LifecycleError(f"ledger: cannot mark {kind} {key!r} released: it is {state or 'unknown'}")
+            states[key] = "released"  # type: ignore[index]  # states is not None: state was found in it
+            self._released[kind] += 1
 
     def quarantine(self, kind: ResourceKind, key: Hashable) -> None:
         """Record that a live resource is kept alive on purpose until process exit."""
-        self._move(kind, key, ("live",), "quarantined")
+        self._move(kind, key, "quarantined")
 
     def leak(self, kind: ResourceKind, key: Hashable) -> None:
         """Record that releasing a live resource failed; it is no longer the library's to release."""
-        self._move(kind, key, ("live",), "leaked")
+        self._move(kind, key, "leaked")
 
-    def _move(self, kind: ResourceKind, key: Hashable, sources: tuple[str, ...], target: str) -> None:
+    def _move(self, kind: ResourceKind, key: Hashable, target: str) -> None:
+        """A live resource's transition to ``target``."""
         with self._lock:
-            state = self._state.get((kind, key))
-            if state not in sources:
+            states = self._state.get(kind)
+            state = None if states is None else states.get(key)
+            if state != "live":
                 raise LifecycleError(f"ledger: cannot mark {kind} {key!r} {target}: it is {state or 'unknown'}")
-            self._state[(kind, key)] = target
-            if target == "released":
-                self._counts["released"][kind] += 1
+            states[key] = target  # type: ignore[index]  # states is not None: state was found in it
 
     def state_of(self, kind: ResourceKind, key: Hashable) -> str | None:
         """The fate of one resource: "live", "released", "quarantined", "leaked", or None if never seen."""
         with self._lock:
-            return self._state.get((kind, key))
+            states = self._state.get(kind)
+            return None if states is None else states.get(key)
 
     def live(self) -> dict[ResourceKind, int]:
         """Live resources by kind (kinds with none are omitted)."""
@@ -164,19 +180,21 @@ class Ledger:
 
     def acquired(self) -> dict[ResourceKind, int]:
         """Total acquisitions by kind, ever (omitting zeros)."""
-        return self._nonzero(self._counts["acquired"])
+        return self._nonzero(self._acquired)
 
     def released(self) -> dict[ResourceKind, int]:
         """Total releases by kind, ever (omitting zeros)."""
-        return self._nonzero(self._counts["released"])
+        return self._nonzero(self._released)
 
     def _tally(self, wanted: str) -> dict[ResourceKind, int]:
+        """Resources in state ``wanted`` by kind; kinds ordered by their first such resource's acquisition."""
         with self._lock:
-            out: dict[ResourceKind, int] = {}
-            for (kind, _key), state in self._state.items():
-                if state == wanted:
-                    out[kind] = out.get(kind, 0) + 1
-            return out
+            found: list[tuple[int, ResourceKind, int]] = []
+            for kind, states in self._state.items():
+                keys = [key for key, state in states.items() if state == wanted]
+                if keys:   # per kind, keys are in first-acquisition order
+                    found.append((self._born[kind][keys[0]], kind, len(keys)))
+            return {kind: count for _, kind, count in sorted(found)}
 
     def _nonzero(self, counts: dict[ResourceKind, int]) -> dict[ResourceKind, int]:
         with self._lock:
@@ -185,7 +203,7 @@ class Ledger:
     def keys(self, kind: ResourceKind, state: str = "live") -> Iterator[Hashable]:
         """The keys of one kind in one state (a snapshot)."""
         with self._lock:
-            return iter([k for (kd, k), s in self._state.items() if kd == kind and s == state])
+            return iter([k for k, s in self._state.get(kind, {}).items() if s == state])
 
 
 @runtime_checkable

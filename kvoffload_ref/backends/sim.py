@@ -18,15 +18,17 @@ stream waiting on an event recorded behind it, never runs either. Draining costs
 a scan of the streams): 10,000 chained transfers drain in about a quarter of a second of real time.
 
 *Memory.* Device arrays are C-contiguous 2-D uint8 numpy arrays; host mappings announced with ``track_host``
-are viewed through numpy arrays built from their raw address. Each is a *span* in an address map. A copy is a
-batch of (src, dst, size) descriptors read from its descriptor buffer when the copy starts; every byte range
-must lie inside one live span, checked vectorized with ``np.searchsorted``. The bytes move when the copy
-finishes, all sources read before any destination is written, grouped by (source span, destination span,
-size): where one side advances in long runs of adjacent rows each run moves in one numpy pass (``np.take`` into
-it, or a fancy assignment from it); otherwise large rows move one slice assignment each and small rows by
-chunked fancy indexing over ``sliding_window_view`` windows; batches of a few descriptors go one by one. The sim
-never touches an address outside a live span (that would crash the interpreter): a copy whose range was
-unmapped or unpinned while it was pending is *poisoned* and is stopped at execution.
+are viewed through numpy arrays built from their raw address. Each is a *span* in an address map (``_simmem.py``,
+which also holds the copy engine). A copy is a batch of (src, dst, size) descriptors read from its descriptor
+buffer when the copy starts; every byte range must lie inside one live span, checked vectorized with
+``np.searchsorted``. The bytes move when the copy finishes, all sources read before any destination is written,
+grouped by (source span, destination span, size) with one integer key per descriptor (no sort when, as planner
+output does, each group is one contiguous segment): contiguous runs of rows move in one numpy pass each (a
+slice assignment, ``np.take`` into a run, or a fancy assignment from one); otherwise large rows move one slice
+assignment each and small rows by chunked fancy indexing over ``sliding_window_view`` windows; batches of a few
+descriptors go one by one. The sim never touches an address outside a live span (that would crash the
+interpreter): a copy whose range was unmapped or unpinned while it was pending is *poisoned* and is stopped at
+execution.
 
 *Violations.* Misuse that real hardware punishes late or silently is recorded in :attr:`SimBackend.violations`:
 unmapping or unpinning memory a pending copy touches, freeing a descriptor buffer a pending copy reads, a copy
@@ -45,20 +47,18 @@ error) nothing queued runs any more and every call but the clock, the release ca
 
 from __future__ import annotations
 
-import bisect
 import collections
-import ctypes
 import dataclasses
 import heapq
 import itertools
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Final, Literal, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
-from numpy.lib.stride_tricks import sliding_window_view
 
+from kvoffload_ref.backends._simmem import CopyPlan, Memory, Span, address, host_view
 from kvoffload_ref.backends.base import (
     Backend,
     DescriptorBuffer,
@@ -88,15 +88,6 @@ __all__ = ["SimBackend", "SimHang", "Violation", "ViolationKind"]
 
 I64 = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
-
-#: Rows at least this long are copied with one slice assignment each; shorter ones with chunked fancy indexing.
-_LOOP_MIN_BYTES: Final = 32 * 1024
-#: Copies with at most this many descriptors are resolved and moved descriptor by descriptor.
-_SMALL_BATCH: Final = 16
-#: A side of a copy whose adjacent-row runs average at least this many rows is copied run by run, in one pass.
-_MIN_RUN_ROWS: Final = 32
-#: Bytes gathered per fancy-indexing chunk: large enough to amortize the call, small enough to stay in cache.
-_CHUNK_BYTES: Final = 2 * 1024 * 1024
 
 ViolationKind = Literal[
     "unmap_under_dma", "unregister_under_dma", "descriptor_freed_under_dma", "illegal_address",
@@ -139,8 +130,9 @@ class _Record:
     def __init__(self) -> None:
         # Invariant: None until the record op ran; then the virtual time it completed. Never reset.
         self.done_at: float | None = None
-        # Invariant: the streams whose head op is a wait on this record; emptied when the record completes.
-        self.waiters: list[SimStream] = []
+        # Invariant: the streams whose head op is a wait on this record (None: none, the common case, so that
+        # most records allocate no list); None again once the record completed.
+        self.waiters: list[SimStream] | None = None
 
 
 class SimStream:
@@ -228,7 +220,7 @@ class _CopyOp(_Op):
         super().__init__(stream)
         self.buf, self.count, self.tag = buf, count, tag
         # Invariant: None until the op starts; then the descriptors as read at start, resolved to spans.
-        self.plan: _CopyPlan | None = None
+        self.plan: CopyPlan | None = None
         # Invariant: why the op must not touch memory (a range it uses was unmapped/unpinned), or None.
         self.poison: str | None = None
 
@@ -288,12 +280,21 @@ class _Scheduler:
                 return True
         return False
 
+    def catch_up(self) -> None:
+        """:meth:`run` up to the current time (cheap when nothing is due)."""
+        heap = self._heap
+        if heap and heap[0][0] <= self.now:
+            self.run(self.now)
+
     def _start_head(self, stream: SimStream, t: float) -> None:
         op = stream.queue[0]
         if isinstance(op, _HangOp):
             return
         if isinstance(op, _WaitOp) and op.record.done_at is None:
-            op.record.waiters.append(stream)
+            if op.record.waiters is None:
+                op.record.waiters = [stream]
+            else:
+                op.record.waiters.append(stream)
             return
         start = max(t, op.submitted_at)
         heapq.heappush(self._heap, (start + self._duration(op), -op.seq, op))
@@ -303,306 +304,13 @@ class _Scheduler:
         stream.queue.popleft()
         if isinstance(op, _RecordOp):
             op.record.done_at = t
-            waiters, op.record.waiters = op.record.waiters, []
-            for waiter in waiters:
+            waiters, op.record.waiters = op.record.waiters, None
+            for waiter in waiters or ():
                 self._start_head(waiter, t)
         elif not isinstance(op, _WaitOp):
             self._apply(op, t)
         if stream.queue:
             self._start_head(stream, t)
-
-
-# -- memory ----------------------------------------------------------------------------------------------------
-
-
-class _Intervals:
-    """An immutable, sorted set of disjoint [start, end) ranges with containment lookup."""
-
-    def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
-        pairs = sorted(ranges)
-        # Invariant: the same sorted bounds as Python lists (scalar lookups) and int64 arrays (vectorized ones).
-        self._first = [a for a, _ in pairs]
-        self._last = [b for _, b in pairs]
-        self.starts: I64 = np.array(self._first, dtype=np.int64)
-        self.ends: I64 = np.array(self._last, dtype=np.int64)
-
-    def find(self, addr: I64, size: I64) -> npt.NDArray[np.intp]:
-        """Index of the range holding each [addr, addr+size) whole, or -1 (also for a negative size)."""
-        if addr.size <= _SMALL_BATCH:
-            found = [self.find_one(a, n) for a, n in zip(addr.tolist(), size.tolist(), strict=True)]
-            return np.array(found, dtype=np.intp)
-        if not self._first:
-            return np.full(addr.shape, -1, dtype=np.intp)
-        idx = np.searchsorted(self.starts, addr, side="right") - 1
-        room = self.ends[np.maximum(idx, 0)] - addr   # no overflow: addr >= a start wherever idx >= 0
-        ok = (idx >= 0) & (size >= 0) & (size <= room)
-        return np.where(ok, idx, -1)
-
-    def find_one(self, addr: int, size: int) -> int:
-        """Scalar :meth:`find`."""
-        i = bisect.bisect_right(self._first, addr) - 1
-        return i if i >= 0 and 0 <= size <= self._last[i] - addr else -1
-
-    def overlapping(self, lo: int, hi: int) -> list[int]:
-        """Indices of the ranges intersecting [lo, hi)."""
-        return [i for i, (a, b) in enumerate(zip(self._first, self._last, strict=True)) if a < hi and b > lo]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Span:
-    """A live piece of memory the device may touch: a device array or a tracked host mapping."""
-
-    start: int
-    end: int
-    is_host: bool
-    # Invariant: a writeable 1-D uint8 view of exactly [start, end).
-    data: Bytes
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _CopyPlan:
-    """A copy's descriptors as read when it started, resolved against the spans live then."""
-
-    src: I64
-    dst: I64
-    sizes: I64
-    # Invariant: spans[si[k]] holds descriptor k's source whole (di: destination), or si[k] == -1.
-    spans: Sequence[_Span]
-    si: npt.NDArray[np.intp]
-    di: npt.NDArray[np.intp]
-
-    def first_bad(self) -> int | None:
-        """The first non-empty descriptor touching memory outside every live span, or None."""
-        bad = ((self.si < 0) | (self.di < 0)) & (self.sizes != 0)   # an empty copy touches nothing
-        return int(bad.argmax()) if bad.any() else None
-
-    def execute(self) -> None:
-        """Move the bytes (all sources are read before any destination is written). Needs first_bad() None."""
-        if self.sizes.size <= _SMALL_BATCH:
-            self._execute_each()
-            return
-        live = self.sizes > 0
-        if not live.all():
-            _CopyPlan(self.src[live], self.dst[live], self.sizes[live], self.spans, self.si[live],
-                      self.di[live]).execute()
-            return
-        starts = np.array([s.start for s in self.spans], dtype=np.int64)
-        so, do = self.src - starts[self.si], self.dst - starts[self.di]
-        groups = _groups(self.si, self.di, self.sizes)
-        if {g.src for g in groups} & {g.dst for g in groups}:   # a span is read and written: stage all reads
-            staged = [sliding_window_view(self.spans[g.src].data, g.size)[g.pick(so)] for g in groups]
-            for g, rows in zip(groups, staged, strict=True):
-                _window(self.spans[g.dst].data, g.size)[g.pick(do)] = rows
-            return
-        for g in groups:
-            _copy_rows(self.spans[g.src].data, self.spans[g.dst].data, g.size, g.pick(so), g.pick(do))
-
-    def _execute_each(self) -> None:
-        """Descriptor by descriptor, for small batches (no per-call numpy setup)."""
-        moves = [(self.spans[i], src, self.spans[j], dst, n) for i, j, src, dst, n in zip(
-            self.si.tolist(), self.di.tolist(), self.src.tolist(), self.dst.tolist(), self.sizes.tolist(),
-            strict=True) if n > 0]
-        staged = {id(m[0]) for m in moves} & {id(m[2]) for m in moves}   # read and written: copy reads first
-        reads = [a.data[src - a.start:src - a.start + n] for a, src, _, _, n in moves]
-        if staged:
-            reads = [r.copy() for r in reads]
-        for (_, _, b, dst, n), data in zip(moves, reads, strict=True):
-            b.data[dst - b.start:dst - b.start + n] = data
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    """The descriptors of one copy sharing a source span, a destination span and a size."""
-
-    src: int
-    dst: int
-    size: int
-    # Invariant: the group's descriptor indices in descriptor order, or None for "all of them".
-    members: npt.NDArray[np.intp] | None
-
-    def pick(self, values: I64) -> I64:
-        return values if self.members is None else values[self.members]
-
-
-def _groups(si: npt.NDArray[np.intp], di: npt.NDArray[np.intp], sizes: I64) -> list[_Group]:
-    """Descriptors grouped by (source span, destination span, size); one group without indexing if uniform."""
-    if (si == si[0]).all() and (di == di[0]).all() and (sizes == sizes[0]).all():
-        return [_Group(int(si[0]), int(di[0]), int(sizes[0]), None)]
-    keys, inverse = np.unique(np.stack([si, di, sizes]), axis=1, return_inverse=True)
-    order = np.argsort(inverse, kind="stable")
-    members = np.split(order, np.flatnonzero(np.diff(inverse[order])) + 1)
-    return [_Group(int(keys[0, k]), int(keys[1, k]), int(keys[2, k]), m) for k, m in enumerate(members)]
-
-
-def _window(data: Bytes, size: int) -> npt.NDArray[np.uint8]:
-    """Every ``size``-byte window of ``data``, writeable (row k starts at byte k)."""
-    return sliding_window_view(data, size, writeable=True)
-
-
-def _copy_rows(src: Bytes, dst: Bytes, size: int, so: I64, do: I64) -> None:
-    """dst[do[k]:do[k]+size] = src[so[k]:so[k]+size] for every k (src and dst do not overlap).
-
-    Where one side advances in long runs of adjacent rows, each run is a plain 2-D slice and the bytes move in
-    one pass (np.take into it, or a fancy assignment from it); otherwise large rows are copied one slice each and
-    small rows are gathered and scattered in cache-sized chunks.
-    """
-    if (runs := _runs(do, size)) is not None:
-        source = _RowSource(src, size, so)
-        for a, b in runs:
-            source.copy_into(a, b, dst[int(do[a]):int(do[a]) + (b - a) * size].reshape(b - a, size))
-    elif (runs := _runs(so, size)) is not None:
-        dst_rows = _window(dst, size)
-        for a, b in runs:
-            dst_rows[do[a:b]] = src[int(so[a]):int(so[a]) + (b - a) * size].reshape(b - a, size)
-    elif size >= _LOOP_MIN_BYTES:
-        for s, d in zip(so.tolist(), do.tolist(), strict=True):
-            dst[d:d + size] = src[s:s + size]
-    else:
-        _RowSource(src, size, so).scatter(_window(dst, size), do)
-
-
-def _runs(offsets: I64, size: int) -> list[tuple[int, int]] | None:
-    """The [a, b) index ranges over which ``offsets`` advance by exactly ``size``, if they average at least
-    _MIN_RUN_ROWS rows (else None: per-run calls would cost more than they save)."""
-    breaks = np.flatnonzero(np.diff(offsets) != size) + 1
-    if (breaks.size + 1) * _MIN_RUN_ROWS > offsets.size:
-        return None
-    return list(itertools.pairwise([0, *breaks.tolist(), int(offsets.size)]))
-
-
-class _RowSource:
-    """The ``size``-byte rows at offsets ``so`` of one source span, to be copied out."""
-
-    def __init__(self, src: Bytes, size: int, so: I64) -> None:
-        self._so = so
-        self._windows = sliding_window_view(src, size)
-        self._step = max(1, _CHUNK_BYTES // size)
-        phase = int(so[0]) % size
-        # Invariant: if every offset lies on one row grid, that grid as a C-contiguous 2-D array (np.take gathers
-        # from it in one pass) and the row numbers on it; else None.
-        self._grid: tuple[Bytes, I64] | None = None
-        if bool(np.all(so % size == phase)):
-            self._grid = (src[phase:phase + (src.size - phase) // size * size].reshape(-1, size),
-                          (so - phase) // size)
-
-    def copy_into(self, a: int, b: int, out: Bytes) -> None:
-        """out[:] = rows a..b-1 (``out`` is a (b - a, size) C-contiguous block)."""
-        if self._grid is not None:
-            grid, rows = self._grid
-            np.take(grid, rows[a:b], axis=0, out=out, mode="clip")
-            return
-        for i in range(a, b, self._step):
-            out[i - a:i - a + self._step] = self._windows[self._so[i:i + self._step]]
-
-    def scatter(self, dst_rows: Bytes, do: I64) -> None:
-        """dst_rows[do[k]] = row k for every k, gathering a cache-sized chunk at a time."""
-        for i in range(0, self._so.size, self._step):
-            dst_rows[do[i:i + self._step]] = self._windows[self._so[i:i + self._step]]
-
-
-class _SpanIndex(NamedTuple):
-    """A snapshot of the live spans, sorted by address."""
-
-    intervals: _Intervals
-    spans: list[_Span]
-    # Invariant: is_host[k] == spans[k].is_host, plus a trailing False so that index -1 (no span) reads False.
-    is_host: npt.NDArray[np.bool_]
-
-
-class _Memory:
-    """The address map: live spans and pinned ranges, with cached sorted indexes for lookup."""
-
-    def __init__(self) -> None:
-        # Invariant: start -> span for every live span; spans never overlap.
-        self._spans: dict[int, _Span] = {}
-        # Invariant: start -> end for every pinned range; each lies in a host mapping when pinned; none overlap.
-        self.pinned: dict[int, int] = {}
-        # Invariant: caches of sorted indexes over _spans / pinned; None when stale.
-        self._span_index: _SpanIndex | None = None
-        self._pin_index: _Intervals | None = None
-
-    def add(self, span: _Span) -> None:
-        """Add a span. Raises InvalidTransferError if it overlaps a live one."""
-        index = self._index()
-        clash = index.intervals.overlapping(span.start, span.end)
-        if clash:
-            other = index.spans[clash[0]]
-            raise InvalidTransferError(f"[{span.start:#x}, {span.end:#x}) overlaps live memory "
-                                       f"[{other.start:#x}, {other.end:#x})")
-        self._spans[span.start] = span
-        self._span_index = None
-
-    def remove(self, start: int) -> None:
-        """Forget the span starting at ``start``."""
-        del self._spans[start]
-        self._span_index = None
-
-    def host_span_at(self, start: int) -> _Span | None:
-        """The host mapping starting exactly at ``start``."""
-        span = self._spans.get(start)
-        return span if span is not None and span.is_host else None
-
-    def span_holding(self, addr: int, size: int) -> _Span | None:
-        """The live span holding [addr, addr+size) whole, or None."""
-        index = self._index()
-        idx = index.intervals.find_one(addr, size)
-        return index.spans[idx] if idx >= 0 else None
-
-    def pin(self, start: int, end: int) -> None:
-        self.pinned[start] = end
-        self._pin_index = None
-
-    def unpin(self, start: int) -> int:
-        """Unpin the range at ``start``; returns its end."""
-        self._pin_index = None
-        return self.pinned.pop(start)
-
-    def pins_overlapping(self, lo: int, hi: int) -> list[int]:
-        """Starts of the pinned ranges intersecting [lo, hi)."""
-        index = self._pins()
-        return [int(index.starts[i]) for i in index.overlapping(lo, hi)]
-
-    def plan(self, src: I64, dst: I64, sizes: I64) -> tuple[_CopyPlan, int]:
-        """Resolve descriptors against the live spans.
-
-        Returns:
-            The plan, and how many of its bytes are slow: a host side not inside one pinned range (a copy
-            between two unpinned host ranges counts its bytes twice).
-        """
-        index = self._index()
-        si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
-        slow_bytes = (self._unpinned_bytes(src, sizes, index.is_host[si]) +
-                      self._unpinned_bytes(dst, sizes, index.is_host[di]))
-        return _CopyPlan(src, dst, sizes, index.spans, si, di), slow_bytes
-
-    def _unpinned_bytes(self, addr: I64, sizes: I64, on_host: npt.NDArray[np.bool_]) -> int:
-        """Bytes of the host-side ranges among [addr, addr+sizes) that no pinned range holds whole."""
-        if not on_host.any():
-            return 0
-        addr, sizes = addr[on_host], sizes[on_host]
-        slow = (self._pins().find(addr, sizes) < 0) & (sizes > 0)
-        return int(sizes[slow].sum())
-
-    def _index(self) -> _SpanIndex:
-        if self._span_index is None:
-            spans = sorted(self._spans.values(), key=lambda s: s.start)
-            self._span_index = _SpanIndex(_Intervals((s.start, s.end) for s in spans), spans,
-                                          np.array([s.is_host for s in spans] + [False], dtype=bool))
-        return self._span_index
-
-    def _pins(self) -> _Intervals:
-        if self._pin_index is None:
-            self._pin_index = _Intervals(self.pinned.items())
-        return self._pin_index
-
-
-def _host_view(ptr: int, nbytes: int) -> Bytes:
-    """A writeable numpy view of raw host memory [ptr, ptr+nbytes) (the caller vouches that it is mapped)."""
-    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
-
-
-def _address(array: npt.NDArray[np.uint8]) -> int:
-    return int(array.__array_interface__["data"][0])
 
 
 # -- the backend -----------------------------------------------------------------------------------------------
@@ -636,7 +344,7 @@ class SimBackend:
         # Invariant: held by every public method; reentrant because prove_idle calls public methods.
         self._lock = threading.RLock()
         self._ledger = Ledger()
-        self._memory = _Memory()
+        self._memory = Memory()
         self._sched = _Scheduler(self._op_duration, self._apply_op, self._halted)
         self._labels = itertools.count(1)
         # Invariant: the compute stream; never destroyed and never in the ledger.
@@ -700,7 +408,7 @@ class SimBackend:
             self._check_alive()
             rows, row_bytes = _checked_shape(shape)
             array = np.zeros((rows, row_bytes), dtype=np.uint8)
-            self._memory.add(_Span(_address(array), _address(array) + array.nbytes, False, array.reshape(-1)))
+            self._memory.add(Span(address(array), address(array) + array.nbytes, False, array.reshape(-1)))
             self._device_arrays.append(array)
             return array
 
@@ -759,7 +467,7 @@ class SimBackend:
         if ptr <= 0 or nbytes <= 0:
             raise InvalidTransferError(f"track_host({ptr:#x}, {nbytes}): address and size must be positive")
         with self._lock:
-            self._memory.add(_Span(ptr, ptr + nbytes, True, _host_view(ptr, nbytes)))
+            self._memory.add(Span(ptr, ptr + nbytes, True, host_view(ptr, nbytes)))
             self._ledger.acquire("mapping", ptr)
 
     def untrack_host(self, ptr: int) -> None:
@@ -851,16 +559,17 @@ class SimBackend:
         still runs with the descriptors it reads. An unknown or already freed buffer is recorded
         (``invalid_release``).
         """
+        key = id(buf)
         with self._lock:
             self._catch_up()
-            if self._buffers.get(id(buf)) is not buf:
+            if self._buffers.get(key) is not buf:
                 self._violate("invalid_release", f"free_descriptors({buf!r}): not a live buffer of this device")
                 return
-            if self._buffer_users[id(buf)]:
-                self._violate("descriptor_freed_under_dma",
-                              f"{buf!r} freed while {self._buffer_users[id(buf)]} pending copies read it")
-            del self._buffers[id(buf)]
-            self._ledger.release("descriptor", id(buf))
+            users = self._buffer_users.get(key)
+            if users:
+                self._violate("descriptor_freed_under_dma", f"{buf!r} freed while {users} pending copies read it")
+            del self._buffers[key]
+            self._ledger.release("descriptor", key)
 
     # -- streams and events ------------------------------------------------------------------------------------
 
@@ -883,12 +592,13 @@ class SimBackend:
 
     def destroy_stream(self, stream: Stream) -> None:
         """Destroy a stream; work already queued on it still runs. Never fails (misuse: ``invalid_release``)."""
+        key = id(stream)
         with self._lock:
-            if self._streams.pop(id(stream), None) is not stream or not isinstance(stream, SimStream):
+            if self._streams.pop(key, None) is not stream or not isinstance(stream, SimStream):
                 self._violate("invalid_release", f"destroy_stream({stream!r}): not a live stream of this device")
                 return
             stream.destroyed = True
-            self._ledger.release("stream", id(stream))
+            self._ledger.release("stream", key)
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         """Make later work on ``stream`` wait for the event's current record (a never-recorded event: no-op).
@@ -917,12 +627,13 @@ class SimBackend:
 
     def destroy_event(self, event: Event) -> None:
         """Destroy an event. Never fails (misuse: ``invalid_release``)."""
+        key = id(event)
         with self._lock:
-            if self._events.pop(id(event), None) is not event or not isinstance(event, SimEvent):
+            if self._events.pop(key, None) is not event or not isinstance(event, SimEvent):
                 self._violate("invalid_release", f"destroy_event({event!r}): not a live event of this device")
                 return
             event.destroyed = True
-            self._ledger.release("event", id(event))
+            self._ledger.release("event", key)
 
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
         """Start a new generation of the event, completing once the work queued on the stream before it ran.
@@ -950,10 +661,13 @@ class SimBackend:
         """
         with self._lock:
             recorded = self._own_event(event)
-            self._fault("event_query", recorded.tag)
+            if self._plan is not None or self._sticky is not None:  # else _fault and _check_alive do nothing
+                self._fault("event_query", recorded.tag)
             self._catch_up()
-            self._check_alive()
-            return recorded.latest is None or recorded.latest.done_at is not None
+            if self._plan is not None or self._sticky is not None:
+                self._check_alive()
+            latest = recorded.latest
+            return latest is None or latest.done_at is not None
 
     def synchronize(self, event: Event) -> None:
         """Advance the clock until the event's latest record completes.
@@ -1095,7 +809,7 @@ class SimBackend:
         self._check_alive()
 
     def _catch_up(self) -> None:
-        self._sched.run(self._sched.now)
+        self._sched.catch_up()
 
     def _wait_for(self, record: _Record, what: str) -> None:
         """Run work until ``record`` completes; past the hang horizon, advance the clock by it and raise."""
@@ -1172,7 +886,7 @@ class SimBackend:
             raise InvalidTransferError(f"sim device arrays must be non-empty with contiguous, non-overlapping "
                                        f"rows; got shape {array.shape}, strides {array.strides}")
         stride = stride if rows > 1 else max(stride, row_bytes)
-        ptr = _address(array)
+        ptr = address(array)
         span = self._memory.span_holding(ptr, (rows - 1) * stride + row_bytes)
         if span is None or span.is_host:
             raise InvalidTransferError(f"array at {ptr:#x} is not a device array of this backend")
