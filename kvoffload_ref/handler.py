@@ -73,6 +73,15 @@ class TransferResult:
 _T = TypeVar("_T")
 
 
+def _detached(exc: DeviceError) -> DeviceError:
+    """The error without the tracebacks of its chain: a stored error must not keep frames (and their objects)."""
+    link: BaseException | None = exc
+    while link is not None:
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
+
+
 class _Taken:
     """What one submission took so far (from a pool or newly created), to give back if it fails."""
 
@@ -251,7 +260,9 @@ class DirectionHandler:
             id(self._descriptors): self._backend.free_descriptors,
         }
         for pool, item, created in reversed(taken.items):
-            if created:
+            # A stream may already hold waits queued for this submission; if what they wait for never completes,
+            # a stream given back to the pool would hang every later transfer on it: destroy it instead (R4).
+            if created or pool is self._streams:
                 release[id(pool)](item)
             else:
                 pool.append(item)
@@ -345,6 +356,7 @@ class DirectionHandler:
         self._unproven.extend(failed)
         self._counts["failed"] += len(failed)
         head = failed[0]
+        exc = _detached(exc)  # a stored error must not keep the frames (and the worker) it was raised through
         self._resolved.append(TransferResult(head.job_id, False, error=exc))
         for transfer in failed[1:]:
             behind = DeviceError(f"{self.direction} job {transfer.job_id} was queued behind job "

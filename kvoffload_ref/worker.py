@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import threading
 import weakref
@@ -286,10 +287,33 @@ class _ShutdownRun:
         )
 
 
+# Invariant: True while the cyclic garbage collector runs (set by _track_gc), in whichever thread runs it.
+_GC_RUNNING = False
+
+
+def _track_gc(phase: str, info: dict[str, int]) -> None:
+    global _GC_RUNNING  # noqa: PLW0603  # one flag for the process: the collector is process-wide
+    _GC_RUNNING = phase == "start"
+
+
+gc.callbacks.append(_track_gc)
+
+
 def _finalize(core: _WorkerCore) -> None:
-    """R15: shut down a worker that was dropped (or alive at exit) without shutdown()."""
+    """R15: shut down a worker that was dropped (or alive at exit) without shutdown().
+
+    The garbage collector may run this at any allocation, also while this thread holds a library lock (the ledger's,
+    say): then the shutdown runs in a thread of its own, which waits for that lock instead of deadlocking on it.
+    """
     if core.state is not WorkerState.OPEN:
         return
+    if _GC_RUNNING:
+        threading.Thread(target=_finalize_now, args=(core,), name="kvoffload_ref-finalizer").start()
+    else:
+        _finalize_now(core)
+
+
+def _finalize_now(core: _WorkerCore) -> None:
     logger.warning("CPUOffloadingWorker was not shut down; shutting it down from its finalizer")
     try:
         core.shutdown()
@@ -449,7 +473,11 @@ class CPUOffloadingWorker:
             BaseException: one that interrupted the shutdown is re-raised after everything that could be released
                 was released and the rest quarantined (R14); a later call returns that report, marked interrupted.
         """
-        return self._core.shutdown()
+        try:
+            return self._core.shutdown()
+        finally:
+            if self._core.state is WorkerState.CLOSED:
+                self._finalizer.detach()  # nothing left to finalize; the core may now die with the worker
 
     def __enter__(self) -> CPUOffloadingWorker:
         return self

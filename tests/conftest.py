@@ -7,10 +7,12 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("dev", max_examples=50, deadline=None)
-settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True,
+# Stateful tests (tests/test_testing_machine.py) run 3x max_examples examples of stateful_step_count steps each:
+# "ci" gives the conformance machine >= 20,000 steps (checked by test_testing_machine_ci_budget_of_stateful_steps).
+settings.register_profile("dev", max_examples=50, stateful_step_count=50, deadline=None)
+settings.register_profile("ci", max_examples=100, stateful_step_count=50, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("fuzz", max_examples=5000, deadline=None,
+settings.register_profile("fuzz", max_examples=5000, stateful_step_count=50, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 

@@ -1,0 +1,356 @@
+"""What an implementation must offer to be checked by the conformance machine, and the device the kit gives it.
+
+The kit owns the device: a :class:`SimDevice` wraps a :class:`~kvoffload_ref.backends.sim.SimBackend` (virtual
+clock, violation log, ledger) whose faults come from a :class:`RecordingPlan` (a ``FaultPlan`` that also records
+the tag each fault fired on). An implementation plugs in through a :data:`WorkerFactory`: given the device's
+backend, its GPU tensors and the :class:`Setup`, it builds a worker that does every device call through that
+backend and offers the :class:`WorkerLike` methods. That is the whole adapter (see docs/conformance.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref.backends.base import Backend, Ledger, Tag
+from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.faults import Fault, FaultPlan, FaultPoint
+from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
+from kvoffload_ref.worker import ShutdownPolicy, create_worker
+
+__all__ = [
+    "Capabilities",
+    "DeviceLike",
+    "Firing",
+    "HandlerReportLike",
+    "RecordingPlan",
+    "ReportLike",
+    "ResultLike",
+    "Setup",
+    "SimDevice",
+    "WorkerFactory",
+    "WorkerLike",
+    "initial_gpu_bytes",
+    "reference_factory",
+]
+
+Bytes = npt.NDArray[np.uint8]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything one machine run is built from. Its repr is valid Python (names from ``kvoffload_ref``).
+
+    Attributes:
+        layout: the KV-cache layout.
+        blocks_per_chunk: GPU blocks per CPU chunk.
+        num_gpu_blocks: rows of every GPU tensor.
+        num_cpu_chunks: rows of every CPU tensor.
+        gpu_row_pad: per tensor, bytes of padding after each GPU row (the worker gets a strided view).
+        policy: the shutdown policy.
+        faults: the faults armed before the worker is built.
+        pin_chunk_bytes: the most bytes pinned per registration.
+        seed: seed of the GPU tensors' initial random bytes.
+    """
+
+    layout: KVCacheLayout
+    blocks_per_chunk: int
+    num_gpu_blocks: int
+    num_cpu_chunks: int
+    gpu_row_pad: tuple[int, ...]
+    policy: ShutdownPolicy
+    faults: tuple[Fault, ...] = ()
+    pin_chunk_bytes: int = 1 << 30
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Firing:
+    """One fault that fired: where, and on which transfer's tag (None for an untagged call)."""
+
+    fault: Fault
+    point: FaultPoint
+    tag: Tag | None
+
+
+class RecordingPlan(FaultPlan):
+    """A FaultPlan that also records, per firing, the point and the tag it fired on (``firings``).
+
+    The machine reads it to learn which transfer an error or a hang hit; the selection itself is FaultPlan's.
+    """
+
+    def __init__(self, faults: Iterable[Fault] = ()) -> None:
+        super().__init__(faults)
+        # Invariant: one entry per entry of ``fired``, in the same order.
+        self.firings: list[Firing] = []
+
+    def _record(self, before: int, point: FaultPoint, tag: Tag | None) -> None:
+        for fault in self.fired[before:]:
+            self.firings.append(Firing(fault, point, tag))
+
+    def check(self, point: FaultPoint, tag: Tag | None = None) -> None:
+        """As FaultPlan.check, recording what fired."""
+        before = len(self.fired)
+        try:
+            super().check(point, tag)
+        finally:
+            self._record(before, point, tag)
+
+    def check_hang(self, point: FaultPoint, tag: Tag | None = None) -> bool:
+        """As FaultPlan.check_hang, recording what fired."""
+        before = len(self.fired)
+        try:
+            return super().check_hang(point, tag)
+        finally:
+            self._record(before, point, tag)
+
+    def select_hang(self, tag: Tag | None) -> Fault | None:
+        """As FaultPlan.select_hang, recording the hang that selected the transfer."""
+        before = len(self.fired)
+        chosen = super().select_hang(tag)
+        for fault in self.fired[before:]:
+            self.firings.append(Firing(fault, fault.point, tag))
+        return chosen
+
+
+# -- what the machine talks to --------------------------------------------------------------------------------
+class ResultLike(Protocol):
+    """One reported transfer result (the fields the machine reads)."""
+
+    @property
+    def job_id(self) -> int: ...
+
+    @property
+    def success(self) -> bool: ...
+
+    @property
+    def transfer_size(self) -> int | None: ...
+
+
+class HandlerReportLike(Protocol):
+    """One direction's part of a shutdown report."""
+
+    @property
+    def drained(self) -> int: ...
+
+    @property
+    def abandoned(self) -> int: ...
+
+
+class ReportLike(Protocol):
+    """A shutdown report (the fields the machine reads; see ARCHITECTURE.md for their meaning)."""
+
+    @property
+    def store(self) -> HandlerReportLike: ...
+
+    @property
+    def load(self) -> HandlerReportLike: ...
+
+    @property
+    def device_sync(self) -> str: ...
+
+    @property
+    def region(self) -> str: ...
+
+    @property
+    def quarantined(self) -> Mapping[str, int]: ...
+
+    @property
+    def leaked(self) -> Mapping[str, int]: ...
+
+    @property
+    def elapsed(self) -> float: ...
+
+    @property
+    def interrupted(self) -> bool: ...
+
+
+class WorkerLike(Protocol):
+    """The worker API the machine drives (the public API of ``kvoffload_ref.CPUOffloadingWorker``)."""
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec) -> object:
+        """Queue a GPU -> CPU transfer; InvalidTransferError / WorkerClosedError / DeviceError as documented."""
+        ...
+
+    def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec) -> object:
+        """Queue a CPU -> GPU transfer."""
+        ...
+
+    def get_finished(self) -> Sequence[ResultLike]:
+        """Newly known results, each job once, per direction in submission order; never blocks."""
+        ...
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
+        """Block until the jobs are proven or failed; DeadlineExceeded after ``timeout`` (backend clock)."""
+        ...
+
+    def cpu_snapshot(self) -> Sequence[Bytes]:
+        """Copies of the CPU tensors, (num_cpu_chunks, tensor_page_bytes * blocks_per_chunk) each."""
+        ...
+
+    def stats(self) -> object:
+        """A frozen snapshot compared with ``==`` (R7: a refused submission changes nothing)."""
+        ...
+
+    def shutdown(self) -> ReportLike:
+        """Bounded, idempotent shutdown (R8-R14)."""
+        ...
+
+
+class DeviceLike(Protocol):
+    """The device side the machine reads: clock, compute stream, memory, ledger, violations and faults."""
+
+    backend: Backend
+    gpu: list[object]
+    plan: RecordingPlan
+    interrupted: bool
+
+    def clock(self) -> float:
+        """The virtual clock."""
+        ...
+
+    def advance(self, seconds: float) -> None:
+        """Let virtual time pass (queued work runs)."""
+        ...
+
+    def compute_write(self, tensor: int, rows: Sequence[int], value: int, delay: float) -> None:
+        """Queue a kernel on the compute stream writing byte ``value`` into whole rows of GPU tensor ``tensor``."""
+        ...
+
+    def read_gpu(self) -> list[Bytes]:
+        """Host copies of the GPU tensors, after the compute stream's queued work."""
+        ...
+
+    def violations(self) -> list[object]:
+        """The misuse the device detected so far."""
+        ...
+
+    def interrupt_after(self, queries: int) -> None:
+        """Raise KeyboardInterrupt from the ``queries``-th event query from now on."""
+        ...
+
+    def disarm(self) -> None:
+        """Cancel interrupt_after."""
+        ...
+
+    @property
+    def ledger(self) -> Ledger:
+        """The resources the implementation acquired through the backend."""
+        ...
+
+    def lost(self) -> bool:
+        """Whether a sticky fault lost the device."""
+        ...
+
+
+#: Builds the implementation under test: (backend, GPU tensors, setup) -> worker. It must do every device call
+#: through ``backend`` and own its CPU region; the machine never passes it anything else.
+WorkerFactory = Callable[[Backend, Sequence[object], Setup], WorkerLike]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """Which optional behaviours the implementation has (rules that need a missing one are not drawn).
+
+    Attributes:
+        finalizer: dropping the worker without shutdown() shuts it down (R15).
+        stats: ``stats()`` is a snapshot that a refused submission leaves equal (R7).
+        interrupts: a KeyboardInterrupt during shutdown is handled as R14 says.
+    """
+
+    finalizer: bool = True
+    stats: bool = True
+    interrupts: bool = True
+
+
+def initial_gpu_bytes(setup: Setup, tensor: int) -> Bytes:
+    """The deterministic initial bytes of one GPU tensor, padding included: (num_gpu_blocks, page + pad)."""
+    rng = np.random.default_rng((setup.seed, tensor))
+    width = setup.layout.tensor_page_bytes[tensor] + setup.gpu_row_pad[tensor]
+    return rng.integers(0, 256, (setup.num_gpu_blocks, width), dtype=np.uint8)
+
+
+class SimDevice:
+    """The kit's device: a SimBackend with a RecordingPlan and GPU tensors (strided views when padded).
+
+    Args:
+        setup: the run's setup (its ``faults`` are armed from the start).
+
+    Attributes:
+        backend: the simulated device.
+        plan: its fault plan (``plan.add`` arms a fault mid-run).
+        gpu: one device array per layout tensor, as the worker gets them.
+    """
+
+    def __init__(self, setup: Setup) -> None:
+        self.plan = RecordingPlan(setup.faults)
+        self.sim = SimBackend(self.plan)
+        self.backend: Backend = self.sim
+        self.gpu: list[object] = []
+        # Invariant: True once the interrupt armed by interrupt_after() was raised.
+        self.interrupted = False
+        for t, page in enumerate(setup.layout.tensor_page_bytes):
+            full = self.sim.from_host(initial_gpu_bytes(setup, t))
+            self.gpu.append(full[:, :page] if setup.gpu_row_pad[t] else full)  # type: ignore[index]
+
+    def __repr__(self) -> str:
+        return f"<SimDevice {self.sim!r}>"
+
+    @property
+    def ledger(self) -> Ledger:
+        """The backend's ledger."""
+        return self.sim.ledger
+
+    def clock(self) -> float:
+        """The virtual clock."""
+        return self.sim.monotonic()
+
+    def advance(self, seconds: float) -> None:
+        """Advance the virtual clock."""
+        self.sim.clock_advance(seconds)
+
+    def compute_write(self, tensor: int, rows: Sequence[int], value: int, delay: float) -> None:
+        """Queue a compute-stream write of ``value`` into ``rows`` of GPU tensor ``tensor``."""
+        self.sim.enqueue_compute_write(self.gpu[tensor], list(rows), value, delay)
+
+    def read_gpu(self) -> list[Bytes]:
+        """Host copies of the GPU tensors (the clock advances past the compute stream's queued work)."""
+        return [self.sim.to_host(t) for t in self.gpu]
+
+    def violations(self) -> list[object]:
+        """The sim's violation log."""
+        return list(self.sim.violations)
+
+    def interrupt_after(self, queries: int) -> None:
+        """Raise KeyboardInterrupt from the ``queries``-th event query from now on (a Ctrl-C during a wait)."""
+        query = type(self.sim).query
+        left = [queries]
+        self.interrupted = False
+
+        def interrupting(event: object) -> bool:
+            left[0] -= 1
+            if left[0] == 0:
+                self.disarm()
+                self.interrupted = True
+                raise KeyboardInterrupt
+            return query(self.sim, event)
+        self.sim.query = interrupting  # type: ignore[method-assign]
+
+    def disarm(self) -> None:
+        """Cancel :meth:`interrupt_after`."""
+        self.sim.__dict__.pop("query", None)
+
+    def lost(self) -> bool:
+        """Whether a sticky fault lost the device."""
+        return self.plan.lost() is not None
+
+
+def reference_factory(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """Build kvoffload_ref's own worker (``create_worker``) for a setup."""
+    return create_worker(backend, gpu, setup.layout, blocks_per_chunk=setup.blocks_per_chunk,
+                         num_cpu_chunks=setup.num_cpu_chunks, policy=setup.policy,
+                         pin_chunk_bytes=setup.pin_chunk_bytes)

@@ -1,0 +1,323 @@
+"""The pure model the conformance machine runs beside the worker: what must be observable, never timing.
+
+Theory of operation
+-------------------
+*Placement.* :func:`plan_moves` is a naive, independent re-statement of the reference's placement rule (§2.3/
+§2.4): which bytes of which GPU row go to which bytes of which CPU row. It never calls ``layout.plan_copies``.
+
+*Memory.* Each side (GPU, CPU) is a :class:`Side`: per tensor the *eventual* bytes (``value``: what the memory
+holds once all work submitted so far has run, in the order the rules guarantee), ``known`` (the eventual value is
+determined), ``writers`` (pending transfers that may still write the byte), ``poison`` (a failed transfer may
+write it at any later time, so it is never known again) and ``last`` (the transfer that last wrote it). A byte is
+*settled* when it is known and no pending transfer may write it: only settled bytes are compared with memory.
+
+*Transfers.* A submitted transfer captures its source bytes at once (R4: it runs after the compute work queued
+so far and after its direction's previous transfer) and applies them to its destination at once; bytes are
+unknown where an *unordered* writer may interfere: a pending transfer of the other direction (R4: stores and
+loads are not ordered), a compute write enqueued after the transfer, or a failed transfer. When a later write
+hits bytes a pending transfer still has to read, that transfer's capture -- and what it wrote, where it is still
+the last writer -- becomes unknown.
+
+*Outcomes.* The model never predicts *when* a transfer completes. It knows which transfers can never be proven
+(a hang selected them, or they wait behind one: ``blocked``) and which must fail (an injected error fired on
+their end event, or on the one they are queued behind, R5). ``chain`` mirrors each handler's queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
+
+__all__ = ["COMPUTE", "Model", "ModelTransfer", "Move", "Side", "plan_moves"]
+
+Direction = Literal["store", "load"]
+Bytes = npt.NDArray[np.uint8]
+Mask = npt.NDArray[np.bool_]
+
+#: ``Side.last`` value for bytes last written by a compute-stream kernel.
+COMPUTE: Final = -2
+#: ``Side.last`` value for bytes never written.
+NOBODY: Final = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """``size`` bytes of tensor ``tensor``: GPU row ``gpu_row`` bytes [0, size) <-> CPU row ``cpu_row`` bytes
+    [cpu_col, cpu_col + size)."""
+
+    tensor: int
+    gpu_row: int
+    cpu_row: int
+    cpu_col: int
+    size: int
+
+    def at(self, side: str) -> tuple[int, int, int]:
+        """(row, first byte, end byte) of this move on ``side`` ("gpu" or "cpu")."""
+        if side == "gpu":
+            return self.gpu_row, 0, self.size
+        return self.cpu_row, self.cpu_col, self.cpu_col + self.size
+
+
+def plan_moves(layout: KVCacheLayout, blocks_per_chunk: int, gpu_spec: GPULoadStoreSpec,
+               cpu_spec: CPULoadStoreSpec) -> list[Move]:
+    """The byte moves of one valid transfer, by the naive rule (one loop per group, ref and block).
+
+    Group ``g`` of size ``n`` and block index ``i`` takes the next ``n`` GPU ids and the next
+    ``ceil((n + i) / blocks_per_chunk)`` CPU ids; its ``k``-th block sits at sub-block position ``i + k`` of
+    those chunks. Empty groups use no ids.
+    """
+    gpu_ids, cpu_ids = gpu_spec.block_ids.tolist(), cpu_spec.block_ids.tolist()
+    moves: list[Move] = []
+    gpu_off = cpu_off = 0
+    for g, refs in enumerate(layout.groups):
+        n, skip = gpu_spec.group_sizes[g], gpu_spec.block_indices[g]
+        if n == 0:
+            continue
+        for ref in refs:
+            page = layout.tensor_page_bytes[ref.tensor_idx]
+            for k in range(n):
+                pos = skip + k
+                moves.append(Move(ref.tensor_idx, gpu_ids[gpu_off + k], cpu_ids[cpu_off + pos // blocks_per_chunk],
+                                  (pos % blocks_per_chunk) * page, ref.page_size_bytes))
+        gpu_off += n
+        cpu_off += -(-(n + skip) // blocks_per_chunk)
+    return moves
+
+
+class Side:
+    """One memory side (GPU or CPU) as the model sees it; see the module docstring.
+
+    Args:
+        name: "gpu" or "cpu".
+        shapes: per tensor, (rows, row bytes).
+        initial: per tensor, the initial bytes, or None when unknown.
+    """
+
+    def __init__(self, name: str, shapes: Sequence[tuple[int, int]], initial: Sequence[Bytes] | None) -> None:
+        self.name = name
+        self.value = [np.zeros(s, np.uint8) if initial is None else initial[t].copy() for t, s in enumerate(shapes)]
+        self.known = [np.full(s, initial is not None) for s in shapes]
+        self.poison = [np.zeros(s, np.bool_) for s in shapes]
+        self.writers = [np.zeros(s, np.int32) for s in shapes]
+        self.last = [np.full(s, NOBODY, np.int64) for s in shapes]
+
+    def settled(self, tensor: int) -> Mask:
+        """Bytes whose value is known and that no pending transfer may still write."""
+        mask: Mask = self.known[tensor] & (self.writers[tensor] == 0)
+        return mask
+
+    def mismatch(self, tensor: int, actual: Bytes) -> tuple[int, int] | None:
+        """The first settled byte (row, column) of ``tensor`` whose actual value differs, or None."""
+        bad = self.settled(tensor) & (actual != self.value[tensor])
+        if not bad.any():
+            return None
+        row, col = (int(v[0]) for v in np.nonzero(bad))
+        return row, col
+
+    def capture(self, move: Move) -> tuple[Bytes, Mask]:
+        """The eventual bytes a move reads here, and which of them are certain (no unordered pending writer)."""
+        row, lo, hi = move.at(self.name)
+        t = move.tensor
+        certain: Mask = self.known[t][row, lo:hi] & (self.writers[t][row, lo:hi] == 0)
+        return self.value[t][row, lo:hi].copy(), certain
+
+    def write(self, move: Move, data: Bytes, certain: Mask, writer: int) -> None:
+        """Apply a pending transfer's write in submission order (it stays a pending writer until resolved)."""
+        row, lo, hi = move.at(self.name)
+        t = move.tensor
+        self.value[t][row, lo:hi] = data
+        self.known[t][row, lo:hi] = certain & ~self.poison[t][row, lo:hi]
+        self.writers[t][row, lo:hi] += 1
+        self.last[t][row, lo:hi] = writer
+
+    def finish(self, move: Move, failed: bool) -> None:
+        """A pending write resolved; a failed one may still land at any time: poison its bytes forever."""
+        row, lo, hi = move.at(self.name)
+        t = move.tensor
+        self.writers[t][row, lo:hi] -= 1
+        if failed:
+            self.poison[t][row, lo:hi] = True
+            self.known[t][row, lo:hi] = False
+
+    def forget(self, move: Move, lost: Mask, writer: int) -> None:
+        """The bytes of a move that ``writer`` wrote from an invalidated capture are unknown (if still its)."""
+        row, lo, hi = move.at(self.name)
+        t = move.tensor
+        stale = lost & (self.last[t][row, lo:hi] == writer)
+        self.known[t][row, lo:hi] &= ~stale
+
+
+@dataclasses.dataclass(eq=False)
+class ModelTransfer:
+    """One successfully submitted transfer, as the model tracks it.
+
+    Attributes:
+        index: submission order over the whole run (also its ``Side.last`` id).
+        hung: a hang fault selected it: it is never proven (R5, R12).
+        blocked: queued behind a hung transfer of its direction: never proven either (R4).
+        must_fail: an error fired on its end event or on the one it waits behind: success is forbidden (R5).
+        status: "pending" until reported; then "succeeded" or "failed".
+    """
+
+    job_id: int
+    direction: Direction
+    index: int
+    moves: list[Move]
+    nbytes: int
+    data: list[Bytes]
+    certain: list[Mask]
+    hung: bool = False
+    blocked: bool = False
+    must_fail: bool = False
+    status: str = "pending"
+
+    @property
+    def stuck(self) -> bool:
+        """It can never be proven complete."""
+        return self.hung or self.blocked
+
+    @property
+    def reads(self) -> str:
+        return "gpu" if self.direction == "store" else "cpu"
+
+    @property
+    def writes(self) -> str:
+        return "cpu" if self.direction == "store" else "gpu"
+
+
+class Model:
+    """The pure model of one worker run (see the module docstring).
+
+    Args:
+        layout, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks: the geometry.
+        gpu_initial: the GPU tensors' initial bytes (unpadded rows).
+        cpu_initial: the CPU tensors' bytes before the first transfer (None: unknown).
+    """
+
+    def __init__(self, layout: KVCacheLayout, blocks_per_chunk: int, num_gpu_blocks: int, num_cpu_chunks: int,
+                 gpu_initial: Sequence[Bytes], cpu_initial: Sequence[Bytes] | None = None) -> None:
+        self.layout = layout
+        self.bpc = blocks_per_chunk
+        pages = layout.tensor_page_bytes
+        self.sides = {
+            "gpu": Side("gpu", [(num_gpu_blocks, p) for p in pages], gpu_initial),
+            # The CPU region's initial bytes are not part of the contract: the first snapshot's, or unknown.
+            "cpu": Side("cpu", [(num_cpu_chunks, p * blocks_per_chunk) for p in pages], cpu_initial),
+        }
+        # Invariant: every successfully submitted transfer, by job id.
+        self.transfers: dict[int, ModelTransfer] = {}
+        # Invariant: per direction, the transfers still queued in the worker as far as the model knows: submitted,
+        # not reported, and not failed by a fired error (R4/R5's FIFO).
+        self.chain: dict[str, list[ModelTransfer]] = {"store": [], "load": []}
+        # Invariant: per direction, the submission index of the last reported job (R5: in submission order).
+        self.last_reported: dict[str, int] = {"store": -1, "load": -1}
+        # Invariant: jobs a wait() returned for while pending: the next get_finished must report them (R6).
+        self.awaited: set[int] = set()
+        # Invariant: virtual time at which the compute stream has run everything enqueued so far.
+        self.compute_busy_until = 0.0
+        # Invariant: a hang fired inside a submission that then failed; its stream may be reused, so any later
+        # transfer of that direction may hang without being selected (no liveness is predicted for it).
+        self.tainted: set[str] = set()
+        self.any_hung = False
+        self.any_failed = False
+        self._next_index = 0
+
+    # -- queries --------------------------------------------------------------------------------------------------
+    def writer(self, side: str, tensor: int, row: int, col: int) -> str:
+        """Who last wrote a byte, for messages."""
+        last = int(self.sides[side].last[tensor][row, col])
+        if last == COMPUTE:
+            return "a compute kernel"
+        return next((f"job {t.job_id}" for t in self.transfers.values() if t.index == last), "nobody")
+
+    def pending(self, direction: str | None = None) -> list[ModelTransfer]:
+        """Transfers submitted and not yet reported, in submission order."""
+        return [t for t in self.transfers.values()
+                if t.status == "pending" and (direction is None or t.direction == direction)]
+
+    def can_finish(self, transfer: ModelTransfer) -> bool:
+        """Nothing the model knows keeps the transfer from resolving (proven or failed)."""
+        return not transfer.stuck and transfer.direction not in self.tainted
+
+    # -- events ---------------------------------------------------------------------------------------------------
+    def submit(self, direction: Direction, job_id: int, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec,
+               *, hung: bool) -> ModelTransfer:
+        """A submission succeeded: capture, invalidate what it races with, apply, and queue it (R4)."""
+        moves = plan_moves(self.layout, self.bpc, gpu_spec, cpu_spec)
+        source = self.sides["gpu" if direction == "store" else "cpu"]
+        captured = [source.capture(m) for m in moves]
+        transfer = ModelTransfer(job_id, direction, self._next_index, moves, sum(m.size for m in moves),
+                                 [d for d, _ in captured], [c for _, c in captured], hung=hung,
+                                 blocked=any(t.stuck for t in self.chain[direction]))
+        self._next_index += 1
+        self.any_hung |= hung
+        target = self.sides[transfer.writes]
+        self._invalidate_readers(transfer.writes, self._mask(transfer.writes, moves))
+        for move, data, certain in zip(moves, transfer.data, transfer.certain, strict=True):
+            target.write(move, data, certain, transfer.index)
+        self.transfers[job_id] = transfer
+        self.chain[direction].append(transfer)
+        return transfer
+
+    def compute_write(self, tensor: int, rows: Sequence[int], value: int, delay: float, now: float) -> None:
+        """A compute-stream kernel writes whole GPU rows: ordered before later transfers, racing pending ones."""
+        gpu = self.sides["gpu"]
+        mask = [np.zeros_like(k) for k in gpu.known]
+        mask[tensor][list(rows), :] = True
+        self._invalidate_readers("gpu", mask)
+        picked = list(rows)
+        gpu.value[tensor][picked, :] = value
+        racing = gpu.writers[tensor][picked, :] > 0  # a pending load writes it too: the order is unknown
+        gpu.known[tensor][picked, :] = ~gpu.poison[tensor][picked, :] & ~racing
+        gpu.last[tensor][picked, :] = COMPUTE
+        self.compute_busy_until = max(self.compute_busy_until, now) + delay
+
+    def error_fired(self, direction: str, job_id: int) -> None:
+        """An injected error fired on a job's end event: it and everything queued behind it must fail (R5)."""
+        chain = self.chain[direction]
+        for i, transfer in enumerate(chain):
+            if transfer.job_id == job_id:
+                for failed in chain[i:]:
+                    failed.must_fail = True
+                del chain[i:]
+                return
+
+    def resolve(self, transfer: ModelTransfer, success: bool) -> None:
+        """The worker reported the transfer (checks are the machine's; this only updates the model)."""
+        transfer.status = "succeeded" if success else "failed"
+        self.any_failed |= not success
+        self.last_reported[transfer.direction] = transfer.index
+        if transfer in self.chain[transfer.direction]:
+            self.chain[transfer.direction].remove(transfer)
+        target = self.sides[transfer.writes]
+        for move in transfer.moves:
+            target.finish(move, failed=not success)
+
+    # -- internals ------------------------------------------------------------------------------------------------
+    def _mask(self, side: str, moves: Sequence[Move]) -> list[Mask]:
+        mask = [np.zeros_like(k) for k in self.sides[side].known]
+        for move in moves:
+            row, lo, hi = move.at(side)
+            mask[move.tensor][row, lo:hi] = True
+        return mask
+
+    def _invalidate_readers(self, side: str, written: Sequence[Mask]) -> None:
+        """Pending transfers that read bytes now being written race with the write (only the other direction
+        reads this side, and it is not ordered against it, R4): their capture there is unknown, and so is what
+        they wrote from it."""
+        for reader in self.pending():
+            if reader.reads != side:
+                continue
+            target = self.sides[reader.writes]
+            for i, move in enumerate(reader.moves):
+                row, lo, hi = move.at(side)
+                hit = written[move.tensor][row, lo:hi]
+                if hit.any():
+                    reader.certain[i] = reader.certain[i] & ~hit
+                    target.forget(move, hit, reader.index)

@@ -1,0 +1,256 @@
+"""Hypothesis strategies for kvoffload_ref's inputs: layouts, valid and invalid transfers, faults, policies.
+
+Every value drawn has a repr that is valid Python once ``from kvoffload_ref import *`` and
+``from kvoffload_ref.testing import *`` ran, so a failing example can be pasted back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Final, Literal
+
+from hypothesis import strategies as st
+
+from kvoffload_ref.faults import HANG_POINTS, POINTS, Fault, FaultKind, FaultPoint
+from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.testing.adapter import Setup
+from kvoffload_ref.worker import ShutdownPolicy
+
+__all__ = [
+    "INVALID_CASES",
+    "InvalidTransfer",
+    "fault_plans",
+    "faults",
+    "invalid_transfers",
+    "layouts",
+    "policies",
+    "setups",
+    "transfer_specs",
+]
+
+Direction = Literal["store", "load"]
+SpecPair = tuple[GPULoadStoreSpec, CPULoadStoreSpec]
+
+#: Shutdown timeouts drawn by default (virtual seconds): zero, shorter and longer than compute delays.
+TIMEOUTS: Final = (0.0, 1e-3, 0.05, 0.5, 2.0)
+#: Points a fault that only makes a submission fail can be armed at.
+SUBMIT_POINTS: Final[tuple[FaultPoint, ...]] = ("copy", "stream_create", "event_create", "descriptor_alloc")
+
+
+@st.composite
+def layouts(draw: st.DrawFn, *, max_tensors: int = 3, max_groups: int = 3,
+            page_sizes: Sequence[int] = (8, 16, 24, 32, 64)) -> KVCacheLayout:
+    """KV-cache layouts: 1..max_tensors tensors, 1..max_groups groups; refs copy the whole page or a padded
+    prefix of it; a tensor appears at most once per group but may be shared by several groups."""
+    pages = draw(st.lists(st.sampled_from(page_sizes), min_size=1, max_size=max_tensors))
+    groups = []
+    for _ in range(draw(st.integers(1, max_groups))):
+        tensors = draw(st.lists(st.integers(0, len(pages) - 1), min_size=1, max_size=len(pages), unique=True))
+        groups.append(tuple(LayerRef(t, draw(st.sampled_from((pages[t], pages[t], max(1, pages[t] // 2), 1))))
+                            for t in tensors))
+    return KVCacheLayout(tensor_page_bytes=tuple(pages), groups=tuple(groups))
+
+
+def policies(timeouts: Sequence[float] = TIMEOUTS,
+             on_unproven: Sequence[str] = ("quarantine", "release")) -> st.SearchStrategy[ShutdownPolicy]:
+    """Shutdown policies: a timeout from ``timeouts`` and an ``on_unproven`` from ``on_unproven``."""
+    return st.builds(ShutdownPolicy, timeout=st.sampled_from(tuple(timeouts)),
+                     on_unproven=st.sampled_from(tuple(on_unproven)))
+
+
+@st.composite
+def _faults(draw: st.DrawFn, job_ids: tuple[int, ...], points: tuple[FaultPoint, ...], sticky: bool) -> Fault:
+    point = draw(st.sampled_from(points))
+    kinds: tuple[FaultKind, ...] = ("error", "hang") if point in HANG_POINTS else ("error",)
+    kind = draw(st.sampled_from(kinds))
+    direction = draw(st.sampled_from((None, "store", "load")))
+    job_id = draw(st.sampled_from((None, *job_ids))) if job_ids else None
+    nth = draw(st.sampled_from((None, 1, 1, 2, 3)))
+    lost = sticky and kind == "error" and draw(st.integers(0, 9)) == 0
+    return Fault(point, kind, direction=direction, job_id=job_id, nth=nth, sticky=lost)
+
+
+def faults(job_ids: Sequence[int] = (), *, points: Sequence[FaultPoint] = POINTS,
+           sticky: bool = True) -> st.SearchStrategy[Fault]:
+    """One fault: a point, a kind (hangs only where they can be), and a selection by direction, job id and nth.
+
+    Args:
+        job_ids: ids a job selector may name (besides no selector).
+        points: the points to draw from.
+        sticky: whether sticky (device-lost) errors may be drawn (one in ten errors).
+    """
+    return _faults(tuple(job_ids), tuple(points), sticky)
+
+
+def fault_plans(job_ids: Sequence[int] = (), *, max_faults: int = 3) -> st.SearchStrategy[tuple[Fault, ...]]:
+    """The faults armed before a worker is built: mostly none, else a few aimed at transfers.
+
+    Faults that are not aimed at a transfer (no direction or job id) are drawn at the transfer points only, so a
+    plan rarely breaks the worker's construction (prewarmed streams and events are untagged).
+    """
+    aimed = faults(job_ids)
+    untargeted = faults((), points=("event_query", "copy", "device_sync", "host_unregister")).map(
+        lambda f: dataclasses.replace(f, direction=None, job_id=None))
+    some = st.lists(st.one_of(aimed, aimed, untargeted), min_size=1, max_size=max_faults).map(tuple)
+    return st.one_of(st.just(()), st.just(()), some)
+
+
+@st.composite
+def setups(draw: st.DrawFn, *, policy: st.SearchStrategy[ShutdownPolicy] | None = None,
+           plans: st.SearchStrategy[tuple[Fault, ...]] | None = None, max_tensors: int = 3,
+           max_groups: int = 3) -> Setup:
+    """Whole run setups: a layout, chunking, small tensors (padded GPU strides included), a policy, faults."""
+    layout = draw(layouts(max_tensors=max_tensors, max_groups=max_groups))
+    return Setup(
+        layout=layout,
+        blocks_per_chunk=draw(st.integers(1, 4)),
+        num_gpu_blocks=draw(st.integers(4, 16)),
+        num_cpu_chunks=draw(st.integers(2, 8)),
+        gpu_row_pad=tuple(draw(st.sampled_from((0, 0, 8, 24))) for _ in layout.tensor_page_bytes),
+        policy=draw(policy if policy is not None else policies()),
+        faults=draw(plans if plans is not None else fault_plans(range(1, 7))),
+        pin_chunk_bytes=draw(st.sampled_from((4096, 1 << 30))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _group_shapes(draw: st.DrawFn, layout: KVCacheLayout, bpc: int, gpu_room: int,
+                  cpu_room: int) -> tuple[list[int], list[int]]:
+    """Per group, a size and a block index fitting the remaining GPU and CPU ids (an empty group's index is
+    drawn up to ``bpc``: it must be ignored)."""
+    sizes: list[int] = []
+    indices: list[int] = []
+    for _ in layout.groups:
+        skip = draw(st.integers(0, bpc - 1))
+        most = min(gpu_room, max(0, cpu_room * bpc - skip), 6)
+        n = draw(st.integers(0, most))
+        if n == 0:
+            skip = draw(st.integers(0, bpc))
+        else:
+            gpu_room -= n
+            cpu_room -= -(-(n + skip) // bpc)
+        sizes.append(n)
+        indices.append(skip)
+    return sizes, indices
+
+
+@st.composite
+def transfer_specs(draw: st.DrawFn, layout: KVCacheLayout, blocks_per_chunk: int, num_gpu_blocks: int,
+                   num_cpu_chunks: int) -> SpecPair:
+    """A valid (GPU spec, CPU spec) pair: any group sizes (empty groups included), block indices that skip
+    sub-blocks at the start of the first chunk (and leave a partial last chunk), distinct in-range ids."""
+    sizes, indices = _group_shapes(draw, layout, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks)
+    cpu_count = sum(-(-(n + i) // blocks_per_chunk) for n, i in zip(sizes, indices, strict=True) if n)
+    gpu_ids = draw(st.lists(st.integers(0, num_gpu_blocks - 1), min_size=sum(sizes), max_size=sum(sizes),
+                            unique=True))
+    cpu_ids = draw(st.lists(st.integers(0, num_cpu_chunks - 1), min_size=cpu_count, max_size=cpu_count,
+                            unique=True))
+    return GPULoadStoreSpec(gpu_ids, group_sizes=tuple(sizes), block_indices=tuple(indices)), \
+        CPULoadStoreSpec(cpu_ids)
+
+
+#: The R7 cases :func:`invalid_transfers` draws, by name.
+INVALID_CASES: Final = (
+    "swapped spec types", "not a spec", "non-1-D ids", "non-integer ids", "negative id", "gpu id out of range",
+    "cpu id out of range", "gpu id count mismatch", "block_indices count mismatch", "cpu id count mismatch",
+    "wrong number of groups", "block index out of range", "job id in flight", "job id not an int",
+    "job id a float", "job id a bool",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class InvalidTransfer:
+    """One submission R7 says must raise InvalidTransferError (and change nothing).
+
+    Attributes:
+        case: which R7 case (one of :data:`INVALID_CASES`).
+        direction: "store" or "load".
+        gpu_ids, group_sizes, block_indices: the GPU spec's arguments (possibly malformed).
+        cpu_ids: the CPU spec's argument (possibly malformed).
+        job: "fresh" (a new id), "in_flight" (the machine passes a pending id), or a bad job id value.
+        swap: pass each spec in the other's place.
+        raw_src: pass a plain list instead of the source spec.
+    """
+
+    case: str
+    direction: Direction
+    gpu_ids: object
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
+    cpu_ids: object
+    job: object = "fresh"
+    swap: bool = False
+    raw_src: bool = False
+
+    def specs_text(self) -> tuple[str, str]:
+        """Python source of (src, dst) as the submission passes them."""
+        gpu = f"GPULoadStoreSpec({self.gpu_ids!r}, group_sizes={self.group_sizes!r}, " \
+              f"block_indices={self.block_indices!r})"
+        cpu = f"CPULoadStoreSpec({self.cpu_ids!r})"
+        src, dst = (gpu, cpu) if self.direction == "store" else (cpu, gpu)
+        if self.swap:
+            src, dst = dst, src
+        if self.raw_src:
+            src = repr(self.gpu_ids if self.direction == "store" else self.cpu_ids)
+        return src, dst
+
+    def build(self) -> tuple[object, object]:
+        """The (src, dst) objects. Constructing a malformed spec raises InvalidTransferError itself (R7)."""
+        gpu = GPULoadStoreSpec(self.gpu_ids, group_sizes=self.group_sizes,  # type: ignore[arg-type]
+                               block_indices=self.block_indices)
+        cpu = CPULoadStoreSpec(self.cpu_ids)  # type: ignore[arg-type]
+        src: object
+        dst: object
+        src, dst = (gpu, cpu) if self.direction == "store" else (cpu, gpu)
+        if self.swap:
+            src, dst = dst, src
+        if self.raw_src:
+            src = list(gpu.block_ids.tolist() if self.direction == "store" else cpu.block_ids.tolist())
+        return src, dst
+
+
+def _with_one(ids: list[int], value: object) -> list[object]:
+    """``ids`` with its last entry replaced by ``value`` (or ``[value]`` if empty)."""
+    return [*ids[:-1], value] if ids else [value]
+
+
+def _mutate(case: str, base: InvalidTransfer, bpc: int, num_gpu: int, num_cpu: int) -> InvalidTransfer:
+    """Turn a valid submission into the R7 case ``case``."""
+    gpu = list(base.gpu_ids)  # type: ignore[call-overload]
+    cpu = list(base.cpu_ids)  # type: ignore[call-overload]
+    sizes, indices = base.group_sizes, base.block_indices
+    edits: dict[str, dict[str, object]] = {
+        "swapped spec types": {"swap": True},
+        "not a spec": {"raw_src": True},
+        "non-1-D ids": {"gpu_ids": [gpu]},
+        "non-integer ids": {"gpu_ids": _with_one(gpu, 0.5)},
+        "negative id": {"cpu_ids": _with_one(cpu, -1)},
+        "gpu id count mismatch": {"gpu_ids": [*gpu, num_gpu + 1]},
+        "block_indices count mismatch": {"block_indices": (*indices, 0)},
+        "cpu id count mismatch": {"cpu_ids": cpu[:-1] if cpu else [0]},
+        "wrong number of groups": {"group_sizes": (*sizes, 0), "block_indices": (*indices, 0)},
+        "job id in flight": {"job": "in_flight"},
+        "job id not an int": {"job": "7"},
+        "job id a float": {"job": 7.0},
+        "job id a bool": {"job": True},
+    }
+    if case in edits:
+        return dataclasses.replace(base, case=case, **edits[case])  # type: ignore[arg-type]
+    # The remaining cases need a non-empty group: use group 0 with one block.
+    one_gpu, one_cpu = [num_gpu if case == "gpu id out of range" else 0], [
+        num_cpu if case == "cpu id out of range" else 0]
+    skip = bpc if case == "block index out of range" else 0
+    group_sizes = (1,) + (0,) * (len(sizes) - 1)
+    return dataclasses.replace(base, case=case, gpu_ids=one_gpu, cpu_ids=one_cpu, group_sizes=group_sizes,
+                               block_indices=(skip,) + (0,) * (len(sizes) - 1))
+
+
+@st.composite
+def invalid_transfers(draw: st.DrawFn, layout: KVCacheLayout, blocks_per_chunk: int, num_gpu_blocks: int,
+                      num_cpu_chunks: int, *, cases: Sequence[str] = INVALID_CASES) -> InvalidTransfer:
+    """One submission that R7 says must raise InvalidTransferError: a valid one, broken in one way."""
+    gpu_spec, cpu_spec = draw(transfer_specs(layout, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks))
+    base = InvalidTransfer("valid", draw(st.sampled_from(("store", "load"))), gpu_spec.block_ids.tolist(),
+                           gpu_spec.group_sizes, gpu_spec.block_indices, cpu_spec.block_ids.tolist())
+    return _mutate(draw(st.sampled_from(tuple(cases))), base, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks)

@@ -1,0 +1,67 @@
+"""run_campaign: the fuzz campaign outside pytest (``kvoffload-ref fuzz``)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from test_testing_machine import finalizable_reference
+
+from kvoffload_ref.backends.base import Backend
+from kvoffload_ref.testing import Setup, WorkerLike, reference_factory
+from kvoffload_ref.testing.campaign import run_campaign
+
+
+class _Phantom:
+    """A worker that reports a job nobody submitted."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def get_finished(self) -> list[Any]:
+        return [*self._inner.get_finished(), type("R", (), {"job_id": -5, "success": True, "transfer_size": 0})()]
+
+
+def _phantom_factory(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    return _Phantom(reference_factory(backend, gpu, setup))  # type: ignore[return-value]
+
+
+@pytest.mark.rule("R5")
+@pytest.mark.rule("R12")
+@pytest.mark.rule("R16")
+def test_testing_campaign_runs_the_steps_and_reports_progress() -> None:
+    out = io.StringIO()
+    assert run_campaign(400, 3, "quarantine", out=out, factory=finalizable_reference) == 0
+    text = out.getvalue()
+    assert text.startswith("fuzz: 400 steps, seed 3, policy quarantine\n")
+    assert "steps/s" in text and "violations 0" in text and "fuzz: OK:" in text
+    steps = int(text.rsplit("fuzz: steps ", 1)[1].split("/", 1)[0])
+    assert steps >= 400
+
+
+def test_testing_campaign_same_seed_same_campaign() -> None:
+    runs = []
+    for _ in range(2):
+        out = io.StringIO()
+        assert run_campaign(200, 11, None, out=out, factory=finalizable_reference) == 0
+        runs.append(out.getvalue().rsplit("fuzz: OK: ", 1)[1])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.rule("R5")
+def test_testing_campaign_fails_with_a_reproduction() -> None:
+    out = io.StringIO()
+    assert run_campaign(2000, 1, None, out=out, factory=_phantom_factory) == 1
+    text = out.getvalue()
+    assert "fuzz: FAILED (seed 1): R5: reported job -5" in text
+    assert "# Reproduction (runnable Python):" in text and "w = _phantom_factory(dev.backend, dev.gpu, setup)" in text
+
+
+def test_testing_campaign_rejects_an_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        run_campaign(10, 1, "sometimes")

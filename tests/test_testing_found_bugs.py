@@ -1,0 +1,104 @@
+"""Core bugs the conformance kit found, as minimal reproductions; all three are fixed (they were strict xfails).
+
+Found by the machine (kvoffload_ref.testing) or while modelling what it checks; the kit itself stays strict,
+the tests that run the machine on kvoffload_ref work around the first one (see test_testing_machine.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import subprocess
+import sys
+import textwrap
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+import kvoffload_ref as kv
+from kvoffload_ref.backends.sim import SimBackend
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    with caplog.at_level(logging.CRITICAL + 1, logger="kvoffload_ref"):
+        yield
+
+
+def _worker(plan: kv.FaultPlan, chunks: int = 8) -> tuple[SimBackend, kv.CPUOffloadingWorker]:
+    be = SimBackend(plan)
+    layout = kv.KVCacheLayout((512,), ((kv.LayerRef(0, 512),),))
+    return be, kv.create_worker(be, [be.empty_device((8, 512))], layout, blocks_per_chunk=1, num_cpu_chunks=chunks)
+
+
+def _g(block: int) -> kv.GPULoadStoreSpec:
+    return kv.GPULoadStoreSpec([block], group_sizes=(1,), block_indices=(0,))
+
+
+def _c(chunk: int) -> kv.CPULoadStoreSpec:
+    return kv.CPULoadStoreSpec([chunk])
+
+
+@pytest.mark.rule("R15")
+def test_testing_found_dropped_worker_with_an_unreported_failure_is_finalized() -> None:
+    be, worker = _worker(kv.FaultPlan([kv.Fault("event_query", "error", job_id=1)]))
+    worker.submit_store(1, _g(1), _c(1))
+    worker.wait([1], timeout=1.0)  # job 1 fails inside wait(); its result is not reported yet
+    ref = weakref.ref(worker)
+    del worker
+    gc.collect()
+    alive = ref()
+    if alive is not None:
+        alive.shutdown()  # do not leave it to the interpreter's exit
+    assert alive is None, "the dropped worker is still alive: its finalizer cannot run (R15)"
+    assert be.ledger.live() == {}
+
+
+@pytest.mark.rule("R4")
+def test_testing_found_failed_submission_does_not_poison_a_pooled_stream() -> None:
+    plan = kv.FaultPlan([kv.Fault("copy", "hang", job_id=2),           # job 2's copy never completes
+                         kv.Fault("copy", "error", job_id=3),          # job 3's submission fails at its copy
+                         kv.Fault("event_query", "error", job_id=2)])  # job 2 then fails: nothing chains on it
+    be, worker = _worker(plan)
+    worker.submit_store(0, _g(0), _c(0))
+    worker.submit_store(1, _g(1), _c(1))  # two streams, both proven: the pool holds both
+    worker.wait([0, 1], timeout=1.0)
+    assert [r.success for r in worker.get_finished()] == [True, True]
+    worker.submit_store(2, _g(2), _c(2))  # hangs on one pooled stream
+    with pytest.raises(kv.DeviceError):
+        worker.submit_store(3, _g(3), _c(3))  # the other pooled stream: waits on job 2's end, then the copy fails
+    be.clock_advance(0.1)
+    assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, False)]
+    worker.submit_store(4, _g(4), _c(4))  # the store queue is empty; no fault selects job 4
+    try:
+        worker.wait([4], timeout=1.0)  # today: DeadlineExceeded
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(4, True)]
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.rule("R15")
+def test_testing_found_finalizer_does_not_deadlock_on_the_ledger_lock() -> None:
+    # In a child process: a deadlocked collection would leave this process's garbage collector stuck "collecting".
+    code = textwrap.dedent("""
+        import gc, logging
+        import kvoffload_ref as kv
+        from kvoffload_ref.backends.sim import SimBackend
+        logging.disable(logging.CRITICAL)
+        be = SimBackend()
+        layout = kv.KVCacheLayout((512,), ((kv.LayerRef(0, 512),),))
+        worker = kv.create_worker(be, [be.empty_device((8, 512))], layout, blocks_per_chunk=1, num_cpu_chunks=8)
+        cycle = [worker]
+        cycle.append(cycle)          # only a reference cycle holds the worker: the cyclic collector finalizes it
+        del worker, cycle
+        with be.ledger._lock:        # what Ledger._tally holds while it allocates (any allocation may collect)
+            gc.collect()
+        print("finished")
+    """)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20.0,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the finalizer's shutdown deadlocked on the ledger lock")
+    assert done.stdout.strip() == "finished", done.stderr
