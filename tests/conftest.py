@@ -7,7 +7,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Stateful tests (tests/test_testing_machine.py) run 3x max_examples examples of stateful_step_count steps each:
+# Stateful tests (tests/test_testing_machine.py) run 4x max_examples examples of stateful_step_count steps each:
 # "ci" gives the conformance machine >= 20,000 steps (checked by test_testing_machine_ci_budget_of_stateful_steps).
 settings.register_profile("dev", max_examples=50, stateful_step_count=50, deadline=None)
 settings.register_profile("ci", max_examples=100, stateful_step_count=50, deadline=None, derandomize=True,

@@ -58,7 +58,7 @@ def test_testing_campaign_fails_with_a_reproduction() -> None:
     out = io.StringIO()
     assert run_campaign(2000, 1, None, out=out, factory=_phantom_factory) == 1
     text = out.getvalue()
-    assert "fuzz: FAILED (seed 1): R5: reported job -5" in text
+    assert "fuzz: FAILED (seed 1) at step " in text and ": R5: reported job -5" in text
     assert "# Reproduction (runnable Python):" in text and "w = _phantom_factory(dev.backend, dev.gpu, setup)" in text
 
 

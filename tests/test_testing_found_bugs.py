@@ -97,7 +97,7 @@ def test_testing_found_finalizer_does_not_deadlock_on_the_ledger_lock() -> None:
         print("finished")
     """)
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20.0,
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=10.0,
                               check=False)
     except subprocess.TimeoutExpired:
         pytest.fail("the finalizer's shutdown deadlocked on the ledger lock")

@@ -19,7 +19,7 @@ from kvoffload_ref.testing import Counters, Setup, WorkerLike, make_machine, pol
 from kvoffload_ref.testing.campaign import quiet_logs
 
 #: Stateful examples per test = the profile's max_examples times this (each example is up to 50 steps).
-STATEFUL_MULTIPLIER = 3
+STATEFUL_MULTIPLIER = 4
 #: Steps the ``ci`` profile must run over the stateful tests of this module (issue 3).
 CI_STEP_BUDGET = 20_000
 

@@ -15,7 +15,7 @@ import random
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final, TextIO
 
 from hypothesis import HealthCheck, Phase, settings
@@ -32,6 +32,9 @@ __all__ = ["STEPS_PER_EXAMPLE", "quiet_logs", "run_campaign"]
 STEPS_PER_EXAMPLE: Final = 50
 #: Most examples per batch (a progress line follows every batch).
 MAX_BATCH: Final = 200
+
+# Typed alias: some Hypothesis releases annotate run_state_machine_as_test, others do not (mypy --strict either way).
+_run_machine: Callable[..., None] = run_state_machine_as_test
 
 
 @contextlib.contextmanager
@@ -96,10 +99,11 @@ def run_campaign(steps: int, seed: int | None, policy: str | None, out: TextIO =
             examples = max(1, min(MAX_BATCH, -(-left // (STEPS_PER_EXAMPLE * 4 // 5))))
             run = hypothesis_seed(batches.getrandbits(64))(machine)
             try:
-                run_state_machine_as_test(run, settings=_settings(examples))  # type: ignore[no-untyped-call]
+                _run_machine(run, settings=_settings(examples))
             except Exception as exc:  # a violated rule, or an implementation that raised where it must not
                 out.write(_progress(machine, steps, started))
-                out.write(f"fuzz: FAILED (seed {seed}): {exc}\n")
+                first = machine.counters.first_failure_step
+                out.write(f"fuzz: FAILED (seed {seed}) at step {first} (later steps: shrinking): {exc}\n")
                 out.write("".join(traceback.format_exception(exc)))
                 out.flush()
                 return 1

@@ -101,6 +101,7 @@ class Counters:
     quarantined: int = 0
     hazards: int = 0
     violations: int = 0
+    first_failure_step: int = 0
 
     def line(self) -> str:
         """A one-line summary."""
@@ -199,6 +200,8 @@ class OffloadingMachine(RuleBasedStateMachine):
     def _fail(self) -> None:
         """Mark the run failed and note the reproduction script (once)."""
         self.failed = True
+        counters = type(self).counters
+        counters.first_failure_step = counters.first_failure_step or counters.steps
         if not self.script_noted:
             self.script_noted = True
             note("# Reproduction (runnable Python):\n" + "\n".join(self.script))
