@@ -303,14 +303,19 @@ def _finalize(core: _WorkerCore) -> None:
     """R15: shut down a worker that was dropped (or alive at exit) without shutdown().
 
     The garbage collector may run this at any allocation, also while this thread holds a library lock (the ledger's,
-    say): then the shutdown runs in a thread of its own, which waits for that lock instead of deadlocking on it.
+    say). So when called from the collector, the shutdown runs in a thread of its own and this thread waits for it
+    at most the policy's timeout plus a second: normally it has finished by then (the outcome is as deterministic as
+    an inline shutdown); if this thread held a lock the shutdown needs, the wait ends and the shutdown completes as
+    soon as the lock is released, instead of deadlocking.
     """
     if core.state is not WorkerState.OPEN:
         return
-    if _GC_RUNNING:
-        threading.Thread(target=_finalize_now, args=(core,), name="kvoffload_ref-finalizer").start()
-    else:
+    if not _GC_RUNNING:
         _finalize_now(core)
+        return
+    thread = threading.Thread(target=_finalize_now, args=(core,), name="kvoffload_ref-finalizer")
+    thread.start()
+    thread.join(core.policy.timeout + 1.0)
 
 
 def _finalize_now(core: _WorkerCore) -> None:
