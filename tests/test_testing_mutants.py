@@ -271,19 +271,3 @@ def test_testing_mutant_planner_off_by_one_is_caught() -> None:
 
 def test_testing_mutants_table_is_complete() -> None:
     assert len(MUTANTS) == 8 and all(isinstance(v[0], collections.abc.Callable) for v in MUTANTS.values())
-
-import sys as _sys, traceback as _tb
-import kvoffload_ref.worker as _W
-_orig = _W._WorkerCore.shutdown
-def _dbg_shutdown(self):  # type: ignore[no-untyped-def]
-    try:
-        return _orig(self)
-    except BaseException:
-        _sys.__stderr__.write("SHUTDOWN RAISED:\n" + _tb.format_exc())
-        raise
-_W._WorkerCore.shutdown = _dbg_shutdown
-_orig_fin = _W._finalize
-def _dbg_fin(core):  # type: ignore[no-untyped-def]
-    _sys.__stderr__.write(f"FINALIZE state={core.state}\n")
-    return _orig_fin(core)
-_W._finalize = _dbg_fin
