@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from test_testing_machine import finalizable_reference
 
 from kvoffload_ref.backends.base import Backend
 from kvoffload_ref.testing import Setup, WorkerLike, reference_factory
@@ -36,7 +35,7 @@ def _phantom_factory(backend: Backend, gpu: Sequence[object], setup: Setup) -> W
 @pytest.mark.rule("R16")
 def test_testing_campaign_runs_the_steps_and_reports_progress() -> None:
     out = io.StringIO()
-    assert run_campaign(400, 3, "quarantine", out=out, factory=finalizable_reference) == 0
+    assert run_campaign(400, 3, "quarantine", out=out) == 0
     text = out.getvalue()
     assert text.startswith("fuzz: 400 steps, seed 3, policy quarantine\n")
     assert "steps/s" in text and "violations 0" in text and "fuzz: OK:" in text
@@ -48,7 +47,7 @@ def test_testing_campaign_same_seed_same_campaign() -> None:
     runs = []
     for _ in range(2):
         out = io.StringIO()
-        assert run_campaign(200, 11, None, out=out, factory=finalizable_reference) == 0
+        assert run_campaign(200, 11, None, out=out) == 0
         runs.append(out.getvalue().rsplit("fuzz: OK: ", 1)[1])
     assert runs[0] == runs[1]
 

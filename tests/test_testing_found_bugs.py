@@ -1,7 +1,7 @@
 """Core bugs the conformance kit found, as minimal reproductions; all three are fixed (they were strict xfails).
 
-Found by the machine (kvoffload_ref.testing) or while modelling what it checks; the kit itself stays strict,
-the tests that run the machine on kvoffload_ref work around the first one (see test_testing_machine.py).
+Found by the machine (kvoffload_ref.testing) or while modelling what it checks; each test is the minimal
+reproduction, kept as a regression test.
 """
 
 from __future__ import annotations

@@ -6,16 +6,13 @@ The step counts are printed (``pytest -s``) and the last test checks the budget 
 from __future__ import annotations
 
 import os
-import types
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvoffload_ref.backends.base import Backend
-from kvoffload_ref.testing import Counters, Setup, WorkerLike, make_machine, policies, reference_factory, setups
+from kvoffload_ref.testing import Counters, make_machine, policies, setups
 from kvoffload_ref.testing.campaign import quiet_logs
 
 #: Stateful examples per test = the profile's max_examples times this (each example is up to 50 steps).
@@ -41,23 +38,8 @@ def stateful_settings() -> settings:
                                                           HealthCheck.filter_too_much])
 
 
-def finalizable_reference(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
-    """The reference worker with the R15 bug below worked around (test-only): a failed transfer's stored error
-    drops its traceback, whose frames would hold the worker. Delete this (and use ``reference_factory``)
-    once ``test_testing_found_bugs.py::test_testing_found_dropped_worker_with_an_unreported_failure_is_finalized``
-    passes."""
-    worker: Any = reference_factory(backend, gpu, setup)
-    for handler in (worker._core.store, worker._core.load):
-        def fail_queue(self: Any, exc: Exception) -> None:
-            type(self)._fail_queue(self, exc)
-            exc.__traceback__ = None
-        handler._fail_queue = types.MethodType(fail_queue, handler)
-    return worker  # type: ignore[no-any-return]
-
-
 def _run(name: str, policy: str) -> Counters:
-    machine = make_machine(finalizable_reference, name=name, factory_name="reference_factory",
-                           setup_strategy=setups(policy=policies(on_unproven=(policy,))))
+    machine = make_machine(name=name, setup_strategy=setups(policy=policies(on_unproven=(policy,))))
     run_state_machine_as_test(machine, settings=stateful_settings())
     COUNTS[name] = machine.counters
     print(f"\n{name}: {machine.counters.line()}")
