@@ -88,7 +88,8 @@ def test_testing_found_finalizer_does_not_deadlock_on_the_ledger_lock() -> None:
         logging.disable(logging.CRITICAL)
         be = SimBackend()
         layout = kv.KVCacheLayout((512,), ((kv.LayerRef(0, 512),),))
-        worker = kv.create_worker(be, [be.empty_device((8, 512))], layout, blocks_per_chunk=1, num_cpu_chunks=8)
+        worker = kv.create_worker(be, [be.empty_device((8, 512))], layout, blocks_per_chunk=1, num_cpu_chunks=8,
+                                  policy=kv.ShutdownPolicy(timeout=0.2))
         cycle = [worker]
         cycle.append(cycle)          # only a reference cycle holds the worker: the cyclic collector finalizes it
         del worker, cycle

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvoffload_ref.testing.adapter import WorkerFactory, reference_factory
+from kvoffload_ref.testing.adapter import Capabilities, WorkerFactory, reference_factory
 from kvoffload_ref.testing.machine import OffloadingMachine, make_machine
 from kvoffload_ref.testing.strategies import policies, setups
 
@@ -55,11 +55,11 @@ def _settings(examples: int) -> settings:
                     suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink])
 
 
-def _machine(factory: WorkerFactory, policy: str | None) -> type[OffloadingMachine]:
+def _machine(factory: WorkerFactory, policy: str | None, capabilities: Capabilities | None) -> type[OffloadingMachine]:
     if policy not in (None, "quarantine", "release"):
         raise ValueError(f"policy must be None, 'quarantine' or 'release', got {policy!r}")
     chosen = setups(policy=policies(on_unproven=(policy,))) if policy else setups()
-    return make_machine(factory, name="CampaignMachine", setup_strategy=chosen,
+    return make_machine(factory, name="CampaignMachine", setup_strategy=chosen, capabilities=capabilities,
                         factory_name=getattr(factory, "__name__", "factory"))
 
 
@@ -72,7 +72,7 @@ def _progress(machine: type[OffloadingMachine], goal: int, started: float) -> st
 
 
 def run_campaign(steps: int, seed: int | None, policy: str | None, out: TextIO = sys.stdout, *,
-                 factory: WorkerFactory = reference_factory) -> int:
+                 factory: WorkerFactory = reference_factory, capabilities: Capabilities | None = None) -> int:
     """Run the conformance machine for at least ``steps`` rule steps.
 
     Args:
@@ -81,6 +81,7 @@ def run_campaign(steps: int, seed: int | None, policy: str | None, out: TextIO =
         policy: "quarantine" or "release" to fuzz one shutdown policy, None to draw it per example.
         out: where progress lines and a failure's report go.
         factory: the implementation under test (default: kvoffload_ref's own worker).
+        capabilities: the optional behaviours it has (default: all).
 
     Returns:
         0 if no rule was violated, 1 at the first violation (its shrunk reproduction is printed).
@@ -88,7 +89,7 @@ def run_campaign(steps: int, seed: int | None, policy: str | None, out: TextIO =
     Raises:
         ValueError: an unknown policy.
     """
-    machine = _machine(factory, policy)
+    machine = _machine(factory, policy, capabilities)
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
     batches = random.Random(seed)
     out.write(f"fuzz: {steps} steps, seed {seed}, policy {policy or 'drawn per example'}\n")

@@ -175,15 +175,18 @@ class OffloadingMachine(RuleBasedStateMachine):
 
     @contextlib.contextmanager
     def _step(self) -> Iterator[None]:
-        """Count one step; any exception marks the run failed (so teardown does not pile errors on it)."""
+        """Count one step; an exception marks the run failed (so teardown does not pile errors on it)."""
         counters = type(self).counters
         counters.steps += 1
         counters.open_steps += self.phase == "open"
         self.age += 1
         try:
             yield
-        except BaseException:
+        except (Exception, SimHang):
             self._fail()
+            raise
+        except BaseException:  # Hypothesis' own control flow (an example cut short): not a failure
+            self.failed = True
             raise
 
     def _say(self, line: str) -> None:
