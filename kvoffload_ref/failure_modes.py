@@ -70,7 +70,7 @@ ROWS: tuple[Row, ...] = (
         "logged `Failed to close mmap_obj`", "same as before", (), "view"),
     Row("stream/event creation failure at submit",
         "router catches it, logs, returns `False`", "`AssertionError`/`RuntimeError` reaches the caller",
-        (Fault("stream_create", "error", job_id=2, nth=1),), "submit"),
+        (Fault("event_create", "error", job_id=2, nth=1),), "submit"),
     Row("construction failure (event creation)",
         "region and its `/dev/shm` file leak", "#51227: `create_worker` cleans the region; no test covers it",
         (Fault("event_create", "error", nth=2),), "construct"),

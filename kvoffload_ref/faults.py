@@ -262,6 +262,11 @@ class FaultyBackend:
         """The inner backend's ledger."""
         return self.inner.ledger
 
+    @property
+    def hang_horizon(self) -> float:
+        """Backend seconds after which a wait without a bound on hung work gives up with SimHang."""
+        return self._horizon
+
     # -- memory: delegated ------------------------------------------------------------------------------------
 
     def empty_device(self, shape: tuple[int, int]) -> object:

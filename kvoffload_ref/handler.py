@@ -2,25 +2,31 @@
 
 Theory of operation
 -------------------
+Each handler owns **one stream**, and every transfer of its direction is queued on it. R4 ("a transfer starts
+only after the previous transfer of its handler has ended") is then the stream's own FIFO order -- also after a
+failure, since the stream keeps every transfer ever queued on it in order, failed or not. A stream per in-flight
+transfer would buy no concurrency (the transfers are serialised anyway) and cost one create and one destroy each.
+
 ``submit`` validates and plans the copies (the handler's ``layout.Planner``, built once over its geometry;
-invalid input raises before any device work and before anything is taken from a pool, R7), takes a stream, two
-events and a descriptor buffer from the pools (or creates them), writes the copies straight into the descriptor
-buffer (no per-transfer arrays), and queues on the stream: a wait
-for a marker event just recorded on the compute stream, a wait for the previous transfer's end event (R4), the
-start event, one batched copy, the end event. (The marker goes back to the pool at once: a stream's wait captures
-the record current when it is issued, so re-recording the marker later cannot affect it.)
+invalid input raises before any device work and before anything is taken from a pool, R7), takes two events and
+a descriptor buffer from the pools (or creates them), writes the copies straight into the descriptor buffer, and
+queues on the stream: a wait for a marker event just recorded on the compute stream (R4), the start event, one
+batched copy, the end event. (The marker goes back to the pool at once: a stream's wait captures the record
+current when it is issued, so re-recording the marker later cannot affect it.)
 
-A transfer leaves the queue only once *proven*: its end event was observed done without error (R5, R10). Proven
-transfers give their stream, events and descriptor buffer back to the pools. When observing the head raises,
-the head and everything queued behind it fail together (their data cannot be trusted) and their resources go to
-the *unproven* bin: they are never reused, and at shutdown they are released only if the device-level proof
-succeeds (R13), else the descriptor buffers are quarantined (a copy may still be reading them).
+A transfer leaves the queue only once *proven*: its end event was observed done without error (R5, R10). What
+happens then is the lifecycle table's action, not this module's choice: while accepting, a proven head is
+reported and a failed head fails the whole queue (reported ``success=False``); while draining, a proven head is
+counted as drained and a failure abandons the rest. Proven transfers give their events and descriptor buffer
+back to the pools; failed and abandoned ones go to the *unproven* bin: never reused, released at shutdown only if
+the device-level proof succeeds (R13), else their descriptor buffers are quarantined (a copy may still read them).
 
-``drain`` is the shutdown half: head first, each wait bounded by the one shutdown deadline (R11), stopping at
-the first failure and abandoning the rest (R10). ``release`` then frees the transfer-side resources and reports
-what must be quarantined. The handler never holds the region (R1): it gets tensor geometries only.
+``drain`` is the shutdown half: head first, each wait bounded by the one shutdown deadline (R11). ``release``
+frees the transfer-side resources in a few batched backend calls and reports what must be quarantined; a
+BaseException arriving in the middle does not stop it (R14). The handler never holds the region (R1): it gets
+tensor geometries only.
 
-All state changes go through ``lifecycle.HANDLER_TABLE``.
+The handler is not thread-safe by itself: the worker serialises every call into it (R19).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag, poll_until
@@ -45,10 +51,12 @@ from kvoffload_ref.layout import (
 )
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
 
-__all__ = ["DirectionHandler", "DrainOutcome", "HandlerStats", "ReleaseOutcome", "TransferResult"]
+__all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "TransferResult", "finish_all"]
 
 logger = logging.getLogger("kvoffload_ref.handler")
 
+#: How often a release step is retried when a BaseException (an injected or deferred interrupt) cut it short.
+RELEASE_ATTEMPTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +78,22 @@ class TransferResult:
     error: BaseException | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class HandlerReport:
+    """One handler's part of the shutdown report (R10).
+
+    Attributes:
+        drained: transfers proven complete during the shutdown drain (also when it was interrupted, R14).
+        abandoned: transfers left with unknown completion.
+        error: the first failure of the drain (a DeviceError, DeadlineExceeded, or the interrupting
+            BaseException), or None.
+    """
+
+    drained: int = 0
+    abandoned: int = 0
+    error: BaseException | None = None
+
+
 _T = TypeVar("_T")
 
 
@@ -80,6 +104,44 @@ def _detached(exc: DeviceError) -> DeviceError:
         link.__traceback__ = None
         link = link.__cause__ or link.__context__
     return exc
+
+
+def finish_all(steps: Iterable[tuple[str, Callable[[], object]]]) -> tuple[list[str], BaseException | None]:
+    """Run every release step to its end, whatever any of them raises (R9, R14).
+
+    A step that raises an ``Exception`` is logged and counted as failed; the next step runs. A step cut short by a
+    ``BaseException`` (an interrupt) is retried, up to RELEASE_ATTEMPTS times -- an interrupt stops waiting, never
+    releasing -- and the first such exception is returned for the caller to re-raise once everything is done.
+
+    Args:
+        steps: (description, zero-argument callable) pairs, run in order.
+
+    Returns:
+        (descriptions of the steps that failed, the first interrupting BaseException or None).
+    """
+    failed: list[str] = []
+    interrupt: BaseException | None = None
+    for what, step in steps:
+        for _ in range(RELEASE_ATTEMPTS):
+            try:
+                step()
+            except Exception as exc:
+                logger.error("Failed to %s", what, exc_info=True)
+                failed.append(f"{what}: {exc!r}")
+            except BaseException as exc:  # an interrupt: remember it, finish the step anyway
+                interrupt = interrupt or exc
+                continue
+            break
+        else:
+            failed.append(f"{what}: interrupted {RELEASE_ATTEMPTS} times")
+    return failed, interrupt
+
+
+def _each(fn: Callable[[Any], object], items: list[Any]) -> None:
+    """Release items from the end of the list; an item leaves it only once released (a retry resumes)."""
+    while items:
+        fn(items[-1])
+        items.pop()
 
 
 class _Taken:
@@ -97,17 +159,15 @@ class _Taken:
         self.items.append((pool, item, created))
         return item
 
-    def items_of(self, pool: list[Any]) -> list[Any]:
-        return [item for p, item, _ in self.items if p is pool]
 
-
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Transfer:
     job_id: int
-    stream: Stream
     events: tuple[Event, Event]  # (start, end)
     descriptors: DescriptorBuffer | None  # None for a zero-op transfer
     nbytes: int
+    # Invariant: True once the transfer left the queue (proven, failed or abandoned).
+    resolved: bool = False
 
     @property
     def start(self) -> Event:
@@ -131,33 +191,9 @@ class HandlerStats:
     failed: int  # reported success=False
     abandoned: int  # left unproven by the shutdown drain
     unproven: int  # transfers whose resources wait for the device-level proof
-    pooled_streams: int
+    pooled_streams: int  # the handler's own stream (1 until released)
     pooled_events: int
     pooled_descriptors: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DrainOutcome:
-    """What one handler's shutdown drain established (R10).
-
-    Attributes:
-        drained: transfers proven complete during the drain.
-        abandoned: transfers left with unknown completion.
-        error: the first failure (a DeviceError, DeadlineExceeded, or the interrupting BaseException), or None.
-        clean: every transfer this handler ever submitted was proven complete by its own event (R13).
-    """
-
-    drained: int
-    abandoned: int
-    error: BaseException | None
-    clean: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class ReleaseOutcome:
-    """What ``release`` did with the unproven transfers' descriptor buffers."""
-
-    quarantined: tuple[DescriptorBuffer, ...]
 
 
 class DirectionHandler:
@@ -165,19 +201,25 @@ class DirectionHandler:
 
     def __init__(self, backend: Backend, direction: Direction, layout: KVCacheLayout,
                  gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry], blocks_per_chunk: int,
-                 *, prewarm: int = 0) -> None:
-        """Build a handler; ``prewarm`` streams (and three events each) are created up front.
+                 *, compute_stream: Stream | None = None, prewarm: int = 0) -> None:
+        """Build a handler: its planner, its stream, and ``prewarm`` transfers' worth of events up front.
+
+        Args:
+            compute_stream: the stream whose queued work every transfer waits for (R4); None = the backend's
+                current stream now.
 
         Raises:
             InvalidTransferError: the geometry does not fit the layout (nothing was created).
-            DeviceError: creating a prewarmed stream or event failed (what was created is destroyed).
+            DeviceError: creating the stream or a prewarmed event failed (what was created is destroyed).
         """
         self._backend = backend
         self.direction: Direction = direction
         self._machine = f"{direction} handler"  # the lifecycle machine's name in error messages
         # Invariant: holds geometry only (addresses and strides, validated once here), never the region (R1).
         self._planner = Planner(layout, gpu, cpu, blocks_per_chunk)
-        # Invariant: submission order; each waits on its predecessor's end event (R4); none is proven yet.
+        # Invariant: the stream R4's wait is recorded on; fixed for the handler's life.
+        self._compute = compute_stream if compute_stream is not None else backend.current_stream()
+        # Invariant: submission order, all on self._stream; none is proven yet.
         self._queue: collections.deque[_Transfer] = collections.deque()
         # Invariant: completion known (proven or failed), not yet reported; in resolution (= submission) order.
         self._resolved: list[TransferResult] = []
@@ -186,15 +228,21 @@ class DirectionHandler:
         # Invariant: transfers whose completion is unknown; their resources are never reused.
         self._unproven: list[_Transfer] = []
         # Invariant: pooled objects are idle (their last use was proven complete); LIFO.
-        self._streams: list[Stream] = []
         self._events: list[Event] = []
         self._descriptors: list[DescriptorBuffer] = []
         self._counts = collections.Counter[str]()
         # Invariant: the first failure of the shutdown drain (None before it or if there was none).
         self._drain_error: BaseException | None = None
-        # Invariant: changed only through lifecycle.step(HANDLER_TABLE, ...).
+        # Invariant: changed only through lifecycle.step(HANDLER_TABLE, ...), in _step.
         self.state = HandlerState.ACCEPTING
-        self._prewarm(prewarm)
+        # Invariant: every transfer of this handler runs on this one stream (R4); None once released.
+        self._stream: Stream | None = None
+        try:
+            self._stream = backend.create_stream()
+            self._events.extend(backend.create_event() for _ in range(3 * prewarm))
+        except BaseException:
+            self.discard()
+            raise
 
     # -- submission -----------------------------------------------------------------------------------------------
     def submit(self, job_id: int, src: GPULoadStoreSpec | CPULoadStoreSpec,
@@ -206,7 +254,8 @@ class DirectionHandler:
             WorkerClosedError: the handler is draining or closed (R8).
             DeviceError: a device call failed; nothing was queued and what was taken for it is given back.
         """
-        self._check_state(HandlerInput.SUBMIT)
+        if self._step(HandlerInput.SUBMIT) is not Action.ENQUEUE:  # every other pair is refused
+            return
         plan = self._planner.prepare(self.direction, src, dst)  # R7: every check happens here, before any take
         taken = _Taken()
         try:
@@ -214,30 +263,27 @@ class DirectionHandler:
         except BaseException:
             self._undo(taken)
             raise
-        self._step(HandlerInput.SUBMIT)
         self._queue.append(transfer)
         self._jobs.add(job_id)
         self._counts["submitted"] += 1
 
     def _enqueue(self, job_id: int, plan: PreparedPlan, taken: _Taken) -> _Transfer:
-        backend, tag = self._backend, (self.direction, job_id)
+        backend, tag, stream = self._backend, (self.direction, job_id), self._stream
+        assert stream is not None  # Invariant: an accepting handler has its stream
         descriptors = None
         if plan.num_ops:
             descriptors = self._take_descriptors(plan.num_ops, tag, taken)
             plan.write(descriptors.src, descriptors.dst, descriptors.sizes)
-        stream = taken.take(self._streams, lambda: backend.create_stream(tag=tag))
         marker, start, end = (taken.take(self._events, lambda: backend.create_event(tag=tag)) for _ in range(3))
-        backend.record(marker, backend.current_stream(), tag=tag)
+        backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
-        if self._queue:
-            backend.wait_event(stream, self._queue[-1].end)  # R4: after this handler's previous transfer
-        backend.record(start, stream, tag=tag)
+        backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
         if descriptors is not None:
             backend.copy_batch(stream, descriptors, plan.num_ops, tag=tag)
             taken.copy_queued = True
         backend.record(end, stream, tag=tag)
         self._events.append(marker)  # reusable at once: the stream's wait captured the record it needs
-        return _Transfer(job_id, stream, (start, end), descriptors, plan.nbytes)
+        return _Transfer(job_id, (start, end), descriptors, plan.nbytes)
 
     def _take_descriptors(self, count: int, tag: Tag, taken: _Taken) -> DescriptorBuffer:
         while self._descriptors and self._descriptors[-1].capacity < count:
@@ -246,23 +292,20 @@ class DirectionHandler:
 
     def _undo(self, taken: _Taken) -> None:
         """Give back what a failed submission took (newest first). Once its copy is queued, the device may still
-        read its descriptors: then nothing is reusable and it all waits for the device-level proof."""
+        read its descriptors: then its events and descriptors are never reused and wait for the device-level
+        proof (R13) like a failed transfer's."""
         if taken.copy_queued:
-            stream = cast(Stream, taken.items_of(self._streams)[0])
-            marker, start, end = (cast(Event, e) for e in taken.items_of(self._events))
-            descriptors = cast(DescriptorBuffer, taken.items_of(self._descriptors)[0])
-            self._unproven.append(_Transfer(-1, stream, (start, end), descriptors, 0))
+            marker, start, end = (item for pool, item, _ in taken.items if pool is self._events)
+            descriptors = next(item for pool, item, _ in taken.items if pool is self._descriptors)
+            self._unproven.append(_Transfer(-1, (start, end), descriptors, 0, resolved=True))
             self._events.append(marker)
             return
         release: dict[int, Callable[[Any], None]] = {
-            id(self._streams): self._backend.destroy_stream,
             id(self._events): self._backend.destroy_event,
             id(self._descriptors): self._backend.free_descriptors,
         }
         for pool, item, created in reversed(taken.items):
-            # A stream may already hold waits queued for this submission; if what they wait for never completes,
-            # a stream given back to the pool would hang every later transfer on it: destroy it instead (R4).
-            if created or pool is self._streams:
+            if created:
                 release[id(pool)](item)
             else:
                 pool.append(item)
@@ -274,60 +317,43 @@ class DirectionHandler:
 
     def get_finished(self) -> list[TransferResult]:
         """Reap what is proven (or failed) without blocking; report each job once, in submission order (R5)."""
-        if self.state is not HandlerState.ACCEPTING:
-            return []
         while self._queue and self._observe_head(self._backend.query):
             pass
         results, self._resolved = self._resolved, []
         self._jobs.difference_update(r.job_id for r in results)
         return results
 
-    def wait(self, job_ids: Iterable[int], deadline: float | None) -> None:
-        """Block until each listed job here is proven or failed (R6); reports nothing.
+    def last_of(self, job_ids: set[int]) -> _Transfer | None:
+        """The last queued transfer among ``job_ids`` (None if none is queued): in FIFO order, once it is
+        resolved, every listed job here is (R6)."""
+        return next((t for t in reversed(self._queue) if t.job_id in job_ids), None)
 
-        Args:
-            job_ids: ids to wait for; unknown or already-resolved ids are ignored.
-            deadline: absolute time on the backend clock, or None for no bound (then a blocking synchronize).
-
-        Raises:
-            DeadlineExceeded: the deadline passed first (what was proven so far stays proven).
-        """
-        if self.state is not HandlerState.ACCEPTING:
-            return
-        targets = {t.job_id for t in self._queue} & set(job_ids)
-        while targets and self._queue:
-            head = self._queue[0]
-            observed = self._observe_head(self._blocking_observer(deadline))
-            if not observed:
-                raise DeadlineExceeded(f"{self.direction} job {head.job_id} not proven complete by the deadline")
-            targets.discard(head.job_id)
-            targets &= {t.job_id for t in self._queue}
-
-    def _blocking_observer(self, deadline: float | None) -> Callable[[Event], bool]:
-        if deadline is None:
-            def synchronize(event: Event) -> bool:
-                self._backend.synchronize(event)
-                return True
-            return synchronize
-        return lambda event: poll_until(self._backend, lambda: self._backend.query(event), deadline)
+    def settle(self, mark: _Transfer) -> bool:
+        """Observe the queue's heads without blocking, up to ``mark``; whether ``mark`` is resolved now."""
+        while not mark.resolved and self._observe_head(self._backend.query):
+            pass
+        return mark.resolved
 
     def _observe_head(self, observe: Callable[[Event], bool]) -> bool:
-        """Observe the head's end event once: prove it, fail the queue, or (False) leave it pending."""
+        """Observe the head's end event once: the head is proven, or failed, or (False) still pending."""
         head = self._queue[0]
         try:
             done = observe(head.end)
         except DeviceError as exc:
-            self._fail_queue(exc)
+            self._head_failed(exc)
             return True
         if done:
-            self._prove_head()
+            self._head_proven()
         return done
 
-    def _prove_head(self) -> None:
-        self._step(HandlerInput.HEAD_PROVEN)
+    def _head_proven(self) -> None:
+        action = self._step(HandlerInput.HEAD_PROVEN)
         head = self._queue.popleft()
-        if self.state is HandlerState.ACCEPTING:  # after shutdown began nothing is reported (R8)
+        head.resolved = True
+        if action is Action.REPORT:
             self._resolved.append(TransferResult(head.job_id, True, head.nbytes, self._seconds(head)))
+        elif action is Action.COUNT_DRAINED:
+            self._counts["drained"] += 1
         self._recycle(head)
         self._counts["completed"] += 1
 
@@ -339,21 +365,17 @@ class DirectionHandler:
                            exc_info=True)
             return None
 
-    def _fail_queue(self, exc: DeviceError) -> None:
-        """R5/R10: observing the head raised. It and everything behind it have unknown completion: their
-        resources go to the unproven bin. While accepting, they are reported failed; while draining, abandoned."""
-        self._step(HandlerInput.HEAD_FAILED)
-        failed = list(self._queue)
-        if self.state is HandlerState.ABANDONED:
-            self._queue.clear()
-            self._unproven.extend(failed)
-            self._counts["abandoned"] += len(failed)
-            self._drain_error = self._drain_error or exc
-            logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
-                         len(failed) - 1, exc_info=exc)
-            return
-        self._queue.clear()
-        self._unproven.extend(failed)
+    def _head_failed(self, exc: DeviceError) -> None:
+        """R5/R10: observing the head raised; the table says whether the queue is reported failed or abandoned."""
+        action = self._step(HandlerInput.HEAD_FAILED)
+        if action is Action.REPORT_FAILED:
+            self._report_failed(exc)
+        elif action is Action.ABANDON:
+            self._abandon(exc)
+
+    def _report_failed(self, exc: DeviceError) -> None:
+        """The head and everything behind it have unknown completion: reported failed, resources unproven."""
+        failed = self._take_queue()
         self._counts["failed"] += len(failed)
         head = failed[0]
         exc = _detached(exc)  # a stored error must not keep the frames (and the worker) it was raised through
@@ -364,14 +386,22 @@ class DirectionHandler:
             behind.__cause__ = exc
             self._resolved.append(TransferResult(transfer.job_id, False, error=behind))
 
+    def _take_queue(self) -> list[_Transfer]:
+        """Empty the queue into the unproven bin; returns what was queued."""
+        taken = list(self._queue)
+        self._queue.clear()
+        for transfer in taken:
+            transfer.resolved = True
+        self._unproven.extend(taken)
+        return taken
+
     def _recycle(self, transfer: _Transfer) -> None:
-        self._streams.append(transfer.stream)
         self._events.extend(reversed(transfer.events))
         if transfer.descriptors is not None:
             self._descriptors.append(transfer.descriptors)
 
     # -- shutdown -------------------------------------------------------------------------------------------------
-    def drain(self, deadline: float, *, interrupted: bool = False) -> DrainOutcome:
+    def drain(self, deadline: float, *, interrupted: bool = False) -> HandlerReport:
         """Shutdown drain (R10): prove transfers head first within the deadline; stop at the first failure.
 
         Args:
@@ -380,90 +410,98 @@ class DirectionHandler:
             interrupted: a BaseException already stopped the shutdown (R14): abandon everything, wait for nothing.
 
         Returns:
-            The outcome. A BaseException raised while waiting abandons the rest and is re-raised (R14).
+            The drain's report. A BaseException raised while waiting abandons the rest and is re-raised (R14);
+            :meth:`report` then still says what was drained before it.
         """
-        self._step(HandlerInput.BEGIN_DRAIN)
-        self._resolved.clear()  # nothing is reported after shutdown began (R8)
+        self._step(HandlerInput.BEGIN_DRAIN)  # DROP_RESULTS: nothing is reported after shutdown began (R8)
+        self._resolved.clear()
         self._jobs.clear()
-        drained = 0
         try:
             if interrupted and self._queue:
-                self._abandon(HandlerInput.INTERRUPT, None)
-            observe = self._blocking_observer(deadline)
+                self._stop_drain(HandlerInput.INTERRUPT, None)
+            backend = self._backend
+
+            def observe(event: Event) -> bool:
+                return poll_until(backend, lambda: backend.query(event), deadline)
+
             while self._queue:
                 head = self._queue[0]
-                if self._observe_head(observe):
-                    drained += self.state is HandlerState.DRAINING
-                    continue
-                timeout = DeadlineExceeded(f"{self.direction} job {head.job_id} was not proven complete "
-                                           "within the shutdown timeout")
-                self._abandon(HandlerInput.DEADLINE, timeout)
+                if not self._observe_head(observe):
+                    self._stop_drain(HandlerInput.DEADLINE, DeadlineExceeded(
+                        f"{self.direction} job {head.job_id} was not proven complete within the shutdown timeout"))
         except BaseException as exc:
-            if self.state is HandlerState.DRAINING and self._queue:
-                self._abandon(HandlerInput.INTERRUPT, exc)
+            self._stop_drain(HandlerInput.INTERRUPT, exc)
             raise
         finally:
-            if self.state is HandlerState.DRAINING:
-                self._step(HandlerInput.QUEUE_EMPTY)
-        return DrainOutcome(drained, self._counts["abandoned"], self._drain_error, not self._unproven)
+            self._step(HandlerInput.QUEUE_EMPTY)
+        return self.report()
 
-    def _abandon(self, event: HandlerInput, error: BaseException | None) -> None:
+    def _stop_drain(self, event: HandlerInput, error: BaseException | None) -> None:
+        if self._step(event) is Action.ABANDON:
+            self._abandon(error)
+
+    def _abandon(self, error: BaseException | None) -> None:
         """Stop draining: every queued transfer's completion is unknown (R10)."""
-        self._step(event)
-        remaining = list(self._queue)
-        self._queue.clear()
-        self._unproven.extend(remaining)
+        remaining = self._take_queue()
         self._counts["abandoned"] += len(remaining)
         self._drain_error = self._drain_error or error
-        if error is not None:
+        if error is not None and remaining:
             logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
                          len(remaining) - 1, exc_info=error)
 
-    def streams_in_use(self) -> list[Stream]:
-        """Every stream this handler still holds (pooled and unproven): what the device-level proof covers."""
-        return [*self._streams, *(t.stream for t in self._unproven)]
+    def report(self) -> HandlerReport:
+        """What the shutdown drain established so far (also after an interrupt)."""
+        return HandlerReport(self._counts["drained"], self._counts["abandoned"], self._drain_error)
 
     @property
     def clean(self) -> bool:
         """Every transfer ever submitted here was proven complete by its own event (R13's clean path)."""
         return not self._unproven and not self._queue
 
-    def release(self, fate: Fate) -> ReleaseOutcome:
-        """Release the transfer-side resources after the drain (R10).
+    def streams_in_use(self) -> list[Stream]:
+        """The streams this handler still holds: what the device-level proof covers."""
+        return [] if self._stream is None else [self._stream]
 
-        Streams, events and the descriptor buffers of proven transfers are always released. The descriptor
-        buffers of unproven transfers are freed if ``fate`` is RELEASE, else returned for quarantine (and
-        marked quarantined in the ledger). Idempotent.
+    def release(self, fate: Fate) -> tuple[list[DescriptorBuffer], list[str], BaseException | None]:
+        """Release the transfer-side resources after the drain (R10); idempotent.
+
+        The stream, the events and the descriptor buffers of proven transfers are always released. The descriptor
+        buffers of unproven transfers are freed if ``fate`` is RELEASE, else returned for quarantine (and marked
+        quarantined in the ledger). Every step runs, whatever an earlier one raised (R14).
+
+        Returns:
+            (descriptor buffers to quarantine, failed steps, the first interrupting BaseException or None -- the
+            caller re-raises it once its own release is done).
         """
-        _, action = lifecycle.step(lifecycle.HANDLER_TABLE, self._machine, self.state, HandlerInput.RELEASE)
-        if action is Action.NOTHING:
-            return ReleaseOutcome(())
-        self._step(HandlerInput.RELEASE)
+        if self._step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
+            return [], [], None
         backend = self._backend
-        destroy_stream, destroy_event, free = backend.destroy_stream, backend.destroy_event, backend.free_descriptors
-        for stream in self.streams_in_use():
-            destroy_stream(stream)
-        for event in [*self._events, *(e for t in self._unproven for e in t.events)]:
-            destroy_event(event)
-        for buf in self._descriptors:
-            free(buf)
+        events = [*self._events, *(e for t in self._unproven for e in t.events)]
         unproven = [t.descriptors for t in self._unproven if t.descriptors is not None]
-        self._streams, self._events, self._descriptors, self._unproven = [], [], [], []
-        if fate is Fate.RELEASE:
-            for buf in unproven:
-                backend.free_descriptors(buf)
-            return ReleaseOutcome(())
-        for buf in unproven:
-            backend.ledger.quarantine("descriptor", id(buf))
-        return ReleaseOutcome(tuple(unproven))
+        idle, stream = self._descriptors, self._stream
+        self._stream, self._events, self._descriptors, self._unproven = None, [], [], []
+        kept = [] if fate is Fate.RELEASE else unproven
+        freed = [*idle, *unproven] if fate is Fate.RELEASE else idle
+        streams = [] if stream is None else [stream]
+        quarantined = list(kept)
+        steps: list[tuple[str, Callable[[], object]]] = [
+            (f"destroy the {self.direction} stream", lambda: _each(backend.destroy_stream, streams)),
+            (f"destroy {len(events)} {self.direction} events", lambda: _each(backend.destroy_event, events)),
+            (f"free {len(freed)} {self.direction} descriptor buffers",
+             lambda: _each(backend.free_descriptors, freed)),
+            ("quarantine descriptor buffers",
+             lambda: _each(lambda buf: backend.ledger.quarantine("descriptor", id(buf)), quarantined)),
+        ]
+        failed, interrupt = finish_all(steps)
+        return kept, failed, interrupt
 
     def discard(self) -> None:
         """Construction rollback (R2): destroy what the constructor created; nothing was ever submitted."""
-        for stream in self._streams:
-            self._backend.destroy_stream(stream)
         for event in self._events:
             self._backend.destroy_event(event)
-        self._streams, self._events = [], []
+        if self._stream is not None:
+            self._backend.destroy_stream(self._stream)
+        self._stream, self._events = None, []
 
     # -- snapshots and helpers ------------------------------------------------------------------------------------
     def stats(self) -> HandlerStats:
@@ -473,22 +511,10 @@ class DirectionHandler:
             direction=self.direction, state=self.state.value, queued=len(self._queue),
             unreported=len(self._resolved), submitted=c["submitted"], completed=c["completed"],
             failed=c["failed"], abandoned=c["abandoned"], unproven=len(self._unproven),
-            pooled_streams=len(self._streams), pooled_events=len(self._events),
+            pooled_streams=int(self._stream is not None), pooled_events=len(self._events),
             pooled_descriptors=len(self._descriptors),
         )
 
-    def _prewarm(self, count: int) -> None:
-        try:
-            for _ in range(count):
-                self._streams.append(self._backend.create_stream())
-                for _ in range(3):
-                    self._events.append(self._backend.create_event())
-        except BaseException:
-            self.discard()
-            raise
-
-    def _check_state(self, event: HandlerInput) -> None:
-        lifecycle.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)
-
-    def _step(self, event: HandlerInput) -> None:
-        self.state, _ = lifecycle.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)
+    def _step(self, event: HandlerInput) -> Action:
+        self.state, action = lifecycle.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)
+        return action

@@ -73,9 +73,18 @@ class Action(_IdentityHash, enum.Enum):
     NOTHING = "nothing"  # the call has no effect (idempotent repeats)
     RETURN_EMPTY = "return_empty"  # return an empty result at once (get_finished/wait after shutdown began)
     RETURN_REPORT = "return_report"  # return the stored shutdown report (second shutdown, R8)
+    AWAIT_REPORT = "await_report"  # wait for the running shutdown to finish, then return its report (R8, R19)
     RUN_SHUTDOWN = "run_shutdown"  # run the shutdown sequence (R9-R14)
     RELEASE = "release"  # release the region now (R3)
     QUARANTINE = "quarantine"  # keep the region mapped and pinned until process exit (R12)
+    # -- a handler's actions --
+    ENQUEUE = "enqueue"  # queue the transfer on the handler's stream (R4)
+    REPORT = "report"  # the proven head leaves the queue and is reported success=True (R5)
+    REPORT_FAILED = "report_failed"  # the failed head and every transfer behind it are reported failed (R5)
+    DROP_RESULTS = "drop_results"  # shutdown began: unreported results are dropped, nothing is reported (R8)
+    COUNT_DRAINED = "count_drained"  # the proven head leaves the queue, counted as drained, not reported (R10)
+    ABANDON = "abandon"  # every queued transfer is abandoned, completion unknown (R10, R14)
+    RELEASE_RESOURCES = "release_resources"  # release streams, events, descriptor buffers (R10)
 
 
 class Transition(NamedTuple):
@@ -129,7 +138,7 @@ WORKER_TABLE: Final[Table] = {
     (_W.SHUTTING_DOWN, _WI.GET_FINISHED): Transition(_W.SHUTTING_DOWN, Action.RETURN_EMPTY),
     (_W.SHUTTING_DOWN, _WI.WAIT): Transition(_W.SHUTTING_DOWN, Action.RETURN_EMPTY),
     (_W.SHUTTING_DOWN, _WI.SNAPSHOT): _CLOSED_SNAPSHOT,
-    (_W.SHUTTING_DOWN, _WI.SHUTDOWN): Refusal(WorkerClosedError, "shutdown is already running (re-entered)"),
+    (_W.SHUTTING_DOWN, _WI.SHUTDOWN): Transition(_W.SHUTTING_DOWN, Action.AWAIT_REPORT),
     (_W.SHUTTING_DOWN, _WI.SHUTDOWN_COMPLETE): Transition(_W.CLOSED, Action.PROCEED),
     (_W.SHUTTING_DOWN, _WI.INTERRUPTED): Transition(_W.CLOSED, Action.PROCEED),
     (_W.CLOSED, _WI.SUBMIT): _CLOSED_SUBMIT,
@@ -169,26 +178,29 @@ _NOT_DRAINED = Refusal(LifecycleError, "the handler must finish draining before 
 _H_DONE = Refusal(LifecycleError, "the handler is closed")
 
 HANDLER_TABLE: Final[Table] = {
-    (_H.ACCEPTING, _HI.SUBMIT): Transition(_H.ACCEPTING, Action.PROCEED),
-    (_H.ACCEPTING, _HI.HEAD_PROVEN): Transition(_H.ACCEPTING, Action.PROCEED),
-    (_H.ACCEPTING, _HI.HEAD_FAILED): Transition(_H.ACCEPTING, Action.PROCEED),
-    (_H.ACCEPTING, _HI.BEGIN_DRAIN): Transition(_H.DRAINING, Action.PROCEED),
+    (_H.ACCEPTING, _HI.SUBMIT): Transition(_H.ACCEPTING, Action.ENQUEUE),
+    (_H.ACCEPTING, _HI.HEAD_PROVEN): Transition(_H.ACCEPTING, Action.REPORT),
+    (_H.ACCEPTING, _HI.HEAD_FAILED): Transition(_H.ACCEPTING, Action.REPORT_FAILED),
+    (_H.ACCEPTING, _HI.BEGIN_DRAIN): Transition(_H.DRAINING, Action.DROP_RESULTS),
     (_H.ACCEPTING, _HI.QUEUE_EMPTY): _NOT_DRAINING,
     (_H.ACCEPTING, _HI.DEADLINE): _NOT_DRAINING,
     (_H.ACCEPTING, _HI.INTERRUPT): _NOT_DRAINING,
     (_H.ACCEPTING, _HI.RELEASE): _NOT_DRAINED,
     (_H.DRAINING, _HI.SUBMIT): _H_CLOSED_SUBMIT,
-    (_H.DRAINING, _HI.HEAD_PROVEN): Transition(_H.DRAINING, Action.PROCEED),
-    (_H.DRAINING, _HI.HEAD_FAILED): Transition(_H.ABANDONED, Action.PROCEED),
+    (_H.DRAINING, _HI.HEAD_PROVEN): Transition(_H.DRAINING, Action.COUNT_DRAINED),
+    (_H.DRAINING, _HI.HEAD_FAILED): Transition(_H.ABANDONED, Action.ABANDON),
     (_H.DRAINING, _HI.BEGIN_DRAIN): Refusal(LifecycleError, "the handler is already draining"),
     (_H.DRAINING, _HI.QUEUE_EMPTY): Transition(_H.DRAINED, Action.PROCEED),
-    (_H.DRAINING, _HI.DEADLINE): Transition(_H.ABANDONED, Action.PROCEED),
-    (_H.DRAINING, _HI.INTERRUPT): Transition(_H.ABANDONED, Action.PROCEED),
+    (_H.DRAINING, _HI.DEADLINE): Transition(_H.ABANDONED, Action.ABANDON),
+    (_H.DRAINING, _HI.INTERRUPT): Transition(_H.ABANDONED, Action.ABANDON),
     (_H.DRAINING, _HI.RELEASE): _NOT_DRAINED,
     **{(state, inp): _H_CLOSED_SUBMIT if inp is _HI.SUBMIT else _H_DONE
        for state in (_H.DRAINED, _H.ABANDONED, _H.CLOSED) for inp in _HI},
-    (_H.DRAINED, _HI.RELEASE): Transition(_H.CLOSED, Action.PROCEED),
-    (_H.ABANDONED, _HI.RELEASE): Transition(_H.CLOSED, Action.PROCEED),
+    # The drain's end and a late interrupt after it abandoned: nothing left to do.
+    (_H.ABANDONED, _HI.QUEUE_EMPTY): Transition(_H.ABANDONED, Action.NOTHING),
+    (_H.ABANDONED, _HI.INTERRUPT): Transition(_H.ABANDONED, Action.NOTHING),
+    (_H.DRAINED, _HI.RELEASE): Transition(_H.CLOSED, Action.RELEASE_RESOURCES),
+    (_H.ABANDONED, _HI.RELEASE): Transition(_H.CLOSED, Action.RELEASE_RESOURCES),
     (_H.CLOSED, _HI.RELEASE): Transition(_H.CLOSED, Action.NOTHING),
 }
 

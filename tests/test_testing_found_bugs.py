@@ -57,25 +57,27 @@ def test_testing_found_dropped_worker_with_an_unreported_failure_is_finalized() 
 
 @pytest.mark.rule("R4")
 def test_testing_found_failed_submission_does_not_poison_a_pooled_stream() -> None:
+    # Once a pooled stream per transfer; now one stream per handler, and R4 keeps the chain after failures: job 4
+    # is ordered after the hung job 2 (its copy may still run), so it cannot be proven before job 2's work ends.
     plan = kv.FaultPlan([kv.Fault("copy", "hang", job_id=2),           # job 2's copy never completes
                          kv.Fault("copy", "error", job_id=3),          # job 3's submission fails at its copy
-                         kv.Fault("event_query", "error", job_id=2)])  # job 2 then fails: nothing chains on it
+                         kv.Fault("event_query", "error", job_id=2)])  # job 2 then fails
     be, worker = _worker(plan)
     worker.submit_store(0, _g(0), _c(0))
-    worker.submit_store(1, _g(1), _c(1))  # two streams, both proven: the pool holds both
+    worker.submit_store(1, _g(1), _c(1))
     worker.wait([0, 1], timeout=1.0)
     assert [r.success for r in worker.get_finished()] == [True, True]
-    worker.submit_store(2, _g(2), _c(2))  # hangs on one pooled stream
+    worker.submit_store(2, _g(2), _c(2))  # hangs
     with pytest.raises(kv.DeviceError):
-        worker.submit_store(3, _g(3), _c(3))  # the other pooled stream: waits on job 2's end, then the copy fails
+        worker.submit_store(3, _g(3), _c(3))  # the copy fails: nothing queued, nothing leaked
     be.clock_advance(0.1)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, False)]
-    worker.submit_store(4, _g(4), _c(4))  # the store queue is empty; no fault selects job 4
-    try:
-        worker.wait([4], timeout=1.0)  # today: DeadlineExceeded
-        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(4, True)]
-    finally:
-        worker.shutdown()
+    worker.submit_store(4, _g(4), _c(4))  # no fault selects job 4, but it runs after job 2 (R4)
+    with pytest.raises(kv.DeadlineExceeded):
+        worker.wait([4], timeout=1.0)
+    report = worker.shutdown()
+    assert report.region == "quarantined" and report.store.abandoned == 1
+    assert not be.violations
 
 
 @pytest.mark.rule("R15")

@@ -202,7 +202,8 @@ def test_worker_wait_with_timeout_raises_deadline_exceeded() -> None:
 
 @pytest.mark.rule("R6")
 def test_worker_wait_without_timeout_reports_a_failed_sync() -> None:
-    plan = kv.FaultPlan([kv.Fault("event_sync", "error", job_id=1)])
+    # wait() polls (query) so that a shutdown from another thread can end it (R19): the query is where it fails
+    plan = kv.FaultPlan([kv.Fault("event_query", "error", job_id=1)])
     be, w, _ = make_worker(SimBackend(plan))
     w.submit_store(1, gspec([1]), cspec([1]))
     w.wait({1})

@@ -379,6 +379,11 @@ class SimBackend:
         return self._ledger
 
     @property
+    def hang_horizon(self) -> float:
+        """Virtual seconds after which a wait without a bound on hung work gives up with SimHang."""
+        return self._hang_horizon
+
+    @property
     def violations(self) -> list[Violation]:
         """A copy of the violations detected so far, in detection order."""
         with self._lock:
