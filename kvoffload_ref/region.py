@@ -33,7 +33,7 @@ import numpy.typing as npt
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipError
-from kvoffload_ref.layout import KVCacheLayout, TensorGeometry
+from kvoffload_ref.layout import KVCacheLayout, TensorGeometry, check_int
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
 
 __all__ = ["DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine", "quarantined"]
@@ -83,16 +83,17 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def check_sizes(blocks_per_chunk: object, num_cpu_chunks: object) -> None:
-    """Refuse non-int or non-positive region sizes (R7).
+def check_sizes(blocks_per_chunk: object, num_cpu_chunks: object) -> tuple[int, int]:
+    """Refuse non-int or non-positive region sizes (R7); numpy integers are ints here, as everywhere.
+
+    Returns:
+        ``(blocks_per_chunk, num_cpu_chunks)`` as Python ints.
 
     Raises:
-        InvalidTransferError: ``blocks_per_chunk`` or ``num_cpu_chunks`` is not an int >= 1.
+        InvalidTransferError: ``blocks_per_chunk`` or ``num_cpu_chunks`` is not an int >= 1 (see ``check_int``).
     """
-    if not isinstance(blocks_per_chunk, int) or isinstance(blocks_per_chunk, bool) or blocks_per_chunk < 1:
-        raise InvalidTransferError(f"blocks_per_chunk must be an int >= 1, got {blocks_per_chunk!r}")
-    if not isinstance(num_cpu_chunks, int) or isinstance(num_cpu_chunks, bool) or num_cpu_chunks < 1:
-        raise InvalidTransferError(f"num_cpu_chunks must be an int >= 1, got {num_cpu_chunks!r}")
+    return (check_int("blocks_per_chunk", blocks_per_chunk, minimum=1),
+            check_int("num_cpu_chunks", num_cpu_chunks, minimum=1))
 
 
 def _view(base: npt.NDArray[np.uint8], offset: int, rows: int, row_bytes: int,
@@ -166,7 +167,7 @@ class HostRegion:
         Raises:
             InvalidTransferError: non-positive sizes.
         """
-        check_sizes(blocks_per_chunk, num_cpu_chunks)
+        blocks_per_chunk, num_cpu_chunks = check_sizes(blocks_per_chunk, num_cpu_chunks)
         row_bytes = [layout.cpu_row_bytes(t, blocks_per_chunk) for t in range(layout.num_tensors)]
         offsets, total = [], 0
         for rb in row_bytes:
