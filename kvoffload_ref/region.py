@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, ResourceKind
-from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipError
+from kvoffload_ref.errors import DeviceError, OwnershipError
 from kvoffload_ref.layout import KVCacheLayout, TensorGeometry, check_int
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
 
@@ -218,10 +218,9 @@ class HostRegion:
 
         Raises:
             DeviceError: a registration failed (after the rollback).
-            InvalidTransferError: ``chunk_bytes`` is not positive.
+            InvalidTransferError: ``chunk_bytes`` is not an int >= 1.
         """
-        if chunk_bytes < 1:
-            raise InvalidTransferError(f"pin_chunk_bytes must be >= 1, got {chunk_bytes}")
+        chunk_bytes = check_int("pin_chunk_bytes", chunk_bytes, minimum=1)
         step = max(PAGE, chunk_bytes // PAGE * PAGE)
         try:
             for offset in range(0, self.nbytes, step):

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support import messages, small_layout
+from _support import cspec, gspec, messages, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
@@ -123,3 +123,38 @@ def test_region_quarantine_keeps_memory_mapped_and_listed() -> None:
     assert any(item.obj is region and item.kind == "region" for item in kv.quarantined())
     assert np.frombuffer(region._mmap, np.uint8)[0] == 0, "still mapped"  # type: ignore[arg-type]
     assert region.release_by_owner() == [], "a quarantined region is never released later"
+
+
+# ------------------------------------------------------------------------------------ one integer validator
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("as_int", [int, np.int64, np.int32, np.uint16], ids=["int", "int64", "int32", "uint16"])
+def test_region_accepts_numpy_integer_sizes_like_the_planner(as_int: Any) -> None:
+    """One validator everywhere: a numpy integer is an int for the region, the planner and create_worker."""
+    be = SimBackend()
+    region = kv.HostRegion.allocate(be, small_layout(), as_int(3), as_int(4))
+    assert type(region.num_cpu_chunks) is int and region.geometries()[0].row_bytes == 3 * 512
+    region.release()
+    gpu = patterned_gpu(be, small_layout())
+    worker = kv.create_worker(be, gpu, small_layout(), blocks_per_chunk=as_int(2), num_cpu_chunks=as_int(4))
+    worker.submit_store(1, gspec([5, 9, 1]), cspec([2, 0]))
+    worker.wait({1})
+    assert [r.success for r in worker.get_finished()] == [True]
+    report = worker.shutdown()
+    assert report.region == "released" and be.ledger.live() == {}
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("bpc", "chunks", "name"), [
+    (True, 4, "blocks_per_chunk"), (2, np.True_, "num_cpu_chunks"), (2.0, 4, "blocks_per_chunk"),
+    (np.float32(2), 4, "blocks_per_chunk"), (2, "4", "num_cpu_chunks"),
+])
+def test_region_and_create_worker_refuse_bools_and_non_ints_by_name(bpc: Any, chunks: Any, name: str) -> None:
+    be = SimBackend()
+    with pytest.raises(kv.InvalidTransferError, match=rf"^{name} must be an int, got "):
+        kv.HostRegion.allocate(be, small_layout(), bpc, chunks)
+    with pytest.raises(kv.InvalidTransferError, match=rf"^{name} must be an int, got "):
+        kv.create_worker(be, patterned_gpu(be, small_layout()), small_layout(), blocks_per_chunk=bpc,
+                         num_cpu_chunks=chunks)
+    assert be.ledger.live().get("mapping", 0) == 0
