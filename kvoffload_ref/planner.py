@@ -47,6 +47,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from kvoffload_ref.destinations import GroupSpan, RepeatTest, cpu_duplicate, gpu_duplicate
 from kvoffload_ref.errors import InvalidTransferError
 from kvoffload_ref.specs import (
     CPULoadStoreSpec,
@@ -363,6 +364,11 @@ class Planner:
         # Invariant: _columns[g] describes layout.groups[g] on this geometry.
         self._columns = tuple(_GroupColumns.of(refs, self._gpu, self._cpu, pages, bpc)
                               for refs in layout._group_refs)
+        # Invariant: _distinct[g] is the sorted distinct tensors of layout.groups[g] (what a destination key names).
+        self._distinct = tuple(np.unique(refs.tensors) for refs in layout._group_refs)
+        # Invariant: each tests ids below its side's largest row count (ids are range-checked before).
+        self._gpu_repeats = RepeatTest(int(self._gpu.rows.max()))
+        self._cpu_repeats = RepeatTest(int(self._cpu.rows.max()))
 
     def prepare(self, direction: Direction, src_spec: GPULoadStoreSpec | CPULoadStoreSpec,
                 dst_spec: GPULoadStoreSpec | CPULoadStoreSpec) -> PreparedPlan:
@@ -388,7 +394,36 @@ class Planner:
                                 cols.refs, s.group)
             _check_ids_in_range(self._cpu, cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.cpu_off, cols.cpu_rows,
                                 cols.refs, s.group)
+        if store:
+            self._check_cpu_destinations(slices, cpu_ids)
+        else:
+            self._check_gpu_destinations(slices, gpu_ids)
         return PreparedPlan(self, gpu_ids, cpu_ids, slices, store)
+
+    def _check_gpu_destinations(self, slices: list[_Slice], ids: Int64Array) -> None:
+        """R7: refuse a load that writes one (tensor, GPU block) twice; cheap unless an id repeats."""
+        if not self._gpu_repeats.any_repeat(ids):
+            return
+        found = gpu_duplicate([GroupSpan(self._distinct[s.group], s.gpu_off, 0, s.size) for s in slices], ids)
+        if found is not None:
+            tensor, block, first, second = found
+            raise InvalidTransferError(
+                f"load: GPU block {block} of tensor {tensor} is a destination twice (GPULoadStoreSpec.block_ids"
+                f"[{first}] and [{second}]): expected each destination written once per transfer (a repeated "
+                "source is fine)")
+
+    def _check_cpu_destinations(self, slices: list[_Slice], ids: Int64Array) -> None:
+        """R7: refuse a store that writes one (tensor, CPU chunk, sub-block) twice; cheap unless an id repeats."""
+        if not self._cpu_repeats.any_repeat(ids):
+            return
+        spans = [GroupSpan(self._distinct[s.group], s.cpu_off, s.skip, s.size) for s in slices]
+        found = cpu_duplicate(spans, ids, self.blocks_per_chunk)
+        if found is not None:
+            tensor, chunk, sub, first, second = found
+            raise InvalidTransferError(
+                f"store: CPU chunk {chunk} sub-block {sub} of tensor {tensor} is a destination twice "
+                f"(CPULoadStoreSpec.block_ids[{first}] and [{second}]): expected each destination written once "
+                "per transfer (a repeated source is fine)")
 
 
 def plan_copies(
@@ -418,7 +453,9 @@ def plan_copies(
     Raises:
         InvalidTransferError: unknown direction; a spec of the wrong type; bad geometry (see check_geometry);
             ``len(group_sizes) != layout.num_groups``; a non-empty group's block index ``>= blocks_per_chunk``;
-            a CPU id count other than the groups need; an id ``>=`` the rows of a tensor it indexes.
+            a CPU id count other than the groups need; an id ``>=`` the rows of a tensor it indexes; a
+            destination written twice (a (tensor, GPU block) of a load, a (tensor, CPU chunk, sub-block) of a
+            store).
     """
     gpu_spec, cpu_spec = _specs_for(direction, src_spec, dst_spec)
     planner = Planner(layout, gpu, cpu, blocks_per_chunk)
