@@ -320,7 +320,8 @@ class CPULoadStoreSpec(_BlockIDsSpec):
         block_ids: 1-D integer ids >= 0 (a list of ints, or an integer numpy array); copied.
 
     Raises:
-        InvalidTransferError: not 1-D, not integers (bool and float rejected), or a negative id (R7).
+        InvalidTransferError: not 1-D, not integers (float rejected; a bool too, even mixed with ints in a
+            list, which numpy would silently turn into 0 or 1), or a negative id (R7).
     """
 
     __slots__ = ()
