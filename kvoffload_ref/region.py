@@ -13,6 +13,14 @@ pinned in a module-level registry until the process exits, so garbage collection
 
 Handlers never see a region: the worker gives them ``geometries()`` (addresses and strides) only.
 
+A region remembers the backend it was built on (``region.backend``); ``region.check_backend(backend)`` refuses
+another one (R7), since the region's memory is announced to -- and pinned through -- that backend only.
+
+What a region holds (backend, mapping, views, pinned ranges, lifecycle state) lives in a separate ``_Held``
+object, so that a finalizer can hold it without holding the region. A *caller-owned* region dropped without
+``release()`` is released from that finalizer (R3's steps, with a warning); a worker-owned region is the worker's
+to release, and a quarantined one is kept alive by the quarantine registry, so their finalizers do nothing.
+
 Subclasses (``shared_region.SharedRegion``) keep all of this and override two steps: ``_release_backing`` (R3's
 last steps: unlink the file if this process is to unlink it, then close the descriptor) and
 ``_quarantine_backing`` (R18: give up the file name, keep the mapping and the pins).
@@ -24,7 +32,8 @@ import dataclasses
 import logging
 import mmap
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import numpy as np
@@ -33,7 +42,7 @@ import numpy.typing as npt
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipError
-from kvoffload_ref.layout import KVCacheLayout, TensorGeometry
+from kvoffload_ref.layout import KVCacheLayout, TensorGeometry, check_int
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
 
 __all__ = ["DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine", "quarantined"]
@@ -83,16 +92,17 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def check_sizes(blocks_per_chunk: object, num_cpu_chunks: object) -> None:
-    """Refuse non-int or non-positive region sizes (R7).
+def check_sizes(blocks_per_chunk: object, num_cpu_chunks: object) -> tuple[int, int]:
+    """Refuse non-int or non-positive region sizes (R7); numpy integers are ints here, as everywhere.
+
+    Returns:
+        ``(blocks_per_chunk, num_cpu_chunks)`` as Python ints.
 
     Raises:
-        InvalidTransferError: ``blocks_per_chunk`` or ``num_cpu_chunks`` is not an int >= 1.
+        InvalidTransferError: ``blocks_per_chunk`` or ``num_cpu_chunks`` is not an int >= 1 (see ``check_int``).
     """
-    if not isinstance(blocks_per_chunk, int) or isinstance(blocks_per_chunk, bool) or blocks_per_chunk < 1:
-        raise InvalidTransferError(f"blocks_per_chunk must be an int >= 1, got {blocks_per_chunk!r}")
-    if not isinstance(num_cpu_chunks, int) or isinstance(num_cpu_chunks, bool) or num_cpu_chunks < 1:
-        raise InvalidTransferError(f"num_cpu_chunks must be an int >= 1, got {num_cpu_chunks!r}")
+    return (check_int("blocks_per_chunk", blocks_per_chunk, minimum=1),
+            check_int("num_cpu_chunks", num_cpu_chunks, minimum=1))
 
 
 def _view(base: npt.NDArray[np.uint8], offset: int, rows: int, row_bytes: int,
@@ -102,6 +112,98 @@ def _view(base: npt.NDArray[np.uint8], offset: int, rows: int, row_bytes: int,
         return base[offset: offset + rows * row_bytes].reshape(rows, row_bytes)
     span = base[offset: offset + (rows - 1) * row_stride + row_bytes]
     return np.lib.stride_tricks.as_strided(span, shape=(rows, row_bytes), strides=(row_stride, 1))
+
+
+class _Held:
+    """Everything a region holds, apart from the region object: its backend, mapping, views, pinned ranges and
+    lifecycle state, and R3's steps over them. The region's finalizer holds this, never the region."""
+
+    def __init__(self, backend: Backend, mapping: mmap.mmap, base: npt.NDArray[np.uint8], log_rank: int) -> None:
+        self.backend = backend
+        # Invariant: open until release; never closed while the backend may still read it (R12).
+        self.mmap: mmap.mmap | None = mapping
+        # Invariant: the only buffer export of mmap (np.frombuffer); every view derives from it.
+        self.base: npt.NDArray[np.uint8] | None = base
+        self.ptr: int = int(base.ctypes.data)
+        self.nbytes: int = len(mapping)
+        # Invariant: one 2-D view per layout tensor; emptied (dropped) only by release (R3 step 2).
+        self.views: list[npt.NDArray[np.uint8]] = []
+        # Invariant: start addresses of the ranges registered and not yet unregistered, in registration order.
+        self.pinned: list[int] = []
+        # Invariant: changed only through step(), i.e. lifecycle.step(REGION_TABLE, ...), under lock.
+        self.state = RegionState.CALLER_OWNED
+        # Invariant: what release could not release, by ledger kind (filled by release; zeros omitted by users).
+        self.leaked: dict[ResourceKind, int] = {}
+        self.log_rank = log_rank
+        self.lock = threading.Lock()
+
+    def step(self, event: RegionInput) -> Action:
+        with self.lock:
+            self.state, action = lifecycle.step(lifecycle.REGION_TABLE, "region", self.state, event)
+            return action
+
+    def unpin(self) -> list[DeviceError]:
+        """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned."""
+        failures: list[DeviceError] = []
+        for ptr in reversed(list(self.pinned)):
+            try:
+                self.backend.host_unregister(ptr)
+            except DeviceError as exc:
+                logger.warning("cudaHostUnregister failed for rank=%d (code=%d)", self.log_rank, exc.status)
+                failures.append(exc)
+                continue
+            self.pinned.remove(ptr)
+        return failures
+
+    def release_steps(self, release_backing: Callable[[], list[str]]) -> list[str]:
+        """R3: unregister (reverse) -> drop views -> unmap -> release the backing (unlink, close).
+
+        A failed step is logged; the next steps still run.
+        """
+        errors = self._unpin_for_release()
+        self.views.clear()  # R3 step 2: drop every view the library made, then the base export
+        self.base = None
+        errors.extend(self._unmap())
+        errors.extend(release_backing())
+        return errors
+
+    def _unpin_for_release(self) -> list[str]:
+        """R3 step 1: unregister every range (reverse); a range whose unregister failed is leaked."""
+        errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin()]
+        for ptr in self.pinned:  # unregister failed: the range is no longer ours to release
+            self.backend.ledger.leak("pinned", ptr)
+        self.leaked["pinned"] = len(self.pinned)
+        self.pinned.clear()
+        return errors
+
+    def _unmap(self) -> list[str]:
+        mapping, self.mmap = self.mmap, None
+        if mapping is None:
+            return []
+        try:
+            mapping.close()
+        except BufferError as exc:  # someone still holds a view: unmapping now would leave it dangling
+            logger.error("Failed to close mmap_obj", exc_info=True)
+            self.backend.ledger.leak("mapping", self.ptr)
+            self.leaked["mapping"] = 1
+            quarantine(QuarantinedItem("region", f"mapping at {self.ptr:#x}", "a view is still exported",
+                                       mapping))
+            return [f"mmap close failed: {exc}"]
+        self.backend.untrack_host(self.ptr)
+        return []
+
+    def release_dropped(self, kind: str) -> None:
+        """The finalizer: release a region its caller dropped without ``release()`` (R3); nothing otherwise.
+
+        Only a caller-owned region is released here: a worker-owned one is its worker's to release (the worker
+        holds it), a quarantined one is held by the quarantine registry until exit, a released one is done.
+        """
+        if self.state is not RegionState.CALLER_OWNED:
+            return
+        logger.warning("%s of %d bytes at %#x was dropped without release(); releasing it now (R3)",
+                       kind, self.nbytes, self.ptr)
+        if self.step(RegionInput.CALLER_RELEASE) is Action.RELEASE:
+            self.release_steps(list)
 
 
 class HostRegion:
@@ -121,33 +223,24 @@ class HostRegion:
             row_strides: bytes between consecutive rows of each tensor (default: ``row_bytes``, contiguous).
         """
         strides = list(row_bytes) if row_strides is None else list(row_strides)
-        self._backend = backend
-        # Invariant: open until release; never closed while the backend may still read it (R12).
-        self._mmap: mmap.mmap | None = mapping
-        # Invariant: the only buffer export of _mmap; every view below derives from it.
-        self._base: npt.NDArray[np.uint8] | None = np.frombuffer(mapping, dtype=np.uint8)
-        self.ptr: int = int(self._base.ctypes.data)
-        self.nbytes: int = len(mapping)
+        # Invariant: what the region holds; shared with the finalizer, which never holds the region itself.
+        base = np.frombuffer(mapping, dtype=np.uint8)
+        self._held = held = _Held(backend, mapping, base, self.log_rank)
+        self.ptr: int = held.ptr
+        self.nbytes: int = held.nbytes
         self.num_cpu_chunks = num_cpu_chunks
-        # Invariant: one 2-D view per layout tensor; emptied (dropped) only by release (R3 step 2).
-        self._views: list[npt.NDArray[np.uint8]] = [
-            _view(self._base, off, num_cpu_chunks, rb, st) for off, rb, st in zip(offsets, row_bytes, strides,
-                                                                                  strict=True)
-        ]
+        held.views.extend(_view(base, off, num_cpu_chunks, rb, st)
+                          for off, rb, st in zip(offsets, row_bytes, strides, strict=True))
         self._geometries = tuple(
             TensorGeometry(ptr=self.ptr + off, rows=num_cpu_chunks, row_bytes=rb, row_stride=st)
             for off, rb, st in zip(offsets, row_bytes, strides, strict=True)
         )
-        # Invariant: start addresses of the ranges registered and not yet unregistered, in registration order.
-        self._pinned: list[int] = []
-        # Invariant: changed only through lifecycle.step(REGION_TABLE, ...).
-        self.state = RegionState.CALLER_OWNED
-        # Invariant: what release could not release, by ledger kind (filled by release; zeros omitted by users).
-        self.leaked: dict[ResourceKind, int] = {}
         # Invariant: why the owning worker quarantined the region (set just before quarantining).
         self._quarantine_reason = "not proven idle"
-        self._lock = threading.Lock()
         backend.track_host(self.ptr, self.nbytes)
+        # Invariant: releases the region if its caller drops it unreleased; detached once released or quarantined.
+        self._dropped = weakref.finalize(self, held.release_dropped, type(self).__name__)
+        self._dropped.atexit = False  # at exit the backend may be gone; the OS takes the memory back anyway
 
     @classmethod
     def allocate(cls, backend: Backend, layout: KVCacheLayout, blocks_per_chunk: int,
@@ -166,7 +259,7 @@ class HostRegion:
         Raises:
             InvalidTransferError: non-positive sizes.
         """
-        check_sizes(blocks_per_chunk, num_cpu_chunks)
+        blocks_per_chunk, num_cpu_chunks = check_sizes(blocks_per_chunk, num_cpu_chunks)
         row_bytes = [layout.cpu_row_bytes(t, blocks_per_chunk) for t in range(layout.num_tensors)]
         offsets, total = [], 0
         for rb in row_bytes:
@@ -183,10 +276,66 @@ class HostRegion:
         return (f"<{type(self).__name__} {self.state.value} {self.nbytes} bytes at {self.ptr:#x}, "
                 f"{len(self._pinned)} pinned range(s)>")
 
+    # -- what the region holds (read-only views of _held, for subclasses, the worker and tests) --------------------
+    @property
+    def state(self) -> RegionState:
+        """The region's lifecycle state (caller-owned, worker-owned, released, quarantined)."""
+        return self._held.state
+
+    @property
+    def leaked(self) -> dict[ResourceKind, int]:
+        """What release could not release, by ledger kind (filled by release)."""
+        return self._held.leaked
+
+    @property
+    def _backend(self) -> Backend:
+        return self._held.backend
+
+    @property
+    def _mmap(self) -> mmap.mmap | None:
+        return self._held.mmap
+
+    @property
+    def _base(self) -> npt.NDArray[np.uint8] | None:
+        return self._held.base
+
+    @property
+    def _views(self) -> list[npt.NDArray[np.uint8]]:
+        return self._held.views
+
+    @property
+    def _pinned(self) -> list[int]:
+        return self._held.pinned
+
     # -- queries --------------------------------------------------------------------------------------------------
     def geometries(self) -> tuple[TensorGeometry, ...]:
         """Address and stride of each CPU tensor (what handlers get instead of the region, R1)."""
         return self._geometries
+
+    @property
+    def backend(self) -> Backend:
+        """The backend the region was built on: its mapping is announced to it and pinned through it."""
+        return self._held.backend
+
+    def check_backend(self, backend: Backend) -> None:
+        """Refuse to serve a worker on another backend than the one the region was built on (R7).
+
+        The same device seen through a wrapper (a ``FaultyBackend`` over the region's backend, or the other way
+        round) is the same backend: they share one ledger, the record of what the region announced and pinned.
+
+        Args:
+            backend: the backend a worker over this region would copy with.
+
+        Raises:
+            InvalidTransferError: ``backend`` is another device (every copy would fail as an illegal address).
+        """
+        mine = self._held.backend
+        if backend is mine or backend.ledger is mine.ledger:
+            return
+        raise InvalidTransferError(
+            f"the region was built on backend {mine.name!r}, not on the worker's backend {backend.name!r}: build "
+            f"the region with the worker's backend (HostRegion.allocate(backend, ...) or SharedRegion.open(..., "
+            f"backend=backend)), or let create_worker build it")
 
     @property
     def pinned(self) -> bool:
@@ -217,10 +366,9 @@ class HostRegion:
 
         Raises:
             DeviceError: a registration failed (after the rollback).
-            InvalidTransferError: ``chunk_bytes`` is not positive.
+            InvalidTransferError: ``chunk_bytes`` is not an int >= 1.
         """
-        if chunk_bytes < 1:
-            raise InvalidTransferError(f"pin_chunk_bytes must be >= 1, got {chunk_bytes}")
+        chunk_bytes = check_int("pin_chunk_bytes", chunk_bytes, minimum=1)
         step = max(PAGE, chunk_bytes // PAGE * PAGE)
         try:
             for offset in range(0, self.nbytes, step):
@@ -232,16 +380,7 @@ class HostRegion:
 
     def unpin(self) -> list[DeviceError]:
         """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned."""
-        failures: list[DeviceError] = []
-        for ptr in reversed(list(self._pinned)):
-            try:
-                self._backend.host_unregister(ptr)
-            except DeviceError as exc:
-                logger.warning("cudaHostUnregister failed for rank=%d (code=%d)", self.log_rank, exc.status)
-                failures.append(exc)
-                continue
-            self._pinned.remove(ptr)
-        return failures
+        return self._held.unpin()
 
     # -- ownership and fate (R1, R3, R12) -------------------------------------------------------------------------
     def adopt(self) -> None:
@@ -273,15 +412,15 @@ class HostRegion:
         return self._finish(RegionInput.WORKER_QUARANTINE)
 
     def _step(self, event: RegionInput) -> Action:
-        with self._lock:
-            self.state, action = lifecycle.step(lifecycle.REGION_TABLE, "region", self.state, event)
-            return action
+        return self._held.step(event)
 
     def _finish(self, event: RegionInput) -> list[str]:
         action = self._step(event)
         if action is Action.RELEASE:
+            self._dropped.detach()
             return self._release_steps()
         if action is Action.QUARANTINE:
+            self._dropped.detach()
             return self._quarantine()
         return []
 
@@ -320,42 +459,8 @@ class HostRegion:
 
         A failed step is logged; the next steps still run.
         """
-        errors = self._unpin_for_release()
-        self._drop_views()
-        errors.extend(self._unmap())
-        errors.extend(self._release_backing())
-        return errors
-
-    def _unpin_for_release(self) -> list[str]:
-        """R3 step 1: unregister every range (reverse); a range whose unregister failed is leaked."""
-        errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin()]
-        for ptr in self._pinned:  # unregister failed: the range is no longer ours to release
-            self._backend.ledger.leak("pinned", ptr)
-        self.leaked["pinned"] = len(self._pinned)
-        self._pinned.clear()
-        return errors
-
-    def _drop_views(self) -> None:
-        """R3 step 2: drop every view the library made, then the base export, so the unmap can succeed."""
-        self._views.clear()
-        self._base = None
+        return self._held.release_steps(self._release_backing)
 
     def _release_backing(self) -> list[str]:
         """R3 steps after the unmap (unlink the file, close its descriptor); nothing for anonymous memory."""
-        return []
-
-    def _unmap(self) -> list[str]:
-        mapping, self._mmap = self._mmap, None
-        if mapping is None:
-            return []
-        try:
-            mapping.close()
-        except BufferError as exc:  # someone still holds a view: unmapping now would leave it dangling
-            logger.error("Failed to close mmap_obj", exc_info=True)
-            self._backend.ledger.leak("mapping", self.ptr)
-            self.leaked["mapping"] = 1
-            quarantine(QuarantinedItem("region", f"mapping at {self.ptr:#x}", "a view is still exported",
-                                       mapping))
-            return [f"mmap close failed: {exc}"]
-        self._backend.untrack_host(self.ptr)
         return []

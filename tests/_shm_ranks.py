@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 import kvoffload_ref as kv
-from kvoffload_ref import shared_region
+from kvoffload_ref import shared_file, shared_region
 from kvoffload_ref.backends.sim import SimBackend
 
 PAGE_BYTES = 512
@@ -143,7 +143,7 @@ def stop_at(spec: Rank, where: str, reached: Any, resume: Any, conn: Connection)
 
     def body() -> str:
         if where == "before_size":
-            shared_region._size_file = stuck
+            shared_file._size_file = stuck
         elif where == "before_map":
             shared_region._map_file = stuck
         be = SimBackend()

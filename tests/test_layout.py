@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -209,6 +210,28 @@ def naive_plan(layout: KVCacheLayout, direction: str, src: GPULoadStoreSpec | CP
     return out
 
 
+def naive_writes_twice(layout: KVCacheLayout, direction: str, gpu_spec: GPULoadStoreSpec,
+                       cpu_spec: CPULoadStoreSpec, bpc: int) -> bool:
+    """Whether the transfer writes one destination twice: a (tensor, GPU block) of a load, a (tensor, CPU chunk,
+    sub-block) of a store, over each group's distinct tensors (plain Python, one key at a time)."""
+    gpu_ids, cpu_ids = gpu_spec.block_ids.tolist(), cpu_spec.block_ids.tolist()
+    seen: set[tuple[int, ...]] = set()
+    gpu_off = cpu_off = 0
+    for g, refs in enumerate(layout.groups):
+        size, skip = gpu_spec.group_sizes[g], gpu_spec.block_indices[g]
+        if size == 0:
+            continue
+        for t in {ref.tensor_idx for ref in refs}:
+            for i in range(size):
+                k = skip + i
+                key = (t, gpu_ids[gpu_off + i]) if direction == "load" else (t, cpu_ids[cpu_off + k // bpc], k % bpc)
+                if key in seen:
+                    return True
+                seen.add(key)
+        gpu_off, cpu_off = gpu_off + size, cpu_off + math.ceil((size + skip) / bpc)
+    return False
+
+
 @dataclass(frozen=True)
 class Scenario:
     layout: KVCacheLayout
@@ -264,6 +287,10 @@ def scenarios(draw: st.DrawFn, unique_ids: bool = False) -> Scenario:
 @given(scenarios(), st.sampled_from(["store", "load"]))
 def test_layout_plan_matches_naive_planner(sc: Scenario, direction: str) -> None:
     src, dst = sc.args(direction)
+    if naive_writes_twice(sc.layout, direction, sc.gpu_spec, sc.cpu_spec, sc.bpc):  # refused (R7)
+        with pytest.raises(InvalidTransferError, match=r"is a destination twice"):
+            plan_copies(sc.layout, direction, src, dst, sc.gpu, sc.cpu, sc.bpc)  # type: ignore[arg-type]
+        return
     plan = plan_copies(sc.layout, direction, src, dst, sc.gpu, sc.cpu, sc.bpc)  # type: ignore[arg-type]
     expected = naive_plan(sc.layout, direction, src, dst, gpu=sc.gpu, cpu=sc.cpu, bpc=sc.bpc)
     assert triples(plan) == expected
@@ -481,8 +508,14 @@ def test_layout_planner_writes_what_plan_copies_returns(sc: Scenario, direction:
     """prepare + write into reused arrays (longer than needed, or strided) equals plan_copies; the spare
     entries are left alone, and the same arrays serve again."""
     src, dst = sc.args(direction)
-    want = plan_copies(sc.layout, direction, src, dst, sc.gpu, sc.cpu, sc.bpc)  # type: ignore[arg-type]
     planner = Planner(sc.layout, sc.gpu, sc.cpu, sc.bpc)
+    if naive_writes_twice(sc.layout, direction, sc.gpu_spec, sc.cpu_spec, sc.bpc):  # both refuse it alike (R7)
+        with pytest.raises(InvalidTransferError) as one_call:
+            plan_copies(sc.layout, direction, src, dst, sc.gpu, sc.cpu, sc.bpc)  # type: ignore[arg-type]
+        with pytest.raises(InvalidTransferError, match=re.escape(str(one_call.value))):
+            planner.prepare(direction, src, dst)  # type: ignore[arg-type]
+        return
+    want = plan_copies(sc.layout, direction, src, dst, sc.gpu, sc.cpu, sc.bpc)  # type: ignore[arg-type]
     assert planner.plan(direction, src, dst) == want  # type: ignore[arg-type]
     prepared = planner.prepare(direction, src, dst)  # type: ignore[arg-type]
     assert (prepared.num_ops, prepared.nbytes) == (want.num_ops, want.nbytes)

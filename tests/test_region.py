@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
 import numpy as np
 import pytest
-from _support import messages, small_layout
+from _support import cspec, gspec, make_worker, messages, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
@@ -123,3 +124,119 @@ def test_region_quarantine_keeps_memory_mapped_and_listed() -> None:
     assert any(item.obj is region and item.kind == "region" for item in kv.quarantined())
     assert np.frombuffer(region._mmap, np.uint8)[0] == 0, "still mapped"  # type: ignore[arg-type]
     assert region.release_by_owner() == [], "a quarantined region is never released later"
+
+
+# ------------------------------------------------------------------------------------ one integer validator
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("as_int", [int, np.int64, np.int32, np.uint16], ids=["int", "int64", "int32", "uint16"])
+def test_region_accepts_numpy_integer_sizes_like_the_planner(as_int: Any) -> None:
+    """One validator everywhere: a numpy integer is an int for the region, the planner and create_worker."""
+    be = SimBackend()
+    region = kv.HostRegion.allocate(be, small_layout(), as_int(3), as_int(4))
+    assert type(region.num_cpu_chunks) is int and region.geometries()[0].row_bytes == 3 * 512
+    region.release()
+    gpu = patterned_gpu(be, small_layout())
+    worker = kv.create_worker(be, gpu, small_layout(), blocks_per_chunk=as_int(2), num_cpu_chunks=as_int(4))
+    worker.submit_store(1, gspec([5, 9, 1]), cspec([2, 0]))
+    worker.wait({1})
+    assert [r.success for r in worker.get_finished()] == [True]
+    report = worker.shutdown()
+    assert report.region == "released" and be.ledger.live() == {}
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("bpc", "chunks", "name"), [
+    (True, 4, "blocks_per_chunk"), (2, np.True_, "num_cpu_chunks"), (2.0, 4, "blocks_per_chunk"),
+    (np.float32(2), 4, "blocks_per_chunk"), (2, "4", "num_cpu_chunks"),
+])
+def test_region_and_create_worker_refuse_bools_and_non_ints_by_name(bpc: Any, chunks: Any, name: str) -> None:
+    be = SimBackend()
+    with pytest.raises(kv.InvalidTransferError, match=rf"^{name} must be an int, got "):
+        kv.HostRegion.allocate(be, small_layout(), bpc, chunks)
+    with pytest.raises(kv.InvalidTransferError, match=rf"^{name} must be an int, got "):
+        kv.create_worker(be, patterned_gpu(be, small_layout()), small_layout(), blocks_per_chunk=bpc,
+                         num_cpu_chunks=chunks)
+    assert be.ledger.live().get("mapping", 0) == 0
+
+
+# ---------------------------------------------------------------------------------- the backend it was built on
+
+
+@pytest.mark.rule("R7")
+def test_region_knows_its_backend_and_refuses_another() -> None:
+    be, other = SimBackend(), SimBackend()
+    region = kv.HostRegion.allocate(be, small_layout(), 1, 4)
+    try:
+        assert region.backend is be
+        region.check_backend(be)
+        region.check_backend(kv.FaultyBackend(be, kv.FaultPlan()))  # the same device through a wrapper
+        with pytest.raises(kv.InvalidTransferError,
+                           match=r"^the region was built on backend 'sim', not on the worker's backend 'sim': build "
+                                 r"the region with the worker's backend \(HostRegion\.allocate\(backend, \.\.\.\)"):
+            region.check_backend(other)
+    finally:
+        region.release()
+
+
+@pytest.mark.rule("R7")
+def test_region_built_on_a_wrapper_accepts_the_wrapped_backend() -> None:
+    inner = SimBackend()
+    region = kv.HostRegion.allocate(kv.FaultyBackend(inner, kv.FaultPlan()), small_layout(), 1, 4)
+    region.check_backend(inner)
+    with pytest.raises(kv.InvalidTransferError):
+        region.check_backend(SimBackend())
+    region.release()
+
+
+# --------------------------------------------------------------------------- a caller-owned region dropped
+
+
+@pytest.mark.rule("R3")
+def test_region_dropped_by_its_caller_is_released_by_its_finalizer(caplog: Any) -> None:
+    be = RecordingSim()
+    region = kv.HostRegion.allocate(be, small_layout(), 3, 64)
+    region.pin(chunk_bytes=8 * PAGE)
+    ptr, ranges = region.ptr, region.pinned_ranges
+    with caplog.at_level(logging.WARNING, logger="kvoffload_ref"):
+        del region
+        gc.collect()
+    assert any(m.startswith("HostRegion of ") and "dropped without release(); releasing it now" in m
+               for m in messages(caplog))
+    assert [c for c, _ in be.calls].count("unregister") == ranges and be.calls[-1] == ("untrack", ptr)
+    assert be.ledger.live() == {} and be.ledger.leaked() == {}
+    # The backend no longer tracks the memory: a new worker on it is built (no "overlaps live memory").
+    _, worker, _ = make_worker(be)
+    worker.shutdown()
+    assert be.ledger.live() == {}
+
+
+@pytest.mark.rule("R1")
+def test_region_dropped_while_worker_owned_stays_the_workers() -> None:
+    be = SimBackend()
+    gpu = patterned_gpu(be, small_layout())
+    region = kv.HostRegion.allocate(be, small_layout(), 3, 16)
+    worker = kv.create_worker(be, gpu, small_layout(), blocks_per_chunk=3, num_cpu_chunks=16, region=region)
+    del region
+    gc.collect()
+    assert be.ledger.live().get("mapping") == 1, "the worker's region is not released behind its back"
+    worker.submit_store(1, gspec([1, 2, 3]), cspec([0]))
+    worker.wait({1})
+    assert [r.success for r in worker.get_finished()] == [True]
+    assert worker.shutdown().region == "released" and be.ledger.live() == {}
+
+
+@pytest.mark.rule("R12")
+def test_region_dropped_after_quarantine_stays_mapped_and_pinned() -> None:
+    be = SimBackend()
+    region = kv.HostRegion.allocate(be, small_layout(), 1, 4)
+    region.pin()
+    region.adopt()
+    region.quarantine_by_owner("test")
+    ptr = region.ptr
+    del region
+    gc.collect()
+    assert be.ledger.quarantined() == {"mapping": 1, "pinned": 1} and be.ledger.released() == {}
+    (kept,) = [item.obj for item in kv.quarantined() if isinstance(item.obj, kv.HostRegion) and item.obj.ptr == ptr]
+    assert np.frombuffer(kept._mmap, np.uint8)[0] == 0, "still mapped"  # type: ignore[attr-defined]

@@ -268,6 +268,36 @@ def test_shared_region_dropped_unreleased_still_gives_up_its_file(shm_dir: str) 
     assert not os.path.exists(path) and "shm_file" not in be.ledger.live()
 
 
+@pytest.mark.rule("R3")
+def test_shared_region_dropped_unreleased_is_unpinned_and_unmapped_too(shm_dir: str, caplog: Any) -> None:
+    """The region's finalizer runs R3's steps for a caller-owned shared region; the file's finalizer gives up
+    the name: nothing of it stays live on the backend, and the rank can be opened afresh."""
+    be = SimBackend()
+    region = _rank(shm_dir, 0, 1).open(be)
+    region.pin(chunk_bytes=PAGE)
+    with caplog.at_level(logging.WARNING, logger="kvoffload_ref"):
+        del region
+        gc.collect()
+    assert any(m.startswith("SharedRegion of ") and "dropped without release()" in m for m in messages(caplog))
+    assert be.ledger.live() == {} and be.ledger.leaked() == {}
+    again = _rank(shm_dir, 0, 1).open(be)
+    again.release()
+    assert be.ledger.live() == {}
+
+
+@pytest.mark.rule("R7")
+def test_shared_region_knows_its_backend_and_refuses_another(shm_dir: str) -> None:
+    be = SimBackend()
+    region = _rank(shm_dir, 0, 1).open(be)
+    try:
+        assert region.backend is be
+        region.check_backend(be)
+        with pytest.raises(kv.InvalidTransferError, match=r"SharedRegion\.open\(\.\.\., backend=backend\)"):
+            region.check_backend(SimBackend())
+    finally:
+        region.release()
+
+
 # -- quarantine (R12, R18) ---------------------------------------------------------------------------------------------
 @pytest.mark.rule("R18")
 @pytest.mark.rule("R12")

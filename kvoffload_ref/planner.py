@@ -1,0 +1,462 @@
+"""The copy planner: a transfer's specs, on a fixed geometry, as byte copies (pure numpy).
+
+Theory of operation
+-------------------
+:func:`plan_copies` turns a :class:`~kvoffload_ref.specs.GPULoadStoreSpec` and a
+:class:`~kvoffload_ref.specs.CPULoadStoreSpec` into a :class:`CopyPlan`: three int64 arrays of absolute source
+address, destination address and size, one entry per (block, ref). Groups are taken in order; a group of size 0
+is skipped and uses no ids. For a group of size ``n`` with block index ``i`` the CPU side skips ``i`` sub-blocks
+and consumes ``ceil((n + i) / blocks_per_chunk)`` chunk ids; the GPU side consumes ``n`` block ids. For every ref
+of the group, in order, ``n`` descriptors follow: the sub-blocks of the consumed chunks in order, the first ``i``
+dropped. The two id lists must be used up exactly. A non-empty group's block index must be ``< blocks_per_chunk``
+(upstream reduces it modulo ``blocks_per_chunk``; this reference rejects larger values rather than guess); an
+empty group's block index is ignored.
+
+Worked example (reference §2.5): tensors t0, t1 of ``(64, 512)``, ``blocks_per_chunk = 3``, one group
+``[LayerRef(0, 512), LayerRef(1, 512)]``, a CPU view of t0 at ``B0`` with row stride 8192. Loading CPU ``[10, 7]``
+into GPU ``[5, 9, 1, 3]`` with ``block_indices=(2,)``: the sub-blocks are ``B0 + 10*8192 + {0, 512, 1024}`` then
+``B0 + 7*8192 + {0, 512, 1024}``; drop 2, keep 4, so t0's sources are ``[B0+81920+1024, B0+57344,
+B0+57344+512, B0+57344+1024]`` and its destinations ``[G0+2560, G0+4608, G0+512, G0+1536]``, 512 bytes each;
+then t1 the same way. 8 descriptors, 4096 bytes.
+
+*Destinations are written once.* A transfer whose copies write one destination twice is refused (R7): on the
+GPU a destination is a (tensor, block id) pair, on the CPU a (tensor, chunk id, sub-block) triple, for every
+tensor the group's refs name. Two groups that address the same block id in different tensors do not collide;
+two groups sharing a tensor (a hybrid model's layers) do when they name the same block. Two refs of one group
+naming one tensor copy the same bytes from the same source, so they are not counted twice. A repeated *source*
+is legal (one block loaded into two places). The check costs one scatter into a per-planner scratch array in
+the common case (all destination ids distinct), and the exact (tensor, position) comparison only when an id
+repeats.
+
+Rules: everything is validated before a plan is returned (R7) and invalid input raises
+:class:`~kvoffload_ref.errors.InvalidTransferError`; nothing is mutated. The planner is vectorized: Python loops
+run over tensors (geometry checks), groups, and sub-block positions within a chunk, never over blocks or refs.
+
+A :class:`Planner` binds one layout, geometry and ``blocks_per_chunk`` (a handler's, for its lifetime): it
+validates the geometry once and precomputes each group's per-ref factors, so a call only validates the specs
+(completely: R7) and does the arithmetic. It plans in two steps -- :meth:`Planner.prepare` validates and knows the
+descriptor count, :meth:`PreparedPlan.write` fills caller-provided (reused) int64 arrays -- so that no output is
+allocated per transfer. :func:`plan_copies` is the one-call form: validate everything, return new arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from kvoffload_ref.destinations import GroupSpan, RepeatTest, cpu_duplicate, gpu_duplicate
+from kvoffload_ref.errors import InvalidTransferError
+from kvoffload_ref.specs import (
+    CPULoadStoreSpec,
+    Direction,
+    GPULoadStoreSpec,
+    GroupRefs,
+    Int64Array,
+    KVCacheLayout,
+    TensorGeometry,
+    check_int,
+    geometry_columns,
+    readonly,
+)
+
+__all__ = ["CopyPlan", "Planner", "PreparedPlan", "plan_copies"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CopyPlan:
+    """The byte copies of one transfer: copy ``sizes[i]`` bytes from address ``src[i]`` to ``dst[i]``.
+
+    Attributes:
+        src: source addresses (read-only 1-D int64).
+        dst: destination addresses (read-only 1-D int64).
+        sizes: bytes per copy (read-only 1-D int64).
+        num_ops: number of copies.
+        nbytes: total bytes copied (the transfer size).
+    """
+
+    src: Int64Array  # Invariant: len == num_ops.
+    dst: Int64Array  # Invariant: len == num_ops.
+    sizes: Int64Array  # Invariant: len == num_ops; every entry >= 1.
+    num_ops: int
+    nbytes: int  # Invariant: == sum(sizes).
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CopyPlan):
+            return NotImplemented
+        return (self.num_ops == other.num_ops and self.nbytes == other.nbytes
+                and all(np.array_equal(a, b) for a, b in
+                        ((self.src, other.src), (self.dst, other.dst), (self.sizes, other.sizes))))
+
+    __hash__ = None  # type: ignore[assignment]  # arrays inside: equal plans need not hash alike
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """One side's validated geometry, as arrays indexed by tensor (built once per :class:`Planner`)."""
+
+    name: str  # Invariant: "GPU" or "CPU" (used in messages).
+    label: str  # Invariant: "gpu" or "cpu" (the geometry list's name in messages).
+    spec_name: str  # Invariant: the spec class and argument that hold this side's ids, for messages.
+    ptr: Int64Array
+    stride: Int64Array
+    rows: Int64Array
+
+    @classmethod
+    def of(cls, name: str, spec_name: str, cols: Int64Array) -> _Side:
+        """Build a side from its validated ``(4, n)`` geometry columns."""
+        ptr, rows, _, stride = cols
+        return cls(name, name.lower(), spec_name, ptr, stride, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupColumns:
+    """One KV-cache group's refs resolved against both sides' geometry: the per-ref factors of its descriptors,
+    as ``(refs, 1)`` columns (``(refs, bpc)`` for the CPU sub-block offsets), computed once per Planner."""
+
+    refs: GroupRefs
+    gpu_ptr: Int64Array
+    gpu_stride: Int64Array
+    gpu_rows: int  # Invariant: the fewest GPU rows among the group's tensors (an id below it fits all).
+    cpu_ptr: Int64Array
+    cpu_stride: Int64Array
+    cpu_rows: int  # Invariant: the same for the CPU views.
+    cpu_subs: Int64Array  # Invariant: cpu_subs[r, j] = j * tensor_page_bytes[tensor of ref r].
+    page_sizes: Int64Array
+
+    @classmethod
+    def of(cls, refs: GroupRefs, gpu: _Side, cpu: _Side, pages: Int64Array, bpc: int) -> _GroupColumns:
+        t = refs.tensors
+        return cls(refs, gpu.ptr[t][:, None], gpu.stride[t][:, None], int(gpu.rows[t].min()),
+                   cpu.ptr[t][:, None], cpu.stride[t][:, None], int(cpu.rows[t].min()),
+                   pages[t][:, None] * np.arange(bpc, dtype=np.int64)[None, :], refs.page_sizes[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slice:
+    """The ids one non-empty group consumes on each side."""
+
+    group: int
+    size: int  # Invariant: >= 1 (empty groups get no slice).
+    skip: int  # Invariant: 0 <= skip < blocks_per_chunk (CPU side; the GPU side never skips).
+    gpu_off: int
+    cpu_off: int
+    cpu_count: int  # Invariant: == ceil((size + skip) / blocks_per_chunk).
+
+
+_SpecT = TypeVar("_SpecT", GPULoadStoreSpec, CPULoadStoreSpec)
+
+
+def _expect(spec: object, cls: type[_SpecT], arg: str, direction: str) -> _SpecT:
+    """Return ``spec`` if it is a ``cls``, else raise InvalidTransferError naming the expected type."""
+    if not isinstance(spec, cls):
+        raise InvalidTransferError(f"{direction}: {arg} must be a {cls.__name__}, got {type(spec).__name__}")
+    return spec
+
+
+def _specs_for(direction: object, src_spec: object,
+               dst_spec: object) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
+    """Return (gpu_spec, cpu_spec) for ``direction``; src is checked before dst."""
+    if direction == "store":
+        gpu_spec = _expect(src_spec, GPULoadStoreSpec, "src_spec", direction)
+        return gpu_spec, _expect(dst_spec, CPULoadStoreSpec, "dst_spec", direction)
+    if direction == "load":
+        cpu_spec = _expect(src_spec, CPULoadStoreSpec, "src_spec", direction)
+        return _expect(dst_spec, GPULoadStoreSpec, "dst_spec", direction), cpu_spec
+    raise InvalidTransferError(f"direction must be 'store' or 'load', got {direction!r}")
+
+
+def _slice_groups(layout: KVCacheLayout, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec,
+                  bpc: int) -> list[_Slice]:
+    """Split both id lists among the non-empty groups (reference §2.4), checking that they match exactly."""
+    sizes, indices = gpu_spec.group_sizes, gpu_spec.block_indices
+    if len(sizes) != layout.num_groups:
+        raise InvalidTransferError(f"GPULoadStoreSpec has {len(sizes)} group sizes, expected "
+                                   f"{layout.num_groups} (one per KV-cache group of the layout)")
+    slices: list[_Slice] = []
+    gpu_off = cpu_off = 0
+    for g, (size, index) in enumerate(zip(sizes, indices, strict=True)):
+        if size == 0:
+            continue  # an empty group uses no ids on either side; its block index is ignored
+        if index >= bpc:
+            raise InvalidTransferError(f"block_indices[{g}] = {index} is out of range: expected "
+                                       f"0 <= block index < blocks_per_chunk = {bpc}")
+        count = -(-(size + index) // bpc)
+        slices.append(_Slice(g, size, index, gpu_off, cpu_off, count))
+        gpu_off, cpu_off = gpu_off + size, cpu_off + count
+    if cpu_off != len(cpu_spec.block_ids):
+        raise InvalidTransferError(f"CPULoadStoreSpec has {len(cpu_spec.block_ids)} block ids, expected "
+                                   f"{cpu_off} (group_sizes={sizes}, block_indices={indices}, "
+                                   f"blocks_per_chunk={bpc})")
+    return slices
+
+
+def _check_ids_in_range(side: _Side, ids: Int64Array, offset: int, least_rows: int, refs: GroupRefs,
+                        group: int) -> None:
+    """Raise InvalidTransferError unless every id is a row of every tensor the group's refs use (all of them
+    have at least ``least_rows`` rows)."""
+    if ids.size == 0 or int(ids.max()) < least_rows:
+        return
+    rows = side.rows[refs.tensors]
+    pos = int(np.flatnonzero(ids >= least_rows)[0])
+    bad = int(ids[pos])
+    tensor = int(refs.tensors[int(np.flatnonzero(rows <= bad)[0])])
+    raise InvalidTransferError(
+        f"{side.name} block id {bad} ({side.spec_name}.block_ids[{offset + pos}]) is out of range for "
+        f"{side.label}[{tensor}] (group {group}): expected 0 <= id < {int(side.rows[tensor])}")
+
+
+def _fill_gpu(out: Int64Array, ptr: Int64Array, stride: Int64Array, ids: Int64Array) -> None:
+    """Write ``ptr[r] + ids * stride[r]`` into ``out`` (shape: refs x blocks): one block per row."""
+    np.multiply(stride, ids[None, :], out=out)
+    out += ptr
+
+
+def _add_outer(out: Int64Array, rows: Int64Array, subs: Int64Array) -> None:
+    """``out[r, c, j] = rows[r, c] + subs[r, j]``, looping over the shorter of the two last axes.
+
+    numpy runs its inner loop over the last axis; a short one (a few sub-blocks per chunk) makes that loop
+    several times slower, so with fewer sub-blocks than chunks each sub-block position is one long strided add.
+    """
+    if subs.shape[1] <= rows.shape[1]:
+        for j in range(subs.shape[1]):
+            np.add(rows, subs[:, j:j + 1], out=out[:, :, j])
+    else:
+        np.add(rows[:, :, None], subs[:, None, :], out=out)
+
+
+def _fill_cpu(out: Int64Array, cols: _GroupColumns, chunks: Int64Array, skip: int, bpc: int) -> None:
+    """Write the group's CPU sub-block addresses into ``out`` (shape: refs x blocks).
+
+    The sub-blocks of the chunks in order (``ptr[t] + chunk * stride[t] + j * sub[t]``), the first ``skip``
+    dropped, the next ``out.shape[1]`` kept (reference §2.3): a partial first chunk (``head``), whole chunks
+    written as a refs x chunks x bpc view of ``out``, and a partial last chunk (``tail``).
+    """
+    if bpc == 1:
+        _fill_gpu(out, cols.cpu_ptr, cols.cpu_stride, chunks)
+        return
+    rows = cols.cpu_stride * chunks[None, :] + cols.cpu_ptr  # refs x chunks
+    subs = cols.cpu_subs  # refs x bpc
+    size = out.shape[1]
+    head = min(size, (bpc - skip) % bpc)
+    first = 1 if skip else 0
+    whole = (size - head) // bpc
+    tail = size - head - whole * bpc
+    if head:
+        np.add(rows[:, :1], subs[:, skip:skip + head], out=out[:, :head])
+    if whole:
+        # Splitting the contiguous last axis never copies, so this reshape is a view that writes into ``out``.
+        middle = out[:, head:head + whole * bpc].reshape(out.shape[0], whole, bpc)
+        _add_outer(middle, rows[:, first:first + whole], subs)
+    if tail:
+        np.add(rows[:, first + whole:first + whole + 1], subs[:, :tail], out=out[:, size - tail:])
+
+
+class PreparedPlan:
+    """One transfer, validated (R7) but not yet written out: how many descriptors and bytes it has, and
+    :meth:`write` to lay them out into caller-provided arrays (or :meth:`to_plan` into new ones).
+
+    Made by :meth:`Planner.prepare`. Writing cannot fail on valid output arrays: everything that can be wrong
+    with the transfer was checked when this was made.
+
+    Attributes:
+        num_ops: number of copies.
+        nbytes: total bytes copied.
+    """
+
+    __slots__ = ("_cpu_ids", "_gpu_ids", "_planner", "_slices", "_store", "nbytes", "num_ops")
+
+    def __init__(self, planner: Planner, gpu_ids: Int64Array, cpu_ids: Int64Array, slices: list[_Slice],
+                 store: bool) -> None:
+        self._planner = planner
+        # Invariant: the specs' read-only id arrays (specs are immutable), validated against the geometry.
+        self._gpu_ids, self._cpu_ids = gpu_ids, cpu_ids
+        self._slices = slices
+        self._store = store
+        groups = planner._columns
+        self.num_ops: int = sum(s.size * len(groups[s.group].refs.tensors) for s in slices)
+        self.nbytes: int = sum(s.size * groups[s.group].refs.bytes_per_block for s in slices)
+
+    def write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> int:
+        """Write the copies into the first :attr:`num_ops` entries of ``src``, ``dst`` and ``sizes``, in the
+        order :func:`plan_copies` returns them; the entries after those are left alone.
+
+        Args:
+            src, dst, sizes: writeable 1-D int64 arrays of at least ``num_ops`` entries each (for example a
+                descriptor buffer's).
+
+        Returns:
+            ``num_ops``.
+
+        Raises:
+            ValueError: an array that is not 1-D int64, is read-only or is too short (nothing written).
+        """
+        n = self.num_ops
+        for name, array in (("src", src), ("dst", dst), ("sizes", sizes)):
+            if not isinstance(array, np.ndarray) or array.dtype != np.int64 or array.ndim != 1 \
+                    or array.shape[0] < n or not array.flags.writeable:
+                raise ValueError(f"PreparedPlan.write: {name} must be a writeable 1-D int64 array of at least "
+                                 f"{n} entries")
+        targets = [a[:n] for a in (src, dst, sizes)]
+        if all(t.flags.c_contiguous for t in targets):
+            self._write(*targets)
+        else:   # the reshapes below must be views: fill contiguous arrays, then copy them over
+            staged = [np.empty(n, dtype=np.int64) for _ in targets]
+            self._write(*staged)
+            for target, values in zip(targets, staged, strict=True):
+                target[...] = values
+        return n
+
+    def to_plan(self) -> CopyPlan:
+        """The copies as a new :class:`CopyPlan` (read-only arrays the caller keeps)."""
+        src, dst, sizes = (np.empty(self.num_ops, dtype=np.int64) for _ in range(3))
+        self._write(src, dst, sizes)
+        return CopyPlan(readonly(src), readonly(dst), readonly(sizes), self.num_ops, self.nbytes)
+
+    def _write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> None:
+        """Lay the descriptors out group-major, then ref, then block, into C-contiguous arrays of num_ops."""
+        gpu_out, cpu_out = (src, dst) if self._store else (dst, src)
+        columns, bpc = self._planner._columns, self._planner.blocks_per_chunk
+        pos = 0
+        for s in self._slices:
+            cols = columns[s.group]
+            refs = len(cols.refs.tensors)
+            end = pos + s.size * refs
+            shape = (refs, s.size)
+            _fill_gpu(gpu_out[pos:end].reshape(shape), cols.gpu_ptr, cols.gpu_stride,
+                      self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
+            _fill_cpu(cpu_out[pos:end].reshape(shape), cols, self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count],
+                      s.skip, bpc)
+            sizes[pos:end].reshape(shape)[...] = cols.page_sizes
+            pos = end
+
+
+class Planner:
+    """The copy planner for one fixed layout, tensor geometry and ``blocks_per_chunk`` (a handler's).
+
+    The geometry is validated once, here, by :func:`check_geometry`'s rules, and what every plan needs from it
+    is precomputed; each transfer's specs are still validated completely, on every call (R7). Planning in two
+    steps lets a caller learn the number of descriptors before it provides the arrays they go into:
+    ``prepared = planner.prepare(...)`` validates (and raises) and ``prepared.write(src, dst, sizes)`` fills
+    reused arrays without allocating. ``planner.plan(...)`` is ``plan_copies`` with the geometry bound.
+
+    Args:
+        layout: the KV-cache layout.
+        gpu: geometry of each GPU tensor (copied: later changes to the sequence do not matter).
+        cpu: geometry of each CPU view.
+        blocks_per_chunk: GPU pages per CPU row, >= 1.
+
+    Raises:
+        InvalidTransferError: what :func:`check_geometry` raises.
+    """
+
+    def __init__(self, layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry],
+                 blocks_per_chunk: int) -> None:
+        bpc = check_int("blocks_per_chunk", blocks_per_chunk, minimum=1)
+        gpu_cols, cpu_cols = geometry_columns(layout, gpu, cpu, bpc)
+        self.layout = layout
+        self.blocks_per_chunk = bpc
+        self._gpu = _Side.of("GPU", "GPULoadStoreSpec", gpu_cols)
+        self._cpu = _Side.of("CPU", "CPULoadStoreSpec", cpu_cols)
+        pages = np.array(layout.tensor_page_bytes, dtype=np.int64)
+        # Invariant: _columns[g] describes layout.groups[g] on this geometry.
+        self._columns = tuple(_GroupColumns.of(refs, self._gpu, self._cpu, pages, bpc)
+                              for refs in layout._group_refs)
+        # Invariant: _distinct[g] is the sorted distinct tensors of layout.groups[g] (what a destination key names).
+        self._distinct = tuple(np.unique(refs.tensors) for refs in layout._group_refs)
+        # Invariant: each tests ids below its side's largest row count (ids are range-checked before).
+        self._gpu_repeats = RepeatTest(int(self._gpu.rows.max()))
+        self._cpu_repeats = RepeatTest(int(self._cpu.rows.max()))
+
+    def prepare(self, direction: Direction, src_spec: GPULoadStoreSpec | CPULoadStoreSpec,
+                dst_spec: GPULoadStoreSpec | CPULoadStoreSpec) -> PreparedPlan:
+        """Validate one transfer (R7) and return it ready to be written out.
+
+        Raises:
+            InvalidTransferError: what :func:`plan_copies` raises for the direction and the specs.
+        """
+        gpu_spec, cpu_spec = _specs_for(direction, src_spec, dst_spec)
+        return self._prepare(gpu_spec, cpu_spec, direction == "store")
+
+    def plan(self, direction: Direction, src_spec: GPULoadStoreSpec | CPULoadStoreSpec,
+             dst_spec: GPULoadStoreSpec | CPULoadStoreSpec) -> CopyPlan:
+        """:func:`plan_copies` on this planner's layout, geometry and blocks_per_chunk."""
+        return self.prepare(direction, src_spec, dst_spec).to_plan()
+
+    def _prepare(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, store: bool) -> PreparedPlan:
+        slices = _slice_groups(self.layout, gpu_spec, cpu_spec, self.blocks_per_chunk)
+        gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids
+        for s in slices:
+            cols = self._columns[s.group]
+            _check_ids_in_range(self._gpu, gpu_ids[s.gpu_off:s.gpu_off + s.size], s.gpu_off, cols.gpu_rows,
+                                cols.refs, s.group)
+            _check_ids_in_range(self._cpu, cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.cpu_off, cols.cpu_rows,
+                                cols.refs, s.group)
+        if store:
+            self._check_cpu_destinations(slices, cpu_ids)
+        else:
+            self._check_gpu_destinations(slices, gpu_ids)
+        return PreparedPlan(self, gpu_ids, cpu_ids, slices, store)
+
+    def _check_gpu_destinations(self, slices: list[_Slice], ids: Int64Array) -> None:
+        """R7: refuse a load that writes one (tensor, GPU block) twice; cheap unless an id repeats."""
+        if not self._gpu_repeats.any_repeat(ids):
+            return
+        found = gpu_duplicate([GroupSpan(self._distinct[s.group], s.gpu_off, 0, s.size) for s in slices], ids)
+        if found is not None:
+            tensor, block, first, second = found
+            raise InvalidTransferError(
+                f"load: GPU block {block} of tensor {tensor} is a destination twice (GPULoadStoreSpec.block_ids"
+                f"[{first}] and [{second}]): expected each destination written once per transfer (a repeated "
+                "source is fine)")
+
+    def _check_cpu_destinations(self, slices: list[_Slice], ids: Int64Array) -> None:
+        """R7: refuse a store that writes one (tensor, CPU chunk, sub-block) twice; cheap unless an id repeats."""
+        if not self._cpu_repeats.any_repeat(ids):
+            return
+        spans = [GroupSpan(self._distinct[s.group], s.cpu_off, s.skip, s.size) for s in slices]
+        found = cpu_duplicate(spans, ids, self.blocks_per_chunk)
+        if found is not None:
+            tensor, chunk, sub, first, second = found
+            raise InvalidTransferError(
+                f"store: CPU chunk {chunk} sub-block {sub} of tensor {tensor} is a destination twice "
+                f"(CPULoadStoreSpec.block_ids[{first}] and [{second}]): expected each destination written once "
+                "per transfer (a repeated source is fine)")
+
+
+def plan_copies(
+    layout: KVCacheLayout, direction: Direction, src_spec: GPULoadStoreSpec | CPULoadStoreSpec,
+    dst_spec: GPULoadStoreSpec | CPULoadStoreSpec, gpu: Sequence[TensorGeometry],
+    cpu: Sequence[TensorGeometry], blocks_per_chunk: int,
+) -> CopyPlan:
+    """Plan the byte copies of one transfer (reference §2.3/§2.4), validating everything first (R7).
+
+    Validates the geometry on every call and returns new arrays; a caller planning many transfers on one
+    geometry (the handler) uses a :class:`Planner`, which validates the geometry once and can write into reused
+    arrays. Both give the same copies and raise the same errors.
+
+    Args:
+        layout: the KV-cache layout.
+        direction: ``"store"`` (src GPU spec, dst CPU spec) or ``"load"`` (src CPU spec, dst GPU spec).
+        src_spec: the source spec for ``direction``.
+        dst_spec: the destination spec for ``direction``.
+        gpu: geometry of each GPU tensor (one row per GPU block).
+        cpu: geometry of each CPU view (one row per CPU chunk of ``blocks_per_chunk`` GPU pages).
+        blocks_per_chunk: GPU pages per CPU row, >= 1.
+
+    Returns:
+        The copies, group-major, then ref, then block; sizes are each ref's unpadded page size. All group
+        sizes 0 with empty id lists gives an empty plan.
+
+    Raises:
+        InvalidTransferError: unknown direction; a spec of the wrong type; bad geometry (see check_geometry);
+            ``len(group_sizes) != layout.num_groups``; a non-empty group's block index ``>= blocks_per_chunk``;
+            a CPU id count other than the groups need; an id ``>=`` the rows of a tensor it indexes; a
+            destination written twice (a (tensor, GPU block) of a load, a (tensor, CPU chunk, sub-block) of a
+            store).
+    """
+    gpu_spec, cpu_spec = _specs_for(direction, src_spec, dst_spec)
+    planner = Planner(layout, gpu, cpu, blocks_per_chunk)
+    return planner._prepare(gpu_spec, cpu_spec, direction == "store").to_plan()

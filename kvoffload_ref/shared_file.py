@@ -1,0 +1,416 @@
+"""The file behind a SharedRegion: its header, its OFD locks, and the create/join/unlink handshake (R17, R18).
+
+Theory of operation
+-------------------
+*The file* is ``<directory>/kvoffload_ref_<engine_id>.mmap``. Its header page holds a magic, a state (CREATING,
+READY), the geometry and one "mapped" byte per rank. Open-file-description (OFD) byte-range locks carry the
+protocol; the kernel drops them when the descriptor is closed or its process dies, even on SIGKILL:
+
+* the *gate* (byte 0, exclusive, held for a few system calls): every decision about the file -- admitting a rank,
+  marking it mapped, unlinking -- is taken under it, right after checking that the path still names the inode
+  this descriptor holds open;
+* the *live* lock (byte 1, shared): held by every admitted opener until it gives up the name (release,
+  quarantine) or dies;
+* the *rank* locks (byte 64 + r, exclusive): held by rank r's opener until its descriptor closes, so a second
+  live opener of the same rank is refused.
+
+*Creation* (R17): ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode 0600; under the gate: admit, write the header (CREATING);
+check the free space; ``ftruncate`` to the full size; under the gate: mark READY. Joiners open with ``O_NOFOLLOW``
+(a symlink fails with ELOOP at once, never waited on), poll under the gate until READY (bounded by ``timeout``),
+compare the geometry, and are admitted.
+
+*Unlink* (R18): after mapping, a rank sets its mapped byte under the gate; the one that completes the set unlinks.
+At release (and quarantine) a rank drops its live lock under the gate and, if no other live opener remains, unlinks.
+Every unlink is taken under the gate and only while ``lstat(path)`` shows the ``(st_dev, st_ino)`` of the descriptor
+still open, so the inode number cannot have been reused and a stranger's file is never removed.
+
+*Stale files*: a file with our magic and no live opener was left by an engine whose processes all died; an opener
+finds it under the gate, unlinks it (same inode check) and starts over with ``O_EXCL``.
+
+Waiting uses real time (``time.monotonic``), not the backend clock: the peers are other processes. Linux only (OFD
+locks); see docs/shared-region.md for the protocol diagram and the failure cases.
+
+This module holds no region: :class:`SharedFile` is one descriptor and the protocol steps taken through it, and
+:func:`open_file` creates or joins a file for a geometry. ``kvoffload_ref.shared_region`` maps it and makes the
+region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import struct
+import time
+from collections.abc import Iterator
+from typing import Final, Protocol
+
+from kvoffload_ref.backends.base import Ledger
+from kvoffload_ref.errors import DeadlineExceeded, InvalidTransferError, LifecycleError, OwnershipError
+
+__all__ = [
+    "HEADER_BYTES",
+    "MAX_WORLD_SIZE",
+    "RELEASE_GATE_TIMEOUT",
+    "FileGeometry",
+    "SharedFile",
+    "open_file",
+    "pack_header",
+]
+
+logger = logging.getLogger("kvoffload_ref.shared_file")
+
+#: The header page at the start of the file; the data rows start after it.
+HEADER_BYTES: Final = mmap.PAGESIZE
+_RANK_BYTES: Final = 64  # offset of the per-rank "mapped" bytes in the header, and of the rank locks
+MAX_WORLD_SIZE: Final = HEADER_BYTES - _RANK_BYTES
+#: How long a release waits for the gate (held by live peers for a few system calls only).
+RELEASE_GATE_TIMEOUT: Final = 2.0
+_POLL_SECONDS: Final = 0.005  # upstream's joiner poll interval
+_GATE_POLL_SECONDS: Final = 0.0005
+
+_MAGIC: Final = b"KVOREF\x00\x01"
+# magic, state, world_size, replicated, layout crc, num_chunks, row_stride, slice_bytes, data_offset, file_size
+_HEADER: Final = struct.Struct("<8sIIII5Q")
+_CREATING, _READY = 1, 2
+_GATE_BYTE, _LIVE_BYTE = 0, 1
+# struct flock on 64-bit Linux: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid (+ padding).
+_FLOCK: Final = struct.Struct("hh4xqqi4x")
+
+
+class FileGeometry(Protocol):
+    """What the handshake needs of a geometry: the header fields a joiner compares and the file's size."""
+
+    @property
+    def file_size(self) -> int:
+        """The full size of the file (the last header field)."""
+
+    def fields(self) -> tuple[int, ...]:
+        """The geometry fields the header records (everything that fixes where bytes lie)."""
+
+
+def pack_header(state: int, fields: tuple[int, ...]) -> bytes:
+    """The header bytes for a geometry's ``fields`` in ``state`` (CREATING or READY)."""
+    return _HEADER.pack(_MAGIC, state, *fields)
+
+
+_FIELD_NAMES: Final = ("world_size", "replicated", "layout_crc", "num_chunks", "row_stride", "slice_bytes",
+                       "data_offset", "file_size")
+
+
+def _mismatch(path: str, theirs: tuple[int, ...], ours: tuple[int, ...], size: int) -> str | None:
+    """Why the file does not fit this rank's geometry (None if it does)."""
+    diffs = [f"{n}: file {a}, this rank {b}" for n, a, b in zip(_FIELD_NAMES, theirs, ours, strict=True) if a != b]
+    if size != ours[-1]:
+        diffs.append(f"size: file {size} bytes, this rank expects {ours[-1]}")
+    if not diffs:
+        return None
+    return f"geometry mismatch between ranks for {path}: " + "; ".join(diffs)
+
+
+# -- OFD byte-range locks -----------------------------------------------------------------------------------------
+def _set_lock(fd: int, kind: int, byte: int) -> bool:
+    """Take, convert or drop (``F_UNLCK``) an OFD lock on one byte without waiting.
+
+    Returns:
+        False if another open file description holds a conflicting lock, else True.
+    """
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _held_elsewhere(fd: int, byte: int) -> bool:
+    """Whether another open file description (in any process) holds a lock on ``byte``."""
+    probe = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
+    return bool(_FLOCK.unpack(probe)[0] != fcntl.F_UNLCK)
+
+
+# -- one open descriptor of the file ------------------------------------------------------------------------------
+class SharedFile:
+    """One descriptor of the shared file, its locks, and the protocol steps taken through it.
+
+    Holds no reference to a region, so a region's finalizer may hold it.
+    """
+
+    def __init__(self, fd: int, path: str, rank: int, ledger: Ledger) -> None:
+        st = os.fstat(fd)
+        # Invariant: open from construction until close(); then None.
+        self.fd: int | None = fd
+        self.path = path
+        # Invariant: (st_dev, st_ino) of the inode fd refers to; stable while fd is open.
+        self.identity = (st.st_dev, st.st_ino)
+        self.rank = rank
+        # Invariant: True from admission until the name is given up (release, quarantine, failed open).
+        self.live = False
+        self._ledger = ledger
+        # Invariant: this descriptor's "shm_file" ledger entry (live, or quarantined, until close).
+        self._key = (st.st_dev, st.st_ino, fd)
+        ledger.acquire("shm_file", self._key)
+
+    @classmethod
+    def wrap(cls, fd: int, path: str, rank: int, ledger: Ledger) -> SharedFile:
+        """Own ``fd``: close it if the wrapping fails."""
+        try:
+            return cls(fd, path, rank, ledger)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @property
+    def fileno(self) -> int:
+        if self.fd is None:
+            raise LifecycleError(f"the descriptor of {self.path} is closed")
+        return self.fd
+
+    def names_inode(self) -> bool:
+        """Whether the path still names (without following links) the inode this descriptor holds open."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity
+
+    def others_live(self) -> bool:
+        """Whether another open description (another process, or another opener in this one) holds the live lock."""
+        return _held_elsewhere(self.fileno, _LIVE_BYTE)
+
+    @contextlib.contextmanager
+    def gate(self, deadline: float) -> Iterator[None]:
+        """Hold the gate lock, polling (never blocking) until ``deadline`` (at least one try).
+
+        Raises:
+            DeadlineExceeded: another process held it until the deadline.
+        """
+        while not _set_lock(self.fileno, fcntl.F_WRLCK, _GATE_BYTE):
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"gave up waiting for the lock of {self.path}: another process holds it")
+            time.sleep(_GATE_POLL_SECONDS)
+        try:
+            yield
+        finally:
+            _set_lock(self.fileno, fcntl.F_UNLCK, _GATE_BYTE)
+
+    def admit(self) -> None:
+        """Under the gate: take this rank's lock, then the live lock.
+
+        Raises:
+            OwnershipError: another live opener holds this rank.
+        """
+        if not _set_lock(self.fileno, fcntl.F_WRLCK, _RANK_BYTES + self.rank):
+            raise OwnershipError(f"rank {self.rank} of {self.path} is already open in a live process "
+                                 "(a second opener for the same rank is refused)")
+        if not _set_lock(self.fileno, fcntl.F_RDLCK, _LIVE_BYTE):  # pragma: no cover - nobody write-locks it
+            raise OSError(errno.EAGAIN, f"cannot take the live lock of {self.path}", self.path)
+        self.live = True
+
+    def unlink_if_ours(self) -> bool:
+        """Under the gate: unlink the path if it still names our inode (R18). Returns whether it did."""
+        if not self.names_inode():
+            return False
+        os.unlink(self.path)
+        logger.info("Removed mmap file %s", self.path)
+        return True
+
+    def mark_mapped(self, world_size: int, deadline: float) -> None:
+        """Record that this rank mapped the file; the rank completing the set unlinks it (R18)."""
+        with self.gate(deadline):
+            os.pwrite(self.fileno, b"\x01", _RANK_BYTES + self.rank)
+            mapped = os.pread(self.fileno, world_size, _RANK_BYTES)
+            if len(mapped) == world_size and all(mapped):
+                self.unlink_if_ours()
+
+    def give_up_name(self) -> list[str]:
+        """Stop counting as a live opener; unlink the file if no other live opener remains (R3, R18).
+
+        Never raises: a failure is logged and returned (the live lock is dropped in any case).
+        """
+        if not self.live or self.fd is None:
+            return []
+        try:
+            with self.gate(time.monotonic() + RELEASE_GATE_TIMEOUT):
+                _set_lock(self.fileno, fcntl.F_UNLCK, _LIVE_BYTE)
+                self.live = False
+                if not self.others_live():
+                    self.unlink_if_ours()
+        except (OSError, DeadlineExceeded) as exc:
+            logger.error("Failed to give up the name of mmap file %s: %s", self.path, exc)
+            return [f"unlink of {self.path} failed: {exc}"]
+        finally:
+            if self.live:
+                _set_lock(self.fileno, fcntl.F_UNLCK, _LIVE_BYTE)
+                self.live = False
+        return []
+
+    def quarantine(self) -> None:
+        """Keep the descriptor (and its rank lock) until process exit (R12/R18)."""
+        self._ledger.quarantine("shm_file", self._key)
+
+    def close(self) -> list[str]:
+        """Close the descriptor (dropping all its locks); idempotent. A failure is logged and returned."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return []
+        self.live = False
+        self._ledger.release("shm_file", self._key)
+        try:
+            os.close(fd)
+        except OSError as exc:
+            logger.warning("Failed to close the descriptor of mmap file %s: %s", self.path, exc)
+            return [f"close of {self.path} failed: {exc}"]
+        return []
+
+    def abandon(self) -> list[str]:
+        """Give up the name, then close: what a failed open and a finalizer do."""
+        return self.give_up_name() + self.close()
+
+    def abandon_creation(self) -> None:
+        """A creator that failed: unlink its file (it is the only live opener, joiners wait for READY), close."""
+        if not self.live and self.fd is not None and self.names_inode():
+            # Not admitted (the gate was never free): no joiner can have been admitted either.
+            os.unlink(self.path)
+            logger.info("Removed mmap file %s", self.path)
+        self.abandon()
+
+
+# -- opening: create or join (R17) ----------------------------------------------------------------------------------
+def _check_free_space(directory: str, needed: int, path: str) -> None:
+    """Fail fast (upstream PR #50358) when the directory cannot hold the file."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"not enough space in {directory} for shared region {path}: "
+                      f"needs {needed} bytes, {free} bytes free", path)
+
+
+def _size_file(fd: int, size: int) -> None:
+    """Give the file its full size (a separate step so tests can stop a creator before it)."""
+    os.ftruncate(fd, size)
+
+
+def _create(path: str, rank: int, ledger: Ledger) -> SharedFile | None:
+    """Create the file exclusively, mode 0600 (R17); None if something already exists at the path."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return None
+    os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask
+    return SharedFile.wrap(fd, path, rank, ledger)
+
+
+def _open_existing(path: str, rank: int, ledger: Ledger) -> SharedFile | None:
+    """Open an existing file without following a symlink (R17); None if it vanished meanwhile.
+
+    Raises:
+        OSError: ELOOP for a symlink (at once); FileExistsError for something that is not our regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"refusing {path}: it is a symbolic link (R17)", path) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise FileExistsError(errno.EEXIST, f"refusing {path}: not a regular file of this user", path)
+    return SharedFile.wrap(fd, path, rank, ledger)
+
+
+def _finish_creation(shared: SharedFile, geometry: FileGeometry, directory: str, deadline: float) -> bool:
+    """Creator: admit, write the header, check space, size the file, mark it READY. False: start over."""
+    try:
+        with shared.gate(deadline):
+            reaped = not shared.names_inode()  # removed or replaced by someone between O_EXCL and the gate
+            if not reaped:
+                shared.admit()
+                os.pwrite(shared.fileno, pack_header(_CREATING, geometry.fields()), 0)
+        if not reaped:
+            _check_free_space(directory, geometry.file_size, shared.path)
+            _size_file(shared.fileno, geometry.file_size)
+            with shared.gate(deadline):
+                os.pwrite(shared.fileno, pack_header(_READY, geometry.fields()), 0)
+    except BaseException:
+        shared.abandon_creation()
+        raise
+    if reaped:
+        shared.close()
+    return not reaped
+
+
+def _inspect(shared: SharedFile, geometry: FileGeometry, deadline: float) -> tuple[str, str]:
+    """Joiner, under the gate: ("admitted" | "restart" | "wait", what was seen).
+
+    Raises:
+        FileExistsError: the file is not a kvoffload_ref region (it is left alone).
+        InvalidTransferError: geometry mismatch. OwnershipError: this rank is open in a live process.
+    """
+    with shared.gate(deadline):
+        if not shared.names_inode():
+            return "restart", "the file was removed or replaced"
+        size = os.fstat(shared.fileno).st_size
+        raw = os.pread(shared.fileno, _HEADER.size, 0)
+        if len(raw) < _HEADER.size or raw[:len(_MAGIC)] != _MAGIC:
+            if size:
+                raise FileExistsError(errno.EEXIST, f"refusing {shared.path}: it is not a kvoffload_ref region "
+                                      "(left untouched)", shared.path)
+            return "wait", "the file is empty (its creator has not written the header)"
+        _, state, *fields = _HEADER.unpack(raw)
+        if not shared.others_live():
+            logger.warning("Found stale mmap file %s: no live process holds it (its engine died)", shared.path)
+            shared.unlink_if_ours()
+            return "restart", "stale file removed"
+        if state != _READY:
+            return "wait", f"its creator has not sized it yet ({size} of {geometry.file_size} bytes)"
+        if (why := _mismatch(shared.path, tuple(fields), geometry.fields(), size)) is not None:
+            raise InvalidTransferError(why)
+        shared.admit()
+        return "admitted", ""
+
+
+def _join(shared: SharedFile, geometry: FileGeometry, deadline: float, timeout: float) -> bool:
+    """Joiner: wait (bounded) until the file is READY, then be admitted. False: start over."""
+    try:
+        while (verdict := _inspect(shared, geometry, deadline))[0] == "wait":
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"{shared.path} was not ready within {timeout} s: {verdict[1]}")
+            time.sleep(_POLL_SECONDS)
+    except BaseException:
+        shared.abandon()
+        raise
+    if verdict[0] == "restart":
+        shared.close()
+        return False
+    return True
+
+
+def open_file(path: str, geometry: FileGeometry, rank: int, ledger: Ledger, directory: str,
+               timeout: float) -> tuple[SharedFile, bool]:
+    """Create the file or join it, starting over when the file opened was reaped or replaced meanwhile.
+
+    Returns:
+        The admitted descriptor and whether this process created the file.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        created = _create(path, rank, ledger)
+        if created is not None:
+            if _finish_creation(created, geometry, directory, deadline):
+                return created, True
+        elif (joined := _open_existing(path, rank, ledger)) is not None and _join(joined, geometry, deadline,
+                                                                                   timeout):
+            return joined, False
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"could not create or join {path} within {timeout} s "
+                                   "(it kept being removed or replaced)")
+

@@ -1,0 +1,204 @@
+"""kvoffload_ref.planner: a transfer that writes one destination twice is refused before any device work (R7);
+a repeated source is legal. Both planning paths (Planner.prepare and plan_copies) are checked alike."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from _support import make_worker
+
+import kvoffload_ref as kv
+from kvoffload_ref.errors import InvalidTransferError
+from kvoffload_ref.layout import (
+    CopyPlan,
+    CPULoadStoreSpec,
+    Direction,
+    GPULoadStoreSpec,
+    KVCacheLayout,
+    LayerRef,
+    Planner,
+    TensorGeometry,
+    plan_copies,
+)
+
+PAGE = 256
+ROWS = 512
+
+
+def _rig(groups: Sequence[Sequence[int]], bpc: int,
+         num_tensors: int = 2) -> tuple[KVCacheLayout, list[TensorGeometry], list[TensorGeometry]]:
+    """``num_tensors`` tensors of PAGE-byte pages, ROWS rows a side; ``groups`` lists each group's tensors."""
+    layout = KVCacheLayout([PAGE] * num_tensors, [[LayerRef(t, PAGE) for t in g] for g in groups])
+    gpu = [TensorGeometry(0x100_0000 + t * 0x10_0000, ROWS, PAGE, PAGE) for t in range(num_tensors)]
+    cpu = [TensorGeometry(0x900_0000 + t * 0x100_0000, ROWS, PAGE * bpc, PAGE * bpc) for t in range(num_tensors)]
+    return layout, gpu, cpu
+
+
+def _both(layout: KVCacheLayout, gpu: list[TensorGeometry], cpu: list[TensorGeometry], bpc: int,
+          direction: Direction, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec) -> CopyPlan:
+    """Plan with both paths; they must agree."""
+    src, dst = (gpu_spec, cpu_spec) if direction == "store" else (cpu_spec, gpu_spec)
+    plan = plan_copies(layout, direction, src, dst, gpu, cpu, bpc)
+    assert Planner(layout, gpu, cpu, bpc).plan(direction, src, dst) == plan
+    return plan
+
+
+def _refused(layout: KVCacheLayout, gpu: list[TensorGeometry], cpu: list[TensorGeometry], bpc: int,
+             direction: Direction, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, message: str) -> None:
+    """Both paths refuse the transfer with ``message`` (a regex)."""
+    src, dst = (gpu_spec, cpu_spec) if direction == "store" else (cpu_spec, gpu_spec)
+    with pytest.raises(InvalidTransferError, match=message):
+        plan_copies(layout, direction, src, dst, gpu, cpu, bpc)
+    with pytest.raises(InvalidTransferError, match=message):
+        Planner(layout, gpu, cpu, bpc).prepare(direction, src, dst)
+
+
+# --------------------------------------------------------------------------------------------- load: GPU
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_layout_planner_load_refuses_a_gpu_block_written_twice(bpc: int) -> None:
+    layout, gpu, cpu = _rig([[0, 1]], bpc)
+    chunks = CPULoadStoreSpec(list(range(-(-3 // bpc))))
+    _refused(layout, gpu, cpu, bpc, "load", GPULoadStoreSpec([5, 9, 5], (3,), (0,)), chunks,
+             r"^load: GPU block 5 of tensor 0 is a destination twice \(GPULoadStoreSpec\.block_ids\[0\] and "
+             r"\[2\]\): expected each destination written once per transfer \(a repeated source is fine\)$")
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_layout_planner_load_from_a_repeated_source_is_legal(bpc: int) -> None:
+    """One CPU chunk loaded into several GPU blocks: the source repeats, every destination is distinct."""
+    layout, gpu, cpu = _rig([[0, 1]], bpc)
+    size = 2 * bpc
+    plan = _both(layout, gpu, cpu, bpc, "load", GPULoadStoreSpec(list(range(size)), (size,), (0,)),
+                 CPULoadStoreSpec([7, 7]))
+    assert len(set(plan.src.tolist())) == plan.num_ops // 2 and len(set(plan.dst.tolist())) == plan.num_ops
+
+
+@pytest.mark.rule("R7")
+def test_layout_planner_groups_on_different_tensors_may_name_one_gpu_block() -> None:
+    layout, gpu, cpu = _rig([[0], [1]], 1)
+    plan = _both(layout, gpu, cpu, 1, "load", GPULoadStoreSpec([5, 5], (1, 1), (0, 0)), CPULoadStoreSpec([1, 2]))
+    assert plan.num_ops == 2 and len(set(plan.dst.tolist())) == 2
+
+
+@pytest.mark.rule("R7")
+def test_layout_planner_groups_sharing_a_tensor_may_not_name_one_gpu_block() -> None:
+    """Hybrid layouts share a tensor between groups: the same block of it written by two groups collides."""
+    layout, gpu, cpu = _rig([[0], [1, 0]], 1)
+    _refused(layout, gpu, cpu, 1, "load", GPULoadStoreSpec([5, 5], (1, 1), (0, 0)), CPULoadStoreSpec([1, 2]),
+             r"^load: GPU block 5 of tensor 0 is a destination twice \(GPULoadStoreSpec\.block_ids\[0\] and \[1\]\)")
+
+
+@pytest.mark.rule("R7")
+def test_layout_planner_two_refs_of_one_tensor_in_a_group_are_not_a_duplicate() -> None:
+    """Both refs copy the same source bytes to the same place: one destination, not two."""
+    layout = KVCacheLayout([PAGE], [[LayerRef(0, PAGE), LayerRef(0, PAGE // 2)]])
+    gpu = [TensorGeometry(0x100_0000, ROWS, PAGE, PAGE)]
+    cpu = [TensorGeometry(0x900_0000, ROWS, PAGE, PAGE)]
+    for direction in ("store", "load"):
+        plan = _both(layout, gpu, cpu, 1, direction, GPULoadStoreSpec([4, 6], (2,), (0,)), CPULoadStoreSpec([1, 3]))
+        assert plan.num_ops == 4
+
+
+# -------------------------------------------------------------------------------------------- store: CPU
+
+
+@pytest.mark.rule("R7")
+def test_layout_planner_store_refuses_a_cpu_chunk_written_twice_bpc_1() -> None:
+    layout, gpu, cpu = _rig([[0, 1]], 1)
+    _refused(layout, gpu, cpu, 1, "store", GPULoadStoreSpec([1, 2, 3], (3,), (0,)), CPULoadStoreSpec([4, 8, 4]),
+             r"^store: CPU chunk 4 sub-block 0 of tensor 0 is a destination twice \(CPULoadStoreSpec\.block_ids"
+             r"\[0\] and \[2\]\): expected each destination written once per transfer \(a repeated source is "
+             r"fine\)$")
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("bpc", [1, 2, 4])
+def test_layout_planner_store_from_a_repeated_source_is_legal(bpc: int) -> None:
+    """One GPU block stored into several CPU sub-blocks."""
+    layout, gpu, cpu = _rig([[0, 1]], bpc)
+    plan = _both(layout, gpu, cpu, bpc, "store", GPULoadStoreSpec([3] * bpc * 2, (bpc * 2,), (0,)),
+                 CPULoadStoreSpec([10, 11]))
+    assert len(set(plan.src.tolist())) == 2 and len(set(plan.dst.tolist())) == plan.num_ops
+
+
+@pytest.mark.rule("R7")
+def test_layout_planner_store_refuses_a_sub_block_written_twice_bpc_above_1() -> None:
+    """bpc 2, skip 1: chunk ids [4, 4] give sub-blocks (4, 1), (4, 0), (4, 1): the third repeats the first."""
+    layout, gpu, cpu = _rig([[0, 1]], 2)
+    _refused(layout, gpu, cpu, 2, "store", GPULoadStoreSpec([1, 2, 3], (3,), (1,)), CPULoadStoreSpec([4, 4]),
+             r"^store: CPU chunk 4 sub-block 1 of tensor 0 is a destination twice \(CPULoadStoreSpec\.block_ids"
+             r"\[0\] and \[1\]\)")
+
+
+@pytest.mark.rule("R7")
+def test_layout_planner_a_repeated_chunk_whose_sub_blocks_differ_is_legal() -> None:
+    """bpc 2, skip 1, two blocks: chunk ids [4, 4] give sub-blocks (4, 1) then (4, 0): distinct destinations."""
+    layout, gpu, cpu = _rig([[0, 1]], 2)
+    plan = _both(layout, gpu, cpu, 2, "store", GPULoadStoreSpec([1, 2], (2,), (1,)), CPULoadStoreSpec([4, 4]))
+    assert plan.num_ops == 4 and len(set(plan.dst.tolist())) == 4
+
+
+@pytest.mark.rule("R7")
+def test_layout_planner_groups_sharing_a_chunk_collide_only_on_one_sub_block() -> None:
+    """Two groups over the same tensors, one chunk id each (bpc 2): different sub-blocks are fine, the same one
+    is refused; over different tensors even the same sub-block is fine."""
+    shared, gpu, cpu = _rig([[0, 1], [0, 1]], 2)
+    _both(shared, gpu, cpu, 2, "store", GPULoadStoreSpec([1, 2], (1, 1), (0, 1)), CPULoadStoreSpec([4, 4]))
+    _refused(shared, gpu, cpu, 2, "store", GPULoadStoreSpec([1, 2], (1, 1), (1, 1)), CPULoadStoreSpec([4, 4]),
+             r"^store: CPU chunk 4 sub-block 1 of tensor 0 is a destination twice")
+    apart, gpu, cpu = _rig([[0], [1]], 2)
+    _both(apart, gpu, cpu, 2, "store", GPULoadStoreSpec([1, 2], (1, 1), (1, 1)), CPULoadStoreSpec([4, 4]))
+
+
+# ------------------------------------------------------------------------------------------- long id lists
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_layout_planner_long_transfers_are_checked_too(direction: Direction) -> None:
+    """Past the short-list path: 300 distinct ids pass, and one repeat among them is found and placed."""
+    layout, gpu, cpu = _rig([[0, 1]], 1)
+    planner = Planner(layout, gpu, cpu, 1)
+    ids = np.random.default_rng(0).permutation(ROWS)[:300]
+    other = np.arange(300)
+    gpu_ids, cpu_ids = (other, ids) if direction == "store" else (ids, other)
+    src, dst = (GPULoadStoreSpec(gpu_ids, (300,), (0,)), CPULoadStoreSpec(cpu_ids))
+    args = (src, dst) if direction == "store" else (dst, src)
+    for _ in range(2):  # the scratch array is reused: a second pass must not see the first one's marks
+        assert planner.prepare(direction, *args).num_ops == 600  # type: ignore[arg-type]
+    bad = ids.copy()
+    bad[250] = bad[17]
+    gpu_ids, cpu_ids = (other, bad) if direction == "store" else (bad, other)
+    src, dst = (GPULoadStoreSpec(gpu_ids, (300,), (0,)), CPULoadStoreSpec(cpu_ids))
+    args = (src, dst) if direction == "store" else (dst, src)
+    with pytest.raises(InvalidTransferError, match=r"\[17\] and \[250\]\)"):
+        planner.prepare(direction, *args)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransferError, match=r"\[17\] and \[250\]\)"):
+        plan_copies(layout, direction, *args, gpu, cpu, 1)  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------------------------- through the worker
+
+
+@pytest.mark.rule("R7")
+def test_layout_planner_worker_refuses_duplicate_destinations_before_any_device_work() -> None:
+    be, worker, _ = make_worker()  # bpc 3
+    try:
+        acquired = be.ledger.acquired()
+        with pytest.raises(kv.InvalidTransferError, match=re.escape("GPU block 4 of tensor 0 is a destination")):
+            worker.submit_load(1, CPULoadStoreSpec([0]), GPULoadStoreSpec([4, 5, 4], (3,), (0,)))
+        with pytest.raises(kv.InvalidTransferError, match=re.escape("CPU chunk 2 sub-block 0 of tensor 0 is a")):
+            worker.submit_store(2, GPULoadStoreSpec([4, 5, 6, 7], (4,), (0,)), CPULoadStoreSpec([2, 2]))
+        assert be.ledger.acquired() == acquired and worker.get_finished() == []
+        worker.submit_load(3, CPULoadStoreSpec([0, 0]), GPULoadStoreSpec([4, 5, 6, 7, 8, 9], (6,), (0,)))  # legal
+        worker.wait({3})
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(3, True)]
+    finally:
+        worker.shutdown()
