@@ -782,6 +782,27 @@ def test_fake_compute_stream_refuses_a_per_thread_current_stream(fake: tuple[cb.
         backend._cp.cuda.current.ptr = 0
 
 
+def test_fake_spin_helper_plumbing(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    """The GPU tests' spin helper (tests/_cupy_spin.py) against the fake runtime: the fake kernel ends at once,
+    reporting 2 (timed out) unless the flag was released first."""
+    backend, rt = fake
+    spin.warm_spin(backend)
+    flag = spin.alloc_spin_flag(backend)
+    stream = backend.create_stream()
+    try:
+        spin.enqueue_spin(backend, stream, flag, timeout=1.0)
+        assert flag.state == 2
+        flag.release()
+        spin.enqueue_spin(backend, stream, flag, timeout=1.0)
+        assert flag.state == 1
+    finally:
+        backend.destroy_stream(stream)
+        spin.free_spin_flag(backend, flag)
+    with pytest.raises(RuntimeError, match="after free"):
+        _ = flag.state
+    assert rt.host_allocs == set(), "the flags were not freed"
+
+
 def test_fake_elapsed_is_seconds(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
     backend, _ = fake
     a, b = backend.create_event(), backend.create_event()
