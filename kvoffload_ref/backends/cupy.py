@@ -5,19 +5,11 @@
 device. Every CUDA failure of every method becomes ``DeviceError(message, status)`` raised ``from`` the CuPy error.
 Streams and events are raw runtime handles.
 
-The module is split along its seams:
-
-* ``_cupy_runtime``: the lazy import, :func:`gpu_usable`, CUDA constants, the handles, error mapping;
-* ``_cupy_copy``: the gather/scatter kernel source and the copy-path choice (pure);
-* ``_cupy_interop``: GPU tensors from any framework (``__cuda_array_interface__``, ``__dlpack__``) and
-  compute-stream objects (pure parsing);
-* ``_cupy_descriptors``: the pinned descriptor buffers and their pool;
-* this module: :class:`CupyBackend`, which owns the state and issues the CUDA calls.
-
-Memory that device-synchronizes on free (``cudaFree``, ``cudaFreeHost``) is never freed on a path that may run while
-the device hangs: descriptor buffers go back to a pool (R11); :meth:`CupyBackend.release_cached_memory` frees the
-pool and is blocking. ``host_register(ptr, nbytes)`` registers exactly the range it is given
-(``cudaHostRegisterPortable | cudaHostRegisterMapped``); chunking and rollback are the region's job.
+Seams (docs/backends.md has the map): ``_cupy_runtime`` (import, probe, handles, error mapping), ``_cupy_copy``
+(kernel source, path choice; pure), ``_cupy_kernel`` (compile, launch, memcpy runs), ``_cupy_descriptors`` (the
+pinned descriptor pool), ``_cupy_interop`` (tensors and streams of any framework; pure), ``_cupy_tensors`` (a
+tensor as bytes on the device). This module owns the state and issues the CUDA calls. Memory that synchronizes the
+device on free is never freed on a path that may run while the device hangs (R11).
 """
 
 from __future__ import annotations
