@@ -70,7 +70,7 @@ class Bench:
         self.stream = self.be.create_stream()
         self.start, self.end = self.be.create_event(), self.be.create_event()
         if not self.be.warm_up():
-            print(f"WARNING: kernel path unavailable: {self.be._kernel_broken}")
+            print(f"WARNING: kernel path unavailable: {self.be.kernel_unavailable}")
 
     def time(self, op: Callable[[], None], reps: int | None = None) -> float:
         """Median seconds of ``op`` between two events on the stream, after one warm-up run."""

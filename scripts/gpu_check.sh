@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the CuPy backend: the gpu-marked tests, then the benchmark (hard cap about 5 minutes in total).
+# GPU check of the CuPy backend: the gpu-marked tests (CuPy arrays, then torch tensors and a torch stream when torch
+# is installed), then the benchmark (hard cap about 6.5 minutes in total).
 #
 #   bash scripts/gpu_check.sh [REPORT.md]
 #
@@ -39,6 +40,8 @@ main() {
     echo
     echo "python: $PY ($("$PY" --version 2>&1))"
     "$PY" -c 'import cupy, numpy, pytest; print("cupy", cupy.__version__, "| numpy", numpy.__version__, "| pytest", pytest.__version__)' 2>&1
+    "$PY" -c 'import torch; print("torch", torch.__version__, "| CUDA", torch.version.cuda)' 2>&1 \
+        || echo "torch: not installed (the torch tests are skipped)"
     nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
         --format=csv 2>&1 || true
 
@@ -46,12 +49,16 @@ main() {
 ok, why = gpu_usable(); print(ok, why); raise SystemExit(0 if ok else 1)'
     step "CuPy backend: gpu tests" 110 yes \
         "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs tests/test_backends_cupy.py
-    step "CuPy backend: CPU tests with this CuPy (fake runtime, NVRTC compile)" 30 yes \
-        "$PY" -m pytest -p no:cacheprovider -m "not gpu" -q -rs tests/test_backends_cupy.py
+    step "CuPy backend with torch tensors and a torch compute stream: gpu tests" 90 yes \
+        "$PY" -m pytest -p no:cacheprovider -m gpu -v -rs tests/test_backends_cupy_torch.py
+    step "CuPy backend: CPU tests with this CuPy (fake runtime, pure parsing, NVRTC compile)" 30 yes \
+        "$PY" -m pytest -p no:cacheprovider -m "not gpu" -q -rs tests/test_backends_cupy.py \
+        tests/test_backends_cupy_interop.py
     step "benchmark" 100 yes "$PY" scripts/gpu_bench.py ${json_args[@]+"${json_args[@]}"}
     step "other modules' gpu tests (informational)" 50 no \
         "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --continue-on-collection-errors tests/ \
-        --ignore=tests/test_backends_cupy.py
+        --ignore=tests/test_backends_cupy.py --ignore=tests/test_backends_cupy_torch.py \
+        --ignore=tests/test_backends_cupy_interop.py
 
     echo
     if [ "$status" -eq 0 ]; then echo "RESULT: PASS"; else echo "RESULT: FAIL"; fi

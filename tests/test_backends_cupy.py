@@ -22,10 +22,12 @@ import importlib
 import itertools
 import mmap
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import _cupy_spin as spin
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -33,6 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload_ref.backends import cupy as cb
+from kvoffload_ref.backends._cupy_copy import KERNEL_SOURCE, SpanSet
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, poll_until
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError
 
@@ -56,6 +59,7 @@ class FakeDeviceArray:
         self.shape = host.shape
         self.strides = host.strides
         self.dtype = host.dtype
+        self.itemsize = host.itemsize
         self.ndim = host.ndim
         self.flags = host.flags
         self.data = types.SimpleNamespace(ptr=host.ctypes.data)
@@ -63,6 +67,11 @@ class FakeDeviceArray:
 
     def __getitem__(self, key: Any) -> FakeDeviceArray:
         return FakeDeviceArray(self.host[key])
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.data.ptr, False),
+                "strides": None if self.flags.c_contiguous else self.strides, "version": 3}
 
 
 class FakeRuntime:
@@ -73,6 +82,8 @@ class FakeRuntime:
         self.query_status: dict[int, int] = {}    # event -> status eventQuery returns (default 0)
         self.calls: list[tuple[Any, ...]] = []
         self.registered: dict[int, int] = {}
+        self.host_allocs: set[int] = set()
+        self.pointer_device: dict[int, int] = {}  # pointer -> the device pointerGetAttributes reports
         self.device = 0
         self._buffers: dict[int, Any] = {}
         self._handles = itertools.count(0x1000, 0x10)
@@ -113,7 +124,9 @@ class FakeRuntime:
         return self._alloc("malloc", nbytes)
 
     def hostAlloc(self, nbytes: int, flags: int) -> int:
-        return self._alloc("hostAlloc", nbytes)
+        ptr = self._alloc("hostAlloc", nbytes)
+        self.host_allocs.add(ptr)
+        return ptr
 
     def free(self, ptr: int) -> None:
         self._call("free", ptr)
@@ -122,9 +135,14 @@ class FakeRuntime:
     def freeHost(self, ptr: int) -> None:
         self._call("freeHost", ptr)
         self._buffers.pop(ptr)
+        self.host_allocs.discard(ptr)
 
     def pointerGetAttributes(self, ptr: int) -> types.SimpleNamespace:
-        return types.SimpleNamespace(devicePointer=ptr, hostPointer=ptr, device=0, type=1)
+        """Host (type 1) for pinned allocations and registered ranges, else device memory (type 2) of device 0 or
+        of the device set in ``pointer_device``."""
+        host = any(p <= ptr < p + n for p, n in self.registered.items()) or ptr in self.host_allocs
+        device = self.pointer_device.get(ptr, 0)
+        return types.SimpleNamespace(devicePointer=ptr, hostPointer=ptr, device=device, type=1 if host else 2)
 
     def hostRegister(self, ptr: int, nbytes: int, flags: int) -> None:
         self._call("hostRegister", ptr, nbytes, flags)
@@ -175,6 +193,13 @@ class FakeRuntime:
         self._call("memcpyAsync", dst, src, nbytes, kind, stream)
         ctypes.memmove(dst, src, nbytes)
 
+    def memcpy2DAsync(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int,
+                      stream: int) -> None:
+        self._call("memcpy2DAsync", dst, dpitch, src, spitch, width, height, kind, stream)
+        assert width <= min(dpitch, spitch)
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
 
 def host_words(ptr: int, count: int, dtype: Any) -> npt.NDArray[Any]:
     raw = (ctypes.c_byte * (count * np.dtype(dtype).itemsize)).from_address(ptr)
@@ -220,18 +245,47 @@ class BrokenRawModule(FakeRawModule):
         raise RuntimeError("CuPy failed to load libnvrtc.so.12 (fake)")
 
 
+class FakeDlpackTensor:
+    """A tensor that offers only DLPack (like a framework whose dtype has no typestr): host memory posing as
+    device memory of ``device``."""
+
+    def __init__(self, host: npt.NDArray[Any], device: tuple[int, int] = (2, 0), *, convertible: bool = True
+                 ) -> None:
+        self.host, self.device, self.convertible = host, device, convertible
+        self.shape, self.dtype = host.shape, host.dtype
+
+    def __dlpack__(self, stream: Any = None) -> object:
+        raise AssertionError("the fake cupy.from_dlpack does not call __dlpack__")
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.device
+
+
+def fake_from_dlpack(obj: FakeDlpackTensor) -> FakeDeviceArray:
+    if not obj.convertible:
+        raise TypeError("dtype not supported (fake)")
+    return FakeDeviceArray(obj.host)
+
+
+class FakeStreamState(threading.local):
+    """CuPy's current stream is thread-local: a new thread starts on the legacy default stream (0)."""
+
+    ptr = 0
+
+
 def fake_cupy(*, compiles: bool = True) -> types.SimpleNamespace:
     runtime = FakeRuntime()
     memory = types.SimpleNamespace(OutOfMemoryError=type("OutOfMemoryError", (MemoryError,), {}))
+    current = FakeStreamState()
 
     def empty(shape: tuple[int, int], dtype: Any) -> FakeDeviceArray:
         return FakeDeviceArray(np.zeros(shape, dtype=dtype))
 
     return types.SimpleNamespace(
-        cuda=types.SimpleNamespace(runtime=runtime, memory=memory,
-                                   get_current_stream=lambda: types.SimpleNamespace(ptr=0)),
+        cuda=types.SimpleNamespace(runtime=runtime, memory=memory, current=current,
+                                   get_current_stream=lambda: types.SimpleNamespace(ptr=current.ptr)),
         ndarray=FakeDeviceArray, empty=empty, RawModule=FakeRawModule if compiles else BrokenRawModule,
-        ascontiguousarray=lambda a: FakeDeviceArray(np.ascontiguousarray(a.host)),
+        ascontiguousarray=lambda a: FakeDeviceArray(np.ascontiguousarray(a.host)), from_dlpack=fake_from_dlpack,
     )
 
 
@@ -417,7 +471,7 @@ def test_fake_kernel_path_uploads_descriptors_and_launches_once(
         backend.copy_batch(stream, buf, n, tag=("store", 7))
         assert backend.last_copy_path == "kernel"
         assert rt.count("memcpyAsync") - before == uploads
-        kernel = backend._module.kernels["kvoffload_copy_batch"]
+        kernel = backend._engine.module.kernels["kvoffload_copy_batch"]
         (grid, block, _args) = kernel.launches[-1]
         assert grid[1] == count and block == (256, 1, 1)
         assert np.array_equal(host[perm], data)
@@ -470,7 +524,7 @@ def test_fake_choose_path(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
        copies=st.lists(st.tuples(st.integers(0, 80), st.integers(0, 20)), min_size=1, max_size=6))
 def test_span_set_contains_all_matches_brute_force(pinned: list[tuple[int, int]], device: list[tuple[int, int]],
                                                    copies: list[tuple[int, int]]) -> None:
-    spans = cb._SpanSet()
+    spans = SpanSet()
     covered: set[int] = set()
     for start, length in pinned:
         spans.add_pinned(start, start + length)
@@ -532,19 +586,75 @@ def test_fake_copy_batch_validates_before_device_work(fake: tuple[cb.CupyBackend
 
 
 def test_fake_array_info_validation(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
-    backend, _ = fake
+    backend, rt = fake
     wide = backend.empty_device((8, 300))
     g = backend.array_info(wide[:, :256])  # type: ignore[index]
     assert (g.rows, g.row_bytes, g.row_stride) == (8, 256, 300)
-    for bad in (np.zeros((2, 2), np.uint8), FakeDeviceArray(np.zeros((2, 2), np.float32)),
-                FakeDeviceArray(np.zeros(4, np.uint8)), FakeDeviceArray(np.zeros((4, 8), np.uint8)[:, ::2])):
-        with pytest.raises(InvalidTransferError):
+    # any dtype and rank: the first dimension is the block, the rest is the block's bytes
+    g = backend.array_info(FakeDeviceArray(np.zeros((2, 3, 5), np.float32)))
+    assert (g.rows, g.row_bytes, g.row_stride) == (2, 60, 60)
+    assert backend.array_info(FakeDeviceArray(np.zeros(4, np.uint8))).row_bytes == 1
+    for bad, why in ((np.zeros((2, 2), np.uint8), r"host memory \(DLPack device type 1\)"),
+                     (object(), "not a GPU tensor"),
+                     (FakeDeviceArray(np.zeros((4, 8), np.uint8)[:, ::2]), "not contiguous")):
+        with pytest.raises(InvalidTransferError, match=why):
             backend.array_info(bad)
+    pinned = np.zeros((4, 64), np.uint8)
+    rt.host_allocs.add(pinned.ctypes.data)  # pinned host memory posing as a device array: refused
+    with pytest.raises(InvalidTransferError, match=r"^gpu_tensors\[2\]: not device memory \(cudaMemoryType 1\)"):
+        backend.array_info(FakeDeviceArray(pinned), index=2)
     for shape in ((2,), (2, -1), (2.0, 3), "2x3"):
         with pytest.raises(InvalidTransferError):
             backend.empty_device(shape)  # type: ignore[arg-type]
     with pytest.raises(InvalidTransferError):
         backend.from_host(np.zeros((2, 2), np.float32))
+
+
+@pytest.mark.rule("R7")
+def test_fake_array_info_names_the_tensor_on_another_device(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    other = FakeDeviceArray(np.zeros((4, 64), np.uint16))
+    rt.pointer_device[other.data.ptr] = 1
+    with pytest.raises(InvalidTransferError, match=r"^gpu_tensors\[1\]: is on cuda:1, the backend on cuda:0$"):
+        backend.array_info(other, index=1)
+    with pytest.raises(InvalidTransferError, match=r"^gpu_tensors\[0\]: is on cuda:3"):
+        backend.array_info(FakeDlpackTensor(np.zeros((4, 64), np.uint8), (2, 3)), index=0)
+
+
+def test_fake_array_info_through_dlpack_is_zero_copy(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, _ = fake
+    host = np.arange(4 * 16 * 2, dtype=np.uint16).reshape(4, 16, 2)
+    g = backend.array_info(FakeDlpackTensor(host))
+    assert (g.ptr, g.rows, g.row_bytes, g.row_stride) == (host.ctypes.data, 4, 64, 64)
+    assert np.array_equal(backend.to_host(FakeDlpackTensor(host)), host.reshape(4, -1).view(np.uint8))
+
+
+@pytest.mark.rule("R7")
+def test_fake_array_info_dlpack_refusals_say_why(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, _ = fake
+    with pytest.raises(InvalidTransferError, match=r"^gpu_tensors\[4\]: cupy.from_dlpack failed .*view"):
+        backend.array_info(FakeDlpackTensor(np.zeros((2, 8), np.uint8), convertible=False), index=4)
+    with pytest.raises(InvalidTransferError, match=r"pinned|host memory \(DLPack device type 3\)"):
+        backend.array_info(FakeDlpackTensor(np.zeros((2, 8), np.uint8), (3, 0)))
+
+    class Raising(FakeDlpackTensor):
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad")
+
+    # the interface raises (as torch does for a tensor that requires grad): DLPack is tried, and the message says
+    # both
+    with pytest.raises(InvalidTransferError, match=r"requires grad.*TypeError"):
+        backend.array_info(Raising(np.zeros((2, 8), np.uint8), convertible=False))
+
+
+def test_fake_to_host_leaves_out_padding(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    data = np.arange(6 * 40, dtype=np.uint8).reshape(6, 40)
+    wide: Any = backend.from_host(data)
+    out = backend.to_host(wide[:, :32])
+    assert np.array_equal(out, data[:, :32])
+    assert rt.count("memcpy2DAsync") == 1
 
 
 @pytest.mark.rule("R11")
@@ -575,6 +685,122 @@ def test_fake_prove_idle_is_bounded_and_strict(fake: tuple[cb.CupyBackend, FakeR
         assert info.value.status == 719
     finally:
         backend.destroy_stream(stream)
+
+
+def test_fake_prove_idle_records_only_on_the_given_streams(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    """The worker passes its compute stream itself: the proof adds no other stream (such as this thread's)."""
+    backend, rt = fake
+    stream = backend.create_stream()
+    compute = backend.compute_stream(0x7000)
+    try:
+        assert backend.prove_idle([compute, stream], backend.monotonic() + 1.0) is True
+        recorded = [c[2] for c in rt.calls if c[0] == "eventRecord"]
+        assert recorded == [0x7000, stream.ptr]  # type: ignore[attr-defined]
+    finally:
+        backend.destroy_stream(stream)
+
+
+class TorchLikeStream:
+    def __init__(self, handle: int, device: int = 0) -> None:
+        self.cuda_stream, self.device_index = handle, device
+
+
+class ProtocolStream:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __cuda_stream__(self) -> Any:
+        return self.value
+
+
+def test_fake_compute_stream_accepts_every_kind(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, _ = fake
+    for obj in (0x5000, np.int64(0x5000), TorchLikeStream(0x5000), types.SimpleNamespace(ptr=0x5000, device_id=0),
+                ProtocolStream((0, 0x5000))):
+        handle = backend.compute_stream(obj)
+        assert isinstance(handle, cb.CupyStream)
+        assert (handle.ptr, handle.owned) == (0x5000, False)
+        assert handle is backend.compute_stream(0x5000), "one handle per stream"
+    backend.destroy_stream(backend.compute_stream(0x5000))  # not owned: nothing happens
+    assert backend.ledger.live() == {}
+
+
+@pytest.mark.rule("R4")
+def test_fake_compute_stream_default_is_captured_once_and_works_from_any_thread(
+        fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    """compute_stream(None) is the constructing thread's current stream; another thread's records use that
+    stream, not its own current one (a shutdown from another thread proves the right stream idle)."""
+    backend, rt = fake
+    backend._cp.cuda.current.ptr = 0x6000  # this thread computes on stream 0x6000
+    compute = backend.compute_stream()
+    event = backend.create_event()
+    seen: list[object] = []
+
+    def other_thread() -> None:  # its own current stream is the default stream (0)
+        seen.append(backend.current_stream())
+        backend.record(event, compute)
+        seen.append(backend.prove_idle([compute], backend.monotonic() + 1.0))
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    try:
+        assert isinstance(compute, cb.CupyStream) and compute.ptr == 0x6000
+        assert seen[0].ptr == 0 and seen[1] is True  # type: ignore[attr-defined]
+        assert [c[2] for c in rt.calls if c[0] == "eventRecord"] == [0x6000, 0x6000]
+    finally:
+        backend.destroy_event(event)
+        backend._cp.cuda.current.ptr = 0
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("obj", "why"), [
+    (object(), r"expected a cudaStream_t int, or an object with __cuda_stream__"),
+    (True, "a bool is not a stream"),
+    (-1, "negative"),
+    (2, "per-thread default stream"),
+    (TorchLikeStream(0x5000, device=1), r"the stream is on cuda:1, the backend on cuda:0"),
+    (ProtocolStream((1, 0x5000)), r"unsupported __cuda_stream__ version 1"),
+    (ProtocolStream("nope"), r"must give \(version, handle\)"),
+    (types.SimpleNamespace(cuda_stream="0x5000"), "expected a cudaStream_t int"),
+])
+def test_fake_compute_stream_refusals(fake: tuple[cb.CupyBackend, FakeRuntime], obj: object, why: str) -> None:
+    backend, rt = fake
+    calls = len(rt.calls)
+    with pytest.raises(InvalidTransferError, match=r"^compute_stream: .*" + why):
+        backend.compute_stream(obj)
+    assert len(rt.calls) == calls, "no CUDA call before the refusal"
+
+
+def test_fake_compute_stream_refuses_a_per_thread_current_stream(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, _ = fake
+    backend._cp.cuda.current.ptr = 2  # CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1
+    try:
+        with pytest.raises(InvalidTransferError, match="per-thread default stream"):
+            backend.compute_stream()
+    finally:
+        backend._cp.cuda.current.ptr = 0
+
+
+def test_fake_spin_helper_plumbing(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    """The GPU tests' spin helper (tests/_cupy_spin.py) against the fake runtime: the fake kernel ends at once,
+    reporting 2 (timed out) unless the flag was released first."""
+    backend, rt = fake
+    spin.warm_spin(backend)
+    flag = spin.alloc_spin_flag(backend)
+    stream = backend.create_stream()
+    try:
+        spin.enqueue_spin(backend, stream, flag, timeout=1.0)
+        assert flag.state == 2
+        flag.release()
+        spin.enqueue_spin(backend, stream, flag, timeout=1.0)
+        assert flag.state == 1
+    finally:
+        backend.destroy_stream(stream)
+        spin.free_spin_flag(backend, flag)
+    with pytest.raises(RuntimeError, match="after free"):
+        _ = flag.state
+    assert rt.host_allocs == set(), "the flags were not freed"
 
 
 def test_fake_elapsed_is_seconds(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
@@ -623,25 +849,28 @@ def test_without_gpu_gpu_usable_is_false_and_backend_raises_device_error() -> No
     assert info.value.status == info.value.__cause__.status
 
 
-def test_kernels_compile_with_nvrtc() -> None:
-    """A syntax check of KERNEL_SOURCE with NVRTC, where libnvrtc is installed (no GPU needed)."""
+@pytest.mark.parametrize(("source", "kernel"), [(KERNEL_SOURCE, "kvoffload_copy_batch"),
+                                                (spin.SPIN_SOURCE, "kvoffload_spin")])
+def test_kernels_compile_with_nvrtc(source: str, kernel: str) -> None:
+    """A syntax check of the copy kernel and the test spin kernel with NVRTC, where libnvrtc is installed (no GPU
+    needed)."""
     cupy = pytest.importorskip("cupy")
     nvrtc = cupy.cuda.nvrtc  # cupy_backends.cuda.libs.nvrtc: the raw bindings (no driver needed)
     try:
         nvrtc.getVersion()
     except Exception as exc:  # libnvrtc not installed
         pytest.skip(f"NVRTC unavailable: {exc}")
-    prog = nvrtc.createProgram(cb.KERNEL_SOURCE, "kvoffload_kernels.cu", [], [])
+    prog = nvrtc.createProgram(source, "kvoffload_kernels.cu", [], [])
     try:
         try:
             nvrtc.compileProgram(prog, ["-arch=compute_90"])
         except Exception:
-            pytest.fail(f"NVRTC rejected KERNEL_SOURCE:\n{nvrtc.getProgramLog(prog)}")
+            pytest.fail(f"NVRTC rejected the source of {kernel}:\n{nvrtc.getProgramLog(prog)}")
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
     text = ptx.decode(errors="replace") if isinstance(ptx, bytes) else str(ptx)
-    assert "kvoffload_copy_batch" in text and "kvoffload_spin" in text
+    assert kernel in text
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -654,23 +883,9 @@ DEADLINE = 30.0  # seconds: generous bound for work that must complete
 def gpu_backend() -> Iterator[cb.CupyBackend]:
     backend = cb.CupyBackend(0)  # compiles, loads and launches the copy kernel once (warm_up)
     if backend.kernel_unavailable is None:  # else the kernel tests fail, saying why; the others still run
-        warm_spin(backend)
+        spin.warm_spin(backend)
     yield backend
     backend.release_cached_memory()
-
-
-def warm_spin(backend: cb.CupyBackend) -> None:
-    """Launch the spin kernel once, released in advance: no module may load while a spin runs (lazy loading)."""
-    flag = backend.alloc_spin_flag()
-    flag.release()
-    stream, end = backend.create_stream(), backend.create_event()
-    backend.enqueue_spin(stream, flag, timeout=5.0)
-    backend.record(end, stream)
-    backend.synchronize(end)
-    assert flag.state == 1
-    backend.destroy_event(end)
-    backend.destroy_stream(stream)
-    backend.free_spin_flag(flag)
 
 
 @pytest.fixture
@@ -854,16 +1069,16 @@ def new_descriptors(backend: cb.CupyBackend, stack: contextlib.ExitStack, capaci
 
 
 @contextlib.contextmanager
-def spin_flag(backend: cb.CupyBackend, done: Any) -> Iterator[cb.SpinFlag]:
+def spin_flag(backend: cb.CupyBackend, done: Any) -> Iterator[spin.SpinFlag]:
     """A spin flag that is always released on exit; it is freed only once ``done`` (an event recorded after the
     spin) has completed, else leaked on purpose (freeing it under a running kernel would be an illegal access)."""
-    flag = backend.alloc_spin_flag()
+    flag = spin.alloc_spin_flag(backend)
     try:
         yield flag
     finally:
         flag.release()
         if poll_until(backend, lambda: backend.query(done), backend.monotonic() + DEADLINE):
-            backend.free_spin_flag(flag)
+            spin.free_spin_flag(backend, flag)
 
 
 @pytest.mark.gpu
@@ -885,7 +1100,7 @@ def test_gpu_copy_waits_for_the_compute_stream(gpu: cb.CupyBackend) -> None:
         buf2.fill(g.ptr + ids * page, control.ptr + ids * page, sizes)
         compute = gpu.current_stream()
         with spin_flag(gpu, end) as flag:
-            gpu.enqueue_spin(compute, flag, timeout=20.0)
+            spin.enqueue_spin(gpu, compute, flag, timeout=20.0)
             dev.fill(7)  # CuPy's current stream is the compute stream: queued behind the spin
             gpu.record(marker, compute)
             gpu.wait_event(xfer, marker)
@@ -911,7 +1126,7 @@ def test_gpu_never_completing_transfer_bounded_wait_and_proof(gpu: cb.CupyBacken
         stream, end = new_stream(gpu, stack), new_event(gpu, stack)
         events_before = gpu.ledger.live().get("event", 0)
         with spin_flag(gpu, end) as flag:
-            gpu.enqueue_spin(stream, flag, timeout=20.0)
+            spin.enqueue_spin(gpu, stream, flag, timeout=20.0)
             gpu.record(end, stream, tag=("store", 9))
             start = gpu.monotonic()
             assert poll_until(gpu, lambda: gpu.query(end), start + 0.2) is False
@@ -1051,13 +1266,13 @@ def test_gpu_worker_shutdown_is_bounded_while_the_compute_stream_hangs() -> None
     """A store waits on a compute stream that never finishes: shutdown returns in time and quarantines."""
     backend = cb.CupyBackend(0)
     assert backend.kernel_unavailable is None, backend.kernel_unavailable
-    warm_spin(backend)
+    spin.warm_spin(backend)
     kv, layout, _data, gpu = _worker_setup(backend)
     w = kv.create_worker(backend, gpu, layout, blocks_per_chunk=2, num_cpu_chunks=16,
                          policy=kv.ShutdownPolicy(timeout=0.5, on_unproven="quarantine"))
     spin_done = backend.create_event()
     with spin_flag(backend, spin_done) as flag:
-        backend.enqueue_spin(backend.current_stream(), flag, timeout=20.0)
+        spin.enqueue_spin(backend, backend.current_stream(), flag, timeout=20.0)
         backend.record(spin_done, backend.current_stream())
         assert w.submit_store(1, kv.GPULoadStoreSpec([5, 9], group_sizes=(2,), block_indices=(0,)),
                               kv.CPULoadStoreSpec([3]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import _cupy_spin as spin
 import numpy as np
 import pytest
 from _support import cspec, gspec
@@ -50,14 +51,14 @@ def _delayed_write(be: Any, dev: Any, row: int, value: int) -> Callable[[], None
     scratch = be.empty_device((1, 16))
     scratch[0] = value  # load CuPy's fill kernel now: a module load while the spin runs could stall
     be.to_host(scratch)
-    flag = be.alloc_spin_flag()
-    be.enqueue_spin(be.current_stream(), flag, timeout=10.0)
+    flag = spin.alloc_spin_flag(be)
+    spin.enqueue_spin(be, be.current_stream(), flag, timeout=10.0)
     dev[row] = value  # a kernel on the current (compute) stream, behind the spin
 
     def release() -> None:
         flag.release()
         be.to_host(dev)  # waits for the compute stream
-        be.free_spin_flag(flag)
+        spin.free_spin_flag(be, flag)
 
     return release
 
@@ -181,8 +182,8 @@ def test_backends_real_never_completing_transfer_on_the_gpu() -> None:
     w, gpu, _ = _worker(be, _layout(), 1, timeout=0.5)
     w.submit_store(1, gspec([1]), cspec([1]))
     w.wait({1}, timeout=5.0)
-    flag = be.alloc_spin_flag()
-    be.enqueue_spin(be.current_stream(), flag, timeout=30.0)
+    flag = spin.alloc_spin_flag(be)
+    spin.enqueue_spin(be, be.current_stream(), flag, timeout=30.0)
     w.submit_load(2, cspec([1]), gspec([2]))
     report = w.shutdown()
     assert 0.5 <= report.elapsed <= 0.5 + 0.05, report.elapsed
@@ -190,7 +191,7 @@ def test_backends_real_never_completing_transfer_on_the_gpu() -> None:
     flag.release()
     be.to_host(gpu[0])  # the compute stream drains now
     region = w._core.region
-    assert be.prove_idle([], be.monotonic() + 5.0)
+    assert be.prove_idle([be.current_stream()], be.monotonic() + 5.0)
     assert region._release_steps() == []  # what process exit would do, now that the device is idle
     assert flag.state == 1
-    be.free_spin_flag(flag)
+    spin.free_spin_flag(be, flag)

@@ -1,68 +1,49 @@
 """The CuPy backend: the Backend protocol on a real NVIDIA GPU, through ``cupy.cuda.runtime``.
 
-Import design: this module imports **without** CuPy. CuPy is imported lazily, the first time a function needs it,
-so ``import kvoffload_ref.backends.cupy`` always works and :func:`gpu_usable` can say *why* no GPU is usable:
+``import kvoffload_ref.backends.cupy`` never imports CuPy (it is imported lazily), so :func:`gpu_usable` can say
+*why* no GPU is usable, and ``CupyBackend()`` raises ``ImportError`` without CuPy or ``DeviceError`` without a
+device. Every CUDA failure of every method becomes ``DeviceError(message, status)`` raised ``from`` the CuPy error.
+Streams and events are raw runtime handles.
 
-* CuPy missing            -> ``gpu_usable() == (False, "CuPy not installed: ...")``; ``CupyBackend()`` raises
-  ``ImportError`` (a packaging problem: install the ``cuda12`` or ``cuda13`` extra).
-* CuPy present, no device -> ``gpu_usable() == (False, "... status 35/100 ...")``; ``CupyBackend()`` raises
-  ``DeviceError`` whose ``.status`` is CUDA's and whose ``__cause__`` is CuPy's ``CUDARuntimeError``.
-
-Every CUDA failure of every method becomes ``DeviceError(message, status)`` raised ``from`` the CuPy error. The
-probe never constructs CuPy objects that can fail inside ``__init__`` (a failed ``cupy.cuda.Stream()`` prints
-"Exception ignored in Stream.__del__"); it uses plain runtime calls. Streams and events are raw runtime handles.
-
-Copies (``copy_batch``) take one of two paths per transfer (docs/backends.md has the measurements):
-
-* ``"memcpy"``: one ``cudaMemcpyAsync(kind=cudaMemcpyDefault)`` per run of descriptors that are contiguous on both
-  sides (adjacent descriptors are coalesced). Legal for any memory, pinned or not.
-* ``"kernel"``: the three descriptor arrays are uploaded with one async H2D copy on the transfer stream to a device
-  twin of the descriptor buffer, then one gather/scatter kernel launch copies every descriptor, with 16-byte vector
-  accesses when a descriptor's addresses and size allow it (else 8, 4 or 1 byte). The kernel dereferences host
-  pointers directly, which is legal only for *registered* host memory whose device pointer equals its host pointer
-  (``cudaDevAttrCanUseHostPointerForRegisteredMem``, or ``pointerGetAttributes(ptr).devicePointer == ptr``). So the
-  kernel path is taken only if every descriptor lies entirely inside a range registered through this backend (with
-  that property) or inside a device array this backend has seen (``empty_device``, ``from_host``, ``array_info``);
-  anything else (unpinned host memory, unknown addresses) silently uses the memcpy path. A kernel can never touch
-  pageable memory.
-
-``copy_path="auto"`` takes the kernel path when it is legal, ``count >= kernel_min_count`` and the mean descriptor
-size is ``<= kernel_max_mean_bytes``; ``"kernel"`` takes it whenever it is legal; ``"memcpy"`` never.
-
-Memory that device-synchronizes on free (``cudaFree``, ``cudaFreeHost``) is never freed on a path that may run while
-the device hangs: descriptor buffers go back to a per-backend pool (R11); :meth:`CupyBackend.release_cached_memory`
-frees the pool and is blocking.
-
-Host registration: ``host_register(ptr, nbytes)`` registers exactly the range it is given
-(``cudaHostRegisterPortable | cudaHostRegisterMapped``); chunking to ``pin_chunk_bytes`` and the reverse rollback
-are the region's job, not the backend's.
+Seams (docs/backends.md has the map): ``_cupy_runtime`` (import, probe, handles, error mapping), ``_cupy_copy``
+(kernel source, path choice; pure), ``_cupy_kernel`` (compile, launch, memcpy runs), ``_cupy_descriptors`` (the
+pinned descriptor pool), ``_cupy_interop`` (tensors and streams of any framework; pure), ``_cupy_tensors`` (a
+tensor as bytes on the device). This module owns the state and issues the CUDA calls. Memory that synchronizes the
+device on free is never freed on a path that may run while the device hangs (R11).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import dataclasses
-import importlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends.base import DescriptorBuffer, Event, Ledger, Stream, Tag, record_and_poll
+from kvoffload_ref.backends import _cupy_runtime as _cuda_rt
+from kvoffload_ref.backends._cupy_copy import (
+    DEFAULT_KERNEL_MAX_MEAN_BYTES,
+    DEFAULT_KERNEL_MIN_COUNT,
+    KERNEL_SOURCE,
+    CopyPath,
+    SpanSet,
+    choose_path,
+)
+from kvoffload_ref.backends._cupy_descriptors import DescriptorPool
+from kvoffload_ref.backends._cupy_interop import check_shape, describe, parse_stream_object, tensor_name
+from kvoffload_ref.backends._cupy_kernel import CopyEngine
+from kvoffload_ref.backends._cupy_runtime import CudaCalls, CupyEvent, CupyStream, gpu_usable, status_of, tag_text
+from kvoffload_ref.backends._cupy_tensors import copy_from_host, copy_to_host, view_tensor
+from kvoffload_ref.backends.base import DescriptorBuffer, Event, Ledger, Stream, Tag
 from kvoffload_ref.errors import (
     CUDA_ERROR_INVALID_RESOURCE_HANDLE,
-    CUDA_ERROR_MEMORY_ALLOCATION,
     CUDA_ERROR_NOT_READY,
-    CUDA_ERROR_UNKNOWN,
     CUDA_SUCCESS,
     DeviceError,
     InvalidTransferError,
-    LifecycleError,
 )
 from kvoffload_ref.layout import TensorGeometry
 
@@ -74,317 +55,10 @@ __all__ = [
     "CupyBackend",
     "CupyEvent",
     "CupyStream",
-    "SpinFlag",
     "gpu_usable",
 ]
 
 _log = logging.getLogger(__name__)
-
-CopyPath = Literal["auto", "kernel", "memcpy"]
-_Word = TypeVar("_Word", np.int32, np.int64)
-
-#: Placeholder thresholds for ``copy_path="auto"`` (see docs/backends.md; scripts/gpu_bench.py measures them).
-DEFAULT_KERNEL_MIN_COUNT: Final = 16
-DEFAULT_KERNEL_MAX_MEAN_BYTES: Final = 1 << 20  # 1 MiB
-
-# CUDA constants CuPy does not export (values from the CUDA runtime headers).
-_HOST_REGISTER_FLAGS: Final = 1 | 2        # cudaHostRegisterPortable | cudaHostRegisterMapped
-_HOST_ALLOC_FLAGS: Final = 1 | 2           # cudaHostAllocPortable | cudaHostAllocMapped
-_STREAM_NON_BLOCKING: Final = 1            # cudaStreamNonBlocking
-_EVENT_DEFAULT: Final = 0                  # timing enabled, spin on synchronize
-_MEMCPY_H2D: Final = 1
-_MEMCPY_D2H: Final = 2
-_MEMCPY_DEFAULT: Final = 4                 # cudaMemcpyDefault: direction inferred (UVA)
-_ATTR_MULTIPROCESSOR_COUNT: Final = 16
-_ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: Final = 91
-_CUDA_ERROR_INVALID_DEVICE: Final = 101
-
-# Kernel launch geometry: 256 threads x 16 bytes x 4 unrolled loads = 16 KiB per block per round.
-_THREADS: Final = 256
-_BYTES_PER_BLOCK_ROUND: Final = _THREADS * 16 * 4
-_MAX_GRID_X: Final = 1024
-_MAX_GRID_Y: Final = 65535
-# Descriptor upload: one copy of the whole buffer if it is small or mostly used, else three copies of ``count``.
-_SINGLE_UPLOAD_MAX_BYTES: Final = 64 * 1024
-_MIN_DESCRIPTOR_SLOTS: Final = 16
-
-KERNEL_SOURCE: Final = r"""
-// kvoffload_ref CuPy backend kernels (compiled by CuPy with NVRTC).
-
-template <typename T, int U>
-__device__ __forceinline__ void kv_copy_words(const T* __restrict__ s, T* __restrict__ d, long long n) {
-    // Thread t of the grid's x dimension copies words t, t + total, t + 2 * total, ...; U loads are in flight
-    // before the first store, so reads across PCIe overlap.
-    const long long total = (long long)gridDim.x * blockDim.x;
-    for (long long base = (long long)blockIdx.x * blockDim.x + threadIdx.x; base < n; base += total * U) {
-        T v[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long i = base + u * total;
-            if (i < n) v[u] = s[i];
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const long long i = base + u * total;
-            if (i < n) d[i] = v[u];
-        }
-    }
-}
-
-// Copies count descriptors (src[k] -> dst[k], sizes[k] bytes); blockIdx.y strides over descriptors and the
-// x dimension splits one descriptor. Host pointers must be registered and device-accessible.
-extern "C" __global__ void kvoffload_copy_batch(const long long* __restrict__ src,
-                                                const long long* __restrict__ dst,
-                                                const long long* __restrict__ sizes,
-                                                long long count) {
-    for (long long k = blockIdx.y; k < count; k += gridDim.y) {
-        const unsigned long long s = (unsigned long long)src[k];
-        const unsigned long long d = (unsigned long long)dst[k];
-        const long long n = sizes[k];
-        if (n <= 0) continue;
-        const unsigned long long a = s | d | (unsigned long long)n;
-        if ((a & 15ULL) == 0ULL) {
-            kv_copy_words<uint4, 4>((const uint4*)s, (uint4*)d, n >> 4);
-        } else if ((a & 7ULL) == 0ULL) {
-            kv_copy_words<unsigned long long, 4>((const unsigned long long*)s, (unsigned long long*)d, n >> 3);
-        } else if ((a & 3ULL) == 0ULL) {
-            kv_copy_words<unsigned int, 4>((const unsigned int*)s, (unsigned int*)d, n >> 2);
-        } else {
-            kv_copy_words<unsigned char, 4>((const unsigned char*)s, (unsigned char*)d, n);
-        }
-    }
-}
-
-__device__ __forceinline__ unsigned long long kv_globaltimer() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-// Test helper: spins until the host sets flag[0] != 0 (then writes flag[1] = 1) or timeout_ns passes
-// (flag[1] = 2; 0 = no timeout). flag lives in mapped pinned host memory.
-extern "C" __global__ void kvoffload_spin(volatile int* flag, unsigned long long timeout_ns) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    const unsigned long long start = kv_globaltimer();
-    while (flag[0] == 0) {
-        if (timeout_ns != 0ULL && kv_globaltimer() - start > timeout_ns) {
-            flag[1] = 2;
-            __threadfence_system();
-            return;
-        }
-#if __CUDA_ARCH__ >= 700
-        __nanosleep(1000);
-#endif
-    }
-    flag[1] = 1;
-    __threadfence_system();
-}
-"""
-
-_COPY_KERNEL: Final = "kvoffload_copy_batch"
-_SPIN_KERNEL: Final = "kvoffload_spin"
-
-
-def _import_cupy() -> Any:
-    """Import CuPy (lazily; see the module docstring). Raises ImportError with install advice."""
-    try:
-        return importlib.import_module("cupy")
-    except ImportError as exc:
-        raise ImportError(
-            "the CuPy backend needs CuPy: pip install 'kvoffload_ref[cuda12]' (or [cuda13])"
-        ) from exc
-
-
-def gpu_usable(device: int = 0) -> tuple[bool, str]:
-    """Whether the CuPy backend can run on ``device``, and why (not).
-
-    Uses only runtime calls (device count, a 256-byte malloc/free on the device); constructs no CuPy objects, so
-    a failure prints nothing. Never raises.
-
-    Args:
-        device: CUDA device ordinal.
-
-    Returns:
-        ``(True, "cuda:N <name>")`` if usable, else ``(False, reason)``.
-    """
-    try:
-        cp = _import_cupy()
-    except ImportError as exc:
-        return False, f"CuPy not installed: {exc.__cause__ or exc}"
-    except Exception as exc:  # a broken CuPy install can raise anything at import
-        return False, f"CuPy failed to import: {type(exc).__name__}: {exc}"
-    try:
-        return _probe_device(cp.cuda.runtime, device)
-    except Exception as exc:  # CUDARuntimeError, or anything a broken driver stack raises
-        status = getattr(exc, "status", None)
-        return False, f"no usable CUDA device (status {status}): {type(exc).__name__}: {exc}"
-
-
-def _probe_device(rt: Any, device: int) -> tuple[bool, str]:
-    count = int(rt.getDeviceCount())
-    if count <= 0:
-        return False, "no CUDA device (getDeviceCount() == 0)"
-    if not 0 <= device < count:
-        return False, f"cuda:{device} does not exist ({count} device(s))"
-    prev = int(rt.getDevice())
-    rt.setDevice(device)
-    try:
-        ptr = int(rt.malloc(256))
-        rt.free(ptr)
-        name = _device_name(rt, device)
-    finally:
-        rt.setDevice(prev)
-    return True, f"cuda:{device} {name}"
-
-
-def _device_name(rt: Any, device: int) -> str:
-    try:
-        name = rt.getDeviceProperties(device)["name"]
-    except Exception:  # the name is cosmetic
-        return "<unknown>"
-    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-
-
-def _status_of(exc: BaseException) -> int:
-    status = getattr(exc, "status", None)
-    if isinstance(status, int):
-        return status
-    if isinstance(exc, MemoryError):
-        return CUDA_ERROR_MEMORY_ALLOCATION
-    return CUDA_ERROR_UNKNOWN
-
-
-def _tag_text(tag: Tag | None) -> str:
-    return "" if tag is None else f" (tag {tag[0]}:{tag[1]})"
-
-
-@dataclasses.dataclass(eq=False)
-class CupyStream:
-    """A stream handle of :class:`CupyBackend` (opaque to the library).
-
-    Attributes:
-        ptr: the raw ``cudaStream_t`` (also what ``RawKernel`` launches read as ``stream.ptr``).
-        owned: True if the backend created it (then it is in the ledger and ``destroy_stream`` destroys it).
-        destroyed: set once destroyed; a destroyed handle is refused before any CUDA call.
-    """
-
-    ptr: int
-    owned: bool
-    destroyed: bool = False
-
-
-@dataclasses.dataclass(eq=False)
-class CupyEvent:
-    """An event handle of :class:`CupyBackend` (opaque to the library).
-
-    Attributes:
-        ptr: the raw ``cudaEvent_t`` (a timing event).
-        tag: the tag of its latest ``record`` (for error messages), or None.
-        destroyed: set once destroyed; a destroyed handle is refused before any CUDA call.
-    """
-
-    ptr: int
-    tag: Tag | None = None
-    destroyed: bool = False
-
-
-@dataclasses.dataclass(eq=False)
-class _DescriptorBlock:
-    """Pinned host words ``[src | dst | sizes]`` (``slots`` each) and their device twin for the kernel path."""
-
-    owner: int          # id() of the backend that made it
-    host_ptr: int
-    dev_ptr: int
-    slots: int
-    words: npt.NDArray[np.int64]
-    # Invariant: the DescriptorBuffer this block is issued to, or None while it is in the pool.
-    issued_to: DescriptorBuffer | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class SpinFlag:
-    """Test helper: two int32 words in mapped pinned host memory for :meth:`CupyBackend.enqueue_spin`.
-
-    Word 0 is the release flag the host sets; word 1 is the kernel's report: 0 = not finished, 1 = released by
-    the flag, 2 = gave up after its timeout. Made by :meth:`CupyBackend.alloc_spin_flag`, freed by
-    :meth:`CupyBackend.free_spin_flag` (only once the kernel has ended). Not in the ledger.
-    """
-
-    host_ptr: int
-    dev_ptr: int
-    words: npt.NDArray[np.int32]
-    freed: bool = False
-
-    def release(self) -> None:
-        """Let the spinning kernel finish (the GPU sees the write within microseconds). No-op once freed."""
-        if not self.freed:
-            self.words[0] = 1
-
-    @property
-    def state(self) -> int:
-        """0 = not finished, 1 = released by the flag, 2 = timed out (read after the kernel's event completed).
-
-        Raises:
-            RuntimeError: the flag was freed (its memory is gone).
-        """
-        if self.freed:
-            raise RuntimeError("SpinFlag used after free_spin_flag()")
-        return int(self.words[1])
-
-
-class _SpanSet:
-    """Address ranges the copy kernel may dereference, merged into sorted disjoint intervals.
-
-    Not thread-safe; the backend holds its lock around every use.
-    """
-
-    def __init__(self) -> None:
-        # Invariant: _pinned maps a registered range's start to its end (only ranges whose device pointer equals
-        # the host pointer); _device maps a seen device array's start to the largest end seen for it.
-        self._pinned: dict[int, int] = {}
-        self._device: dict[int, int] = {}
-        # Invariant: the union of both dicts' intervals, merged; _starts sorted, _ends[i] the end of interval i.
-        self._starts: npt.NDArray[np.int64] = np.empty(0, np.int64)
-        self._ends: npt.NDArray[np.int64] = np.empty(0, np.int64)
-
-    def add_pinned(self, start: int, end: int) -> None:
-        self._pinned[start] = end
-        self._rebuild()
-
-    def discard_pinned(self, start: int) -> None:
-        if self._pinned.pop(start, None) is not None:
-            self._rebuild()
-
-    def add_device(self, start: int, end: int) -> None:
-        if end > self._device.get(start, start):
-            self._device[start] = end
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        merged: list[list[int]] = []
-        for start, end in sorted([*self._pinned.items(), *self._device.items()]):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        self._starts = np.array([m[0] for m in merged], np.int64)
-        self._ends = np.array([m[1] for m in merged], np.int64)
-
-    def contains_all(self, addrs: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64]) -> bool:
-        """Whether every ``[addrs[i], addrs[i] + sizes[i])`` lies inside one interval."""
-        if addrs.size == 0:
-            return True
-        if self._starts.size == 0:
-            return False
-        ends = addrs + sizes
-        # Fast path: the whole batch inside the interval that holds its lowest address.
-        i = int(np.searchsorted(self._starts, addrs.min(), side="right")) - 1
-        if i >= 0 and int(ends.max()) <= int(self._ends[i]):
-            return True
-        idx = np.searchsorted(self._starts, addrs, side="right") - 1
-        if bool((idx < 0).any()):
-            return False
-        return bool((ends <= self._ends[idx]).all())
 
 
 class CupyBackend:
@@ -397,11 +71,11 @@ class CupyBackend:
     Thread-safe: CUDA calls are thread-safe, the ledger locks itself, and the backend's own tables are guarded by
     a lock. Every call makes ``device`` current for its duration and restores the caller's device afterwards.
     ``current_stream()`` is the calling thread's current CuPy stream on ``device`` (CuPy's current stream is
-    thread-local), i.e. the compute stream.
+    thread-local); :meth:`compute_stream` turns any framework's stream into a handle usable from any thread.
 
     Args:
         device: CUDA device ordinal.
-        copy_path: ``"auto"`` (default), ``"kernel"`` or ``"memcpy"``; see the module docstring.
+        copy_path: ``"auto"`` (default), ``"kernel"`` or ``"memcpy"`` (see ``_cupy_copy``).
         kernel_min_count: ``auto`` uses the kernel only for at least this many descriptors.
         kernel_max_mean_bytes: ``auto`` uses the kernel only if the mean descriptor size is at most this.
         _cupy_module: for tests only: a stand-in for the ``cupy`` module (a fake runtime on a CPU machine).
@@ -422,10 +96,10 @@ class CupyBackend:
             raise ValueError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
         if kernel_min_count < 1 or kernel_max_mean_bytes < 0:
             raise ValueError("kernel_min_count must be >= 1 and kernel_max_mean_bytes >= 0")
-        self._cp: Any = _cupy_module if _cupy_module is not None else _import_cupy()
-        self._rt: Any = self._cp.cuda.runtime
-        self._errors: tuple[type[BaseException], ...] = self._error_types()
+        self._cp: Any = _cupy_module if _cupy_module is not None else _cuda_rt.import_cupy()
         self._device = int(device)
+        self._cuda = CudaCalls(self._cp, self._device)
+        self._rt: Any = self._cuda.rt
         self.copy_path: CopyPath = copy_path
         self.kernel_min_count = int(kernel_min_count)
         self.kernel_max_mean_bytes = int(kernel_max_mean_bytes)
@@ -437,62 +111,33 @@ class CupyBackend:
         # "mapping" / "pinned" entries describe); _spans is what the copy kernel may dereference.
         self._mappings: dict[int, int] = {}
         self._pinned: dict[int, int] = {}
-        self._spans = _SpanSet()
-        # Invariant: free descriptor blocks by slot count; never freed except by release_cached_memory().
-        self._descriptor_pool: dict[int, list[_DescriptorBlock]] = {}
-        self._module: Any = None           # the compiled RawModule, once loaded
-        self._functions: dict[str, Any] = {}  # kernel name -> loaded function
-        self._kernel_broken: str | None = None  # why the kernel path is off for good, if it is
+        self._spans = SpanSet()
+        self._descriptors = DescriptorPool(self._cuda)
+        self._engine = CopyEngine(self._cp, self._cuda)
         self._path_counts = {"kernel": 0, "memcpy": 0}
         self.last_copy_path: str | None = None
         self._host_ptr_ok, self.sm_count, self.device_name = self._probe()
         if copy_path != "memcpy":
             self.warm_up()
 
-    def _error_types(self) -> tuple[type[BaseException], ...]:
-        found: list[type[BaseException]] = [self._rt.CUDARuntimeError]
-        driver = getattr(self._cp.cuda, "driver", None)
-        memory = getattr(self._cp.cuda, "memory", None)
-        for owner, name in ((driver, "CUDADriverError"), (memory, "OutOfMemoryError")):
-            err = getattr(owner, name, None)
-            if isinstance(err, type) and issubclass(err, BaseException):
-                found.append(err)
-        return tuple(found)
-
     def _probe(self) -> tuple[bool, int, str]:
         try:
             count = int(self._rt.getDeviceCount())
-        except self._errors as exc:
-            raise DeviceError(f"no usable CUDA device: {exc}", _status_of(exc)) from exc
+        except self._cuda.errors as exc:
+            raise DeviceError(f"no usable CUDA device: {exc}", status_of(exc)) from exc
         if not 0 <= self._device < count:
-            raise DeviceError(f"cuda:{self._device} does not exist ({count} device(s))", _CUDA_ERROR_INVALID_DEVICE)
+            raise DeviceError(f"cuda:{self._device} does not exist ({count} device(s))",
+                              _cuda_rt.CUDA_ERROR_INVALID_DEVICE)
         with self._cuda("probe device"):
-            host_ptr_ok = int(self._rt.deviceGetAttribute(_ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+            host_ptr_ok = int(self._rt.deviceGetAttribute(_cuda_rt.ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
                                                           self._device)) == 1
-            sm_count = int(self._rt.deviceGetAttribute(_ATTR_MULTIPROCESSOR_COUNT, self._device))
+            sm_count = int(self._rt.deviceGetAttribute(_cuda_rt.ATTR_MULTIPROCESSOR_COUNT, self._device))
             ptr = int(self._rt.malloc(256))
             self._rt.free(ptr)
-        return host_ptr_ok, sm_count, _device_name(self._rt, self._device)
+        return host_ptr_ok, sm_count, _cuda_rt.device_name(self._rt, self._device)
 
     def __repr__(self) -> str:
         return f"<CupyBackend cuda:{self._device} {self.device_name!r} copy_path={self.copy_path!r}>"
-
-    @contextlib.contextmanager
-    def _cuda(self, what: str, tag: Tag | None = None) -> Iterator[None]:
-        """Run CUDA calls on this device; map CuPy's errors to DeviceError (CuPy's error as __cause__)."""
-        try:
-            prev = int(self._rt.getDevice())
-            switch = prev != self._device
-            if switch:
-                self._rt.setDevice(self._device)
-            try:
-                yield
-            finally:
-                if switch:
-                    self._rt.setDevice(prev)
-        except self._errors as exc:
-            raise DeviceError(f"{what} failed on cuda:{self._device}{_tag_text(tag)}: {exc}",
-                              _status_of(exc)) from exc
 
     @property
     def ledger(self) -> Ledger:
@@ -512,91 +157,77 @@ class CupyBackend:
             InvalidTransferError: ``shape`` is not two non-negative ints.
             DeviceError: the allocation failed (status 2 for out of memory).
         """
-        rows, cols = _check_shape(shape)
+        rows, cols = check_shape(shape)
         with self._cuda("empty_device"):
             array = self._cp.empty((rows, cols), dtype=np.uint8)
-        self._note_device_array(array)
+        self._note_geometry(TensorGeometry(int(array.data.ptr), rows, cols, cols))
         return array
 
     def from_host(self, array: npt.NDArray[np.uint8]) -> object:
-        """A new device array holding a copy of a 2-D uint8 host array.
+        """A new device array (2-D uint8 ``cupy.ndarray``) holding a copy of a 2-D uint8 host array.
 
-        Synchronous: the copy is queued on the compute stream, which is then synchronized.
+        Synchronous: the copy is queued on the calling thread's current stream, which is then synchronized.
 
         Raises:
             InvalidTransferError: not a 2-D uint8 numpy array.
             DeviceError: a CUDA call failed.
         """
         if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 2:
-            raise InvalidTransferError(f"from_host needs a 2-D uint8 numpy array; got {_describe(array)}")
+            raise InvalidTransferError(f"from_host needs a 2-D uint8 numpy array; got {describe(array)}")
         host = np.ascontiguousarray(array)
-        with self._cuda("from_host"):
-            dev = self._cp.empty(host.shape, dtype=np.uint8)
-            if host.nbytes:
-                compute = self._compute_ptr()
-                self._rt.memcpyAsync(int(dev.data.ptr), int(host.ctypes.data), host.nbytes, _MEMCPY_H2D, compute)
-                self._rt.streamSynchronize(compute)
-        self._note_device_array(dev)
+        dev = copy_from_host(self._cp, self._cuda, host, self._current_ptr("from_host"))
+        self._note_geometry(TensorGeometry(int(dev.data.ptr), host.shape[0], host.shape[1], host.shape[1]))
         return dev
 
     def to_host(self, array: object) -> npt.NDArray[np.uint8]:
-        """A host copy of a device array; waits for the compute stream (synchronous).
+        """A host copy of a GPU tensor's bytes, shape ``(blocks, block_bytes)`` (padding between blocks left out).
+
+        Synchronous: the copy is queued on the calling thread's current stream, which is then synchronized (so it
+        sees the work queued there before it).
+
+        Args:
+            array: any GPU tensor :meth:`array_info` accepts.
 
         Raises:
-            InvalidTransferError: not a 2-D uint8 device array of this backend.
+            InvalidTransferError: as :meth:`array_info`.
             DeviceError: a CUDA call failed.
         """
-        self.array_info(array)
-        dev: Any = array
-        out = np.empty(tuple(dev.shape), dtype=np.uint8)
-        if out.nbytes == 0:
-            return out
-        with self._cuda("to_host"):
-            src = dev if dev.flags.c_contiguous else self._cp.ascontiguousarray(dev)
-            compute = self._compute_ptr()
-            self._rt.memcpyAsync(int(out.ctypes.data), int(src.data.ptr), out.nbytes, _MEMCPY_D2H, compute)
-            self._rt.streamSynchronize(compute)
-        return out
+        return copy_to_host(self._cuda, self.array_info(array), self._current_ptr("to_host"))
 
-    def array_info(self, array: object) -> TensorGeometry:
-        """Geometry of a 2-D uint8 ``cupy.ndarray`` on this device (rows may be padded: row_stride >= row_bytes).
+    def array_info(self, array: object, *, index: int | None = None) -> TensorGeometry:
+        """The byte geometry of a GPU tensor on this device, zero copy: ``rows = shape[0]`` blocks of
+        ``itemsize * prod(shape[1:])`` bytes, ``row_stride`` bytes apart (padding between blocks is allowed).
 
-        Also records the array's address range as device memory the copy kernel may touch.
+        Accepts any object exposing ``__cuda_array_interface__`` (preferred: no conversion) or ``__dlpack__``
+        (then viewed through ``cupy.from_dlpack``): CuPy, torch, JAX, Numba arrays of any dtype whose dimensions
+        after the first are C-contiguous. Also records the tensor's address range as device memory the copy
+        kernel may touch.
+
+        Args:
+            array: the tensor.
+            index: its position in the worker's ``gpu_tensors``, for messages (``gpu_tensors[i]: ...``).
+
+        Returns:
+            The geometry.
 
         Raises:
-            InvalidTransferError: not a cupy array, not uint8, not 2-D, a non-unit inner stride, a negative or
-                overlapping row stride, or another device's array.
+            InvalidTransferError: the message names the tensor and why: neither interface (or both failed),
+                host memory, another device, a non-contiguous block, a read-only array, a malformed interface.
+            DeviceError: a CUDA call (pointer attributes) failed.
         """
-        if not isinstance(array, self._cp.ndarray):
-            raise InvalidTransferError(f"expected a cupy.ndarray; got {_describe(array)}")
-        dev: Any = array
-        if dev.dtype != np.uint8 or dev.ndim != 2:
-            raise InvalidTransferError(f"expected a 2-D uint8 array; got {dev.ndim}-D {dev.dtype}")
-        rows, cols = (int(n) for n in dev.shape)
-        row_stride, inner = (int(s) for s in dev.strides)
-        if cols > 1 and inner != 1:
-            raise InvalidTransferError(f"rows must be contiguous bytes (inner stride 1); got strides {dev.strides}")
-        if rows > 1 and row_stride < cols:
-            raise InvalidTransferError(f"row stride {row_stride} is smaller than the row ({cols} bytes)")
-        device_id = getattr(getattr(dev, "device", None), "id", self._device)
-        if int(device_id) != self._device:
-            raise InvalidTransferError(f"array is on cuda:{device_id}, backend on cuda:{self._device}")
-        row_stride = max(row_stride, cols) if rows <= 1 else row_stride
-        geometry = TensorGeometry(ptr=int(dev.data.ptr), rows=rows, row_bytes=cols, row_stride=row_stride)
+        geometry = view_tensor(self._cp, self._cuda, array, tensor_name(index)).geometry
         self._note_geometry(geometry)
         return geometry
-
-    def _note_device_array(self, array: Any) -> None:
-        rows, cols = (int(n) for n in array.shape)
-        self._note_geometry(TensorGeometry(int(array.data.ptr), rows, cols, max(int(array.strides[0]), cols)))
 
     def _note_geometry(self, g: TensorGeometry) -> None:
         if g.rows and g.row_bytes:
             with self._lock:
                 self._spans.add_device(g.ptr, g.ptr + (g.rows - 1) * g.row_stride + g.row_bytes)
 
-    def _compute_ptr(self) -> int:
-        return int(self._cp.cuda.get_current_stream().ptr)
+    def _current_ptr(self, what: str) -> int:
+        """The calling thread's current CuPy stream's pointer, read on this device."""
+        with self._cuda(what):
+            return int(self._cp.cuda.get_current_stream().ptr)
 
     # -- host memory ------------------------------------------------------------------------------------------
     def track_host(self, ptr: int, nbytes: int) -> None:
@@ -627,7 +258,7 @@ class CupyBackend:
             DeviceError: the registration failed (e.g. 712 already registered, 1 invalid value).
         """
         with self._cuda(f"host_register({ptr:#x}, {nbytes})"):
-            self._rt.hostRegister(ptr, nbytes, _HOST_REGISTER_FLAGS)
+            self._rt.hostRegister(ptr, nbytes, _cuda_rt.HOST_REGISTER_FLAGS)
         kernel_ok = self._host_ptr_ok or self._device_pointer_is_host(ptr)
         self._ledger.acquire("pinned", ptr)
         with self._lock:
@@ -669,43 +300,7 @@ class CupyBackend:
             InvalidTransferError: a negative capacity.
             DeviceError: the pinned or device allocation failed.
         """
-        if capacity < 0:
-            raise InvalidTransferError(f"descriptor capacity must be >= 0; got {capacity}")
-        slots = max(_MIN_DESCRIPTOR_SLOTS, 1 << max(capacity - 1, 0).bit_length())
-        block = self._take_block(slots, tag)
-        words = block.words
-        buf = DescriptorBuffer(words[0:capacity], words[slots:slots + capacity],
-                               words[2 * slots:2 * slots + capacity], block)
-        try:
-            self._ledger.acquire("descriptor", id(buf))
-        except BaseException:
-            self._return_block(block)
-            raise
-        block.issued_to = buf
-        return buf
-
-    def _take_block(self, slots: int, tag: Tag | None) -> _DescriptorBlock:
-        with self._lock:
-            free = self._descriptor_pool.get(slots)
-            if free:
-                return free.pop()
-        nbytes = 3 * 8 * slots
-        host_ptr = dev_ptr = 0
-        try:
-            with self._cuda("alloc_descriptors", tag):
-                host_ptr = int(self._rt.hostAlloc(nbytes, _HOST_ALLOC_FLAGS))
-                dev_ptr = int(self._rt.malloc(nbytes))
-        except DeviceError:
-            if host_ptr:
-                with contextlib.suppress(DeviceError), self._cuda("freeHost"):
-                    self._rt.freeHost(host_ptr)
-            raise
-        words = _host_words(host_ptr, 3 * slots, np.int64)
-        return _DescriptorBlock(id(self), host_ptr, dev_ptr, slots, words)
-
-    def _return_block(self, block: _DescriptorBlock) -> None:
-        with self._lock:
-            self._descriptor_pool.setdefault(block.slots, []).append(block)
+        return self._descriptors.issue(capacity, tag, lambda buf: self._ledger.acquire("descriptor", id(buf)))
 
     def free_descriptors(self, buf: DescriptorBuffer) -> None:
         """Return a descriptor buffer to the pool (no CUDA call; never a device error). The caller guarantees no
@@ -715,18 +310,7 @@ class CupyBackend:
             InvalidTransferError: not a buffer of this backend.
             LifecycleError: freed twice (a library bug).
         """
-        block = self._block_of(buf)
-        if block.issued_to is not buf:  # a second free, possibly after the block was issued again: refuse
-            raise LifecycleError(f"{buf!r} was already freed")
-        self._ledger.release("descriptor", id(buf))
-        block.issued_to = None
-        self._return_block(block)
-
-    def _block_of(self, buf: DescriptorBuffer) -> _DescriptorBlock:
-        block = getattr(buf, "handle", None)
-        if not isinstance(block, _DescriptorBlock) or block.owner != id(self):
-            raise InvalidTransferError(f"{buf!r} was not allocated by this backend")
-        return block
+        self._descriptors.retire(buf, lambda b: self._ledger.release("descriptor", id(b)))
 
     def release_cached_memory(self) -> int:
         """Free the pooled descriptor blocks (``cudaFreeHost``/``cudaFree``). BLOCKING: both synchronize the device,
@@ -735,27 +319,46 @@ class CupyBackend:
         Raises:
             DeviceError: a free failed (the remaining blocks stay pooled).
         """
-        with self._lock:
-            blocks = [b for pool in self._descriptor_pool.values() for b in pool]
-            self._descriptor_pool.clear()
-        for i, block in enumerate(blocks):
-            try:
-                with self._cuda("release_cached_memory"):
-                    self._rt.free(block.dev_ptr)
-                    self._rt.freeHost(block.host_ptr)
-            except DeviceError:
-                for rest in blocks[i:]:
-                    self._return_block(rest)
-                raise
-        return len(blocks)
+        return self._descriptors.release_cached()
 
     # -- streams and events -----------------------------------------------------------------------------------
     def current_stream(self) -> Stream:
-        """The compute stream: the calling thread's current CuPy stream on this device (not owned)."""
-        with self._cuda("current_stream"):
-            ptr = self._compute_ptr()
-        # One handle per compute stream, so callers (e.g. FaultyBackend) can tell it apart by identity.
-        return self._compute_handles.setdefault(ptr, CupyStream(ptr, owned=False))
+        """The calling thread's current CuPy stream on this device (not owned)."""
+        return self._unowned(self._current_ptr("current_stream"))
+
+    def _unowned(self, ptr: int) -> CupyStream:
+        # One handle per stream pointer, so callers (e.g. FaultyBackend) can tell it apart by identity.
+        with self._lock:
+            return self._compute_handles.setdefault(ptr, CupyStream(ptr, owned=False))
+
+    def compute_stream(self, stream: object | None = None) -> Stream:
+        """The handle of the stream the model computes on, usable by ``record``/``wait_event`` from any thread.
+
+        Args:
+            stream: None for the calling thread's current CuPy stream (:meth:`current_stream`); or a raw
+                ``cudaStream_t`` int; or an object with ``__cuda_stream__`` (the CUDA stream protocol, giving
+                ``(0, handle)``), ``.cuda_stream`` (torch) or ``.ptr`` (CuPy). Not owned: never destroyed here.
+
+        Returns:
+            An unowned stream handle (the same handle for the same stream).
+
+        Raises:
+            InvalidTransferError: an object of none of these kinds, a negative handle, the per-thread default
+                stream (handle 2, a different stream in every thread), or a stream of another device.
+            DeviceError: reading CuPy's current stream failed.
+        """
+        device: int | None = None
+        if stream is None:
+            ptr = self._current_ptr("compute_stream")
+        else:
+            ptr, device = parse_stream_object(stream)
+        if device is not None and device != self._device:
+            raise InvalidTransferError(f"compute_stream: the stream is on cuda:{device}, the backend on "
+                                       f"cuda:{self._device}")
+        if ptr == 2:
+            raise InvalidTransferError("compute_stream: the current stream is the per-thread default stream (2), "
+                                       "a different stream in every thread; pass the model's stream explicitly")
+        return self._unowned(ptr)
 
     def create_stream(self, *, tag: Tag | None = None) -> Stream:
         """A new non-blocking stream (``cudaStreamCreateWithFlags(cudaStreamNonBlocking)``; ledger "stream", key
@@ -765,7 +368,7 @@ class CupyBackend:
             DeviceError: the creation failed (nothing recorded).
         """
         with self._cuda("create_stream", tag):
-            ptr = int(self._rt.streamCreateWithFlags(_STREAM_NON_BLOCKING))
+            ptr = int(self._rt.streamCreateWithFlags(_cuda_rt.STREAM_NON_BLOCKING))
         handle = CupyStream(ptr, owned=True)
         self._ledger.acquire("stream", id(handle))
         return handle
@@ -807,7 +410,7 @@ class CupyBackend:
             DeviceError: the creation failed (nothing recorded).
         """
         with self._cuda("create_event", tag):
-            ptr = int(self._rt.eventCreateWithFlags(_EVENT_DEFAULT))
+            ptr = int(self._rt.eventCreateWithFlags(_cuda_rt.EVENT_DEFAULT))
         handle = CupyEvent(ptr)
         self._ledger.acquire("event", id(handle))
         return handle
@@ -855,7 +458,7 @@ class CupyBackend:
         if status == CUDA_ERROR_NOT_READY:
             return False
         cause = self._rt.CUDARuntimeError(status)
-        raise DeviceError(f"event query failed on cuda:{self._device}{_tag_text(e.tag)}: {cause}", status) from cause
+        raise DeviceError(f"event query failed on cuda:{self._device}{tag_text(e.tag)}: {cause}", status) from cause
 
     def synchronize(self, event: Event) -> None:
         """Block (GIL released) until the event completes. Unbounded: never used on the shutdown path.
@@ -894,14 +497,14 @@ class CupyBackend:
     # -- copies -----------------------------------------------------------------------------------------------
     def copy_batch(self, stream: Stream, buf: DescriptorBuffer, count: int, *, tag: Tag | None = None) -> None:
         """Queue the first ``count`` copies of ``buf`` on ``stream`` as one submission (kernel or memcpy path; see
-        the module docstring). ``buf`` must stay untouched and alive until the copy is proven complete.
+        ``_cupy_copy``). ``buf`` must stay untouched and alive until the copy is proven complete.
 
         Raises:
             InvalidTransferError: a foreign buffer, ``count`` out of range, or a negative size (before any work).
             DeviceError: a CUDA call failed. On the memcpy path, copies queued before the failing one still run.
         """
         s = self._stream(stream)
-        block = self._block_of(buf)
+        block = self._descriptors.block_of(buf)
         if not 0 <= count <= buf.capacity:
             raise InvalidTransferError(f"count {count} outside [0, {buf.capacity}]")
         src, dst, sizes = buf.src[:count], buf.dst[:count], buf.sizes[:count]
@@ -910,74 +513,36 @@ class CupyBackend:
         if count == 0 or int(sizes.max()) == 0:
             return
         path = self.choose_path(src, dst, sizes)
-        if path == "kernel" and not self._kernel_available():
+        if path == "kernel" and not self._engine.available():
             path = "memcpy"
         if path == "kernel":
-            self._copy_kernel(s, block, count, int(sizes.max()), tag)
+            self._engine.launch(s, block, count, int(sizes.max()), tag)
         else:
-            self._copy_memcpy(s, src, dst, sizes, tag)
+            self._engine.memcpy(s, src, dst, sizes, tag)
         with self._lock:
             self._path_counts[path] += 1
         self.last_copy_path = path
 
     def choose_path(self, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
                     sizes: npt.NDArray[np.int64]) -> Literal["kernel", "memcpy"]:
-        """The path ``copy_batch`` would take for these descriptors (see the module docstring)."""
+        """The path ``copy_batch`` would take for these descriptors (``_cupy_copy.choose_path``)."""
         count = int(sizes.shape[0])
-        if self.copy_path == "memcpy" or self._kernel_broken is not None or count == 0:
-            return "memcpy"
-        if self.copy_path == "auto" and (
-            count < self.kernel_min_count or int(sizes.sum()) > count * self.kernel_max_mean_bytes
-        ):
+        if self.copy_path == "memcpy" or self._engine.broken is not None or count == 0:
             return "memcpy"
         with self._lock:
             legal = self._spans.contains_all(src, sizes) and self._spans.contains_all(dst, sizes)
-        return "kernel" if legal else "memcpy"
-
-    def _kernel_available(self) -> bool:
-        """Compile and load the kernels if needed; False (logged once) if that failed, so callers fall back."""
-        try:
-            self._function(_COPY_KERNEL)
-        except DeviceError:
-            return False
-        return True
+        return choose_path(self.copy_path, count=count, total_bytes=int(sizes.sum()),
+                           min_count=self.kernel_min_count, max_mean_bytes=self.kernel_max_mean_bytes, legal=legal)
 
     def copy_path_counts(self) -> dict[str, int]:
         """How many ``copy_batch`` submissions took each path so far."""
         with self._lock:
             return dict(self._path_counts)
 
-    def _copy_memcpy(self, s: CupyStream, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
-                     sizes: npt.NDArray[np.int64], tag: Tag | None) -> None:
-        runs_src, runs_dst, runs_size = _coalesce(src, dst, sizes)
-        memcpy = self._rt.memcpyAsync
-        with self._cuda("copy_batch (memcpy)", tag):
-            for d, a, n in zip(runs_dst.tolist(), runs_src.tolist(), runs_size.tolist(), strict=True):
-                if n:
-                    memcpy(d, a, n, _MEMCPY_DEFAULT, s.ptr)
-
-    def _copy_kernel(self, s: CupyStream, block: _DescriptorBlock, count: int, max_size: int,
-                     tag: Tag | None) -> None:
-        function = self._function(_COPY_KERNEL)
-        grid_x = min(_MAX_GRID_X, max(1, -(-max_size // _BYTES_PER_BLOCK_ROUND)))
-        grid_y = min(count, _MAX_GRID_Y)
-        word = 8 * block.slots
-        dev = block.dev_ptr
-        args = (np.uint64(dev), np.uint64(dev + word), np.uint64(dev + 2 * word), np.int64(count))
-        with self._cuda("copy_batch (kernel)", tag):
-            if 3 * word <= _SINGLE_UPLOAD_MAX_BYTES or 2 * count >= block.slots:
-                self._rt.memcpyAsync(dev, block.host_ptr, 3 * word, _MEMCPY_H2D, s.ptr)
-            else:
-                for part in range(3):
-                    self._rt.memcpyAsync(dev + part * word, block.host_ptr + part * word, 8 * count,
-                                         _MEMCPY_H2D, s.ptr)
-            function((grid_x, grid_y, 1), (_THREADS, 1, 1), args, stream=s)
-
-    # -- kernels ----------------------------------------------------------------------------------------------
     def warm_up(self) -> bool:
-        """Compile and load the kernels now and launch the copy kernel once with nothing to copy (on the compute
+        """Compile and load the kernel now and launch it once with nothing to copy (on the calling thread's current
         stream), so no later launch loads a module (lazy loading may synchronize the context). Blocking
-        (synchronizes the compute stream). Called by the constructor unless ``copy_path="memcpy"``.
+        (synchronizes that stream). Called by the constructor unless ``copy_path="memcpy"``.
 
         Any failure here (compile, load, launch) turns the kernel path off for good: it is logged, kept in
         :attr:`kernel_unavailable`, and ``copy_batch`` uses the memcpy path. Never raises for that reason.
@@ -985,93 +550,14 @@ class CupyBackend:
         Returns:
             Whether the kernel path is available.
         """
-        if not self._kernel_available():
+        if not self._engine.available():
             return False
-        function = self._functions[_COPY_KERNEL]
-        try:
-            with self._cuda("warm_up"):
-                compute = CupyStream(self._compute_ptr(), owned=False)
-                zero = np.uint64(0)
-                function((1, 1, 1), (_THREADS, 1, 1), (zero, zero, zero, np.int64(0)), stream=compute)
-                self._rt.streamSynchronize(compute.ptr)
-        except Exception as exc:
-            self._disable_kernels(exc)
-            return False
-        return True
+        return self._engine.warm_up(self._current_ptr("warm_up"))
 
     @property
     def kernel_unavailable(self) -> str | None:
         """Why the kernel path is off for good (compile, load or first launch failed), or None if it is not."""
-        return self._kernel_broken
-
-    def _disable_kernels(self, exc: BaseException) -> None:
-        self._kernel_broken = f"{type(exc).__name__}: {exc}"
-        _log.warning("CuPy backend: copy kernel unavailable, using memcpy only: %s", self._kernel_broken)
-
-    def _function(self, name: str) -> Any:
-        """A kernel of KERNEL_SOURCE (both are compiled and loaded on first use). Any failure to compile or load
-        turns the kernel path off for good.
-
-        Raises:
-            DeviceError: the kernels are unavailable (status 999; the original error as ``__cause__``).
-        """
-        function = self._functions.get(name)
-        if function is not None:
-            return function
-        if self._kernel_broken is None:
-            try:
-                with self._cuda("compile kernels"):
-                    module = self._cp.RawModule(code=KERNEL_SOURCE)
-                    # RawModule.get_function returns a RawKernel; its .kernel (a cupy.cuda.Function) forces the
-                    # compile and load now, and launches with less overhead.
-                    loaded = {n: _loaded(module.get_function(n)) for n in (_COPY_KERNEL, _SPIN_KERNEL)}
-            except Exception as exc:  # CompileException, a missing libnvrtc, a PTX the driver rejects, ...
-                self._disable_kernels(exc)
-                raise DeviceError(f"kernel path unavailable: {self._kernel_broken}", CUDA_ERROR_UNKNOWN) from exc
-            self._module = module
-            self._functions.update(loaded)
-            return loaded[name]
-        raise DeviceError(f"kernel path unavailable: {self._kernel_broken}", CUDA_ERROR_UNKNOWN)
-
-    # -- test helpers: a transfer that never completes until the host says so ----------------------------------
-    def alloc_spin_flag(self) -> SpinFlag:
-        """Test helper: a zeroed :class:`SpinFlag` in mapped pinned host memory (not in the ledger).
-
-        Raises:
-            DeviceError: the allocation failed.
-        """
-        with self._cuda("alloc_spin_flag"):
-            host_ptr = int(self._rt.hostAlloc(64, _HOST_ALLOC_FLAGS))
-            dev_ptr = int(self._rt.pointerGetAttributes(host_ptr).devicePointer)
-        words = _host_words(host_ptr, 16, np.int32)
-        words[:] = 0
-        return SpinFlag(host_ptr, dev_ptr, words)
-
-    def free_spin_flag(self, flag: SpinFlag) -> None:
-        """Test helper: free a flag (``cudaFreeHost``: BLOCKING, and only once the spin kernel has ended).
-
-        Raises:
-            DeviceError: the free failed.
-        """
-        if flag.freed:
-            return
-        with self._cuda("free_spin_flag"):
-            self._rt.freeHost(flag.host_ptr)
-        flag.freed = True
-
-    def enqueue_spin(self, stream: Stream, flag: SpinFlag, *, timeout: float = 30.0) -> None:
-        """Test helper: queue a one-thread kernel on ``stream`` that spins (volatile reads of mapped host memory)
-        until ``flag.release()`` or, as a safety net, ``timeout`` seconds of GPU time (0 = never); everything
-        queued behind it waits. Call :meth:`warm_up` first so no module loads while it spins.
-
-        Raises:
-            DeviceError: the launch failed.
-        """
-        s = self._stream(stream)
-        function = self._function(_SPIN_KERNEL)
-        args = (np.uint64(flag.dev_ptr), np.uint64(int(timeout * 1e9)))
-        with self._cuda("enqueue_spin"):
-            function((1, 1, 1), (1, 1, 1), args, stream=s)
+        return self._engine.broken
 
     # -- clock and the device-level proof ---------------------------------------------------------------------
     def monotonic(self) -> float:
@@ -1083,8 +569,9 @@ class CupyBackend:
         time.sleep(max(seconds, 0.0))
 
     def prove_idle(self, streams: Sequence[Stream], deadline: float) -> bool:
-        """The device-level proof (R13): fresh events on the compute stream and each stream, polled strictly
-        until ``deadline`` (at least once). Never a blocking device synchronize (R11).
+        """The device-level proof (R13): a fresh event on each of ``streams`` (only those: the worker passes its
+        compute stream first), polled strictly until ``deadline`` (at least once). Never a blocking device
+        synchronize (R11). The events pass through the ledger and are destroyed before returning.
 
         Returns:
             True if all completed, False if the deadline passed first.
@@ -1092,42 +579,7 @@ class CupyBackend:
         Raises:
             DeviceError: the device failed while proving.
         """
-        return record_and_poll(self, streams, deadline)
-
-
-def _host_words(ptr: int, count: int, dtype: type[_Word]) -> npt.NDArray[_Word]:
-    """A numpy view of ``count`` words of host memory at ``ptr`` (the caller keeps the memory alive)."""
-    raw = (ctypes.c_byte * (count * np.dtype(dtype).itemsize)).from_address(ptr)
-    return np.frombuffer(memoryview(raw).cast("B"), dtype=dtype)
-
-
-def _loaded(kernel: Any) -> Any:
-    """The loaded ``cupy.cuda.Function`` of a ``RawKernel`` (compiling it now), or the object itself."""
-    return getattr(kernel, "kernel", kernel)
-
-
-def _check_shape(shape: object) -> tuple[int, int]:
-    if (not isinstance(shape, tuple) or len(shape) != 2
-            or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in shape)):
-        raise InvalidTransferError(f"shape must be two non-negative ints; got {shape!r}")
-    return int(shape[0]), int(shape[1])
-
-
-def _describe(obj: object) -> str:
-    shape = getattr(obj, "shape", None)
-    dtype = getattr(obj, "dtype", None)
-    return f"{type(obj).__module__}.{type(obj).__qualname__}" + (f" {shape} {dtype}" if shape is not None else "")
-
-
-def _coalesce(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
-              sizes: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64],
-                                                     npt.NDArray[np.int64]]:
-    """Merge runs of descriptors that are contiguous on both sides into single copies."""
-    if src.shape[0] <= 1:
-        return src, dst, sizes
-    breaks = (src[1:] != src[:-1] + sizes[:-1]) | (dst[1:] != dst[:-1] + sizes[:-1])
-    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
-    return src[starts], dst[starts], np.add.reduceat(sizes, starts)
+        return _cuda_rt.record_and_poll_only(self, streams, deadline)
 
 
 if TYPE_CHECKING:

@@ -1,0 +1,209 @@
+"""The CuPy backend's copy paths: the gather/scatter kernel source, the span set that says where the kernel may
+read and write, and the choice between the kernel and one ``cudaMemcpyAsync`` per contiguous run.
+
+Pure: numpy only, no CuPy and no CUDA call, so every decision here is testable without a GPU. The backend
+(``kvoffload_ref.backends.cupy``) owns the state (the spans, the thresholds) and issues the CUDA calls.
+
+* ``"memcpy"``: one ``cudaMemcpyAsync(kind=cudaMemcpyDefault)`` per run of descriptors that are contiguous on both
+  sides (:func:`coalesce`). Legal for any memory, pinned or not.
+* ``"kernel"``: the descriptor words are uploaded to a device twin of the descriptor buffer, then one launch of
+  ``kvoffload_copy_batch`` copies every descriptor, with 16-byte vector accesses when a descriptor's addresses and
+  size allow it (else 8, 4 or 1 byte). The kernel dereferences host pointers directly, which is legal only for
+  *registered* host memory whose device pointer equals its host pointer, so it is chosen only when every
+  descriptor lies inside a :class:`SpanSet` interval (registered ranges and device arrays the backend has seen).
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "DEFAULT_KERNEL_MAX_MEAN_BYTES",
+    "DEFAULT_KERNEL_MIN_COUNT",
+    "KERNEL_SOURCE",
+    "CopyPath",
+    "SpanSet",
+    "choose_path",
+    "coalesce",
+    "launch_grid",
+    "upload_in_one_copy",
+]
+
+CopyPath = Literal["auto", "kernel", "memcpy"]
+I64 = npt.NDArray[np.int64]
+
+#: Thresholds for ``copy_path="auto"``, measured on an H200 (docs/benchmarks.md; scripts/gpu_bench.py).
+DEFAULT_KERNEL_MIN_COUNT: Final = 16
+DEFAULT_KERNEL_MAX_MEAN_BYTES: Final = 1 << 20  # 1 MiB
+
+#: The copy kernel's name in :data:`KERNEL_SOURCE`.
+COPY_KERNEL: Final = "kvoffload_copy_batch"
+
+# Kernel launch geometry: 256 threads x 16 bytes x 4 unrolled loads = 16 KiB per block per round.
+THREADS: Final = 256
+_BYTES_PER_BLOCK_ROUND: Final = THREADS * 16 * 4
+_MAX_GRID_X: Final = 1024
+_MAX_GRID_Y: Final = 65535
+# Descriptor upload: one copy of the whole buffer if it is small or mostly used, else three copies of ``count``.
+_SINGLE_UPLOAD_MAX_BYTES: Final = 64 * 1024
+#: The smallest descriptor block (slots per array).
+MIN_DESCRIPTOR_SLOTS: Final = 16
+
+#: The copy kernel (CUDA C++, compiled by CuPy with NVRTC when the backend warms up).
+KERNEL_SOURCE: Final = r"""
+// kvoffload_ref CuPy backend kernels (compiled by CuPy with NVRTC).
+
+template <typename T, int U>
+__device__ __forceinline__ void kv_copy_words(const T* __restrict__ s, T* __restrict__ d, long long n) {
+    // Thread t of the grid's x dimension copies words t, t + total, t + 2 * total, ...; U loads are in flight
+    // before the first store, so reads across PCIe overlap.
+    const long long total = (long long)gridDim.x * blockDim.x;
+    for (long long base = (long long)blockIdx.x * blockDim.x + threadIdx.x; base < n; base += total * U) {
+        T v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long i = base + u * total;
+            if (i < n) v[u] = s[i];
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long i = base + u * total;
+            if (i < n) d[i] = v[u];
+        }
+    }
+}
+
+// Copies count descriptors (src[k] -> dst[k], sizes[k] bytes); blockIdx.y strides over descriptors and the
+// x dimension splits one descriptor. Host pointers must be registered and device-accessible.
+extern "C" __global__ void kvoffload_copy_batch(const long long* __restrict__ src,
+                                                const long long* __restrict__ dst,
+                                                const long long* __restrict__ sizes,
+                                                long long count) {
+    for (long long k = blockIdx.y; k < count; k += gridDim.y) {
+        const unsigned long long s = (unsigned long long)src[k];
+        const unsigned long long d = (unsigned long long)dst[k];
+        const long long n = sizes[k];
+        if (n <= 0) continue;
+        const unsigned long long a = s | d | (unsigned long long)n;
+        if ((a & 15ULL) == 0ULL) {
+            kv_copy_words<uint4, 4>((const uint4*)s, (uint4*)d, n >> 4);
+        } else if ((a & 7ULL) == 0ULL) {
+            kv_copy_words<unsigned long long, 4>((const unsigned long long*)s, (unsigned long long*)d, n >> 3);
+        } else if ((a & 3ULL) == 0ULL) {
+            kv_copy_words<unsigned int, 4>((const unsigned int*)s, (unsigned int*)d, n >> 2);
+        } else {
+            kv_copy_words<unsigned char, 4>((const unsigned char*)s, (unsigned char*)d, n);
+        }
+    }
+}
+"""
+
+
+class SpanSet:
+    """Address ranges the copy kernel may dereference, merged into sorted disjoint intervals.
+
+    Not thread-safe; the backend holds its lock around every use.
+    """
+
+    def __init__(self) -> None:
+        # Invariant: _pinned maps a registered range's start to its end (only ranges whose device pointer equals
+        # the host pointer); _device maps a seen device array's start to the largest end seen for it.
+        self._pinned: dict[int, int] = {}
+        self._device: dict[int, int] = {}
+        # Invariant: the union of both dicts' intervals, merged; _starts sorted, _ends[i] the end of interval i.
+        self._starts: npt.NDArray[np.int64] = np.empty(0, np.int64)
+        self._ends: npt.NDArray[np.int64] = np.empty(0, np.int64)
+
+    def add_pinned(self, start: int, end: int) -> None:
+        """Add a registered host range whose device pointer equals its host pointer."""
+        self._pinned[start] = end
+        self._rebuild()
+
+    def discard_pinned(self, start: int) -> None:
+        """Remove the registered range that starts at ``start`` (no-op if there is none)."""
+        if self._pinned.pop(start, None) is not None:
+            self._rebuild()
+
+    def add_device(self, start: int, end: int) -> None:
+        """Add (or widen) a device array's range."""
+        if end > self._device.get(start, start):
+            self._device[start] = end
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        merged: list[list[int]] = []
+        for start, end in sorted([*self._pinned.items(), *self._device.items()]):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        self._starts = np.array([m[0] for m in merged], np.int64)
+        self._ends = np.array([m[1] for m in merged], np.int64)
+
+    def contains_all(self, addrs: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64]) -> bool:
+        """Whether every ``[addrs[i], addrs[i] + sizes[i])`` lies inside one interval."""
+        if addrs.size == 0:
+            return True
+        if self._starts.size == 0:
+            return False
+        ends = addrs + sizes
+        # Fast path: the whole batch inside the interval that holds its lowest address.
+        i = int(np.searchsorted(self._starts, addrs.min(), side="right")) - 1
+        if i >= 0 and int(ends.max()) <= int(self._ends[i]):
+            return True
+        idx = np.searchsorted(self._starts, addrs, side="right") - 1
+        if bool((idx < 0).any()):
+            return False
+        return bool((ends <= self._ends[idx]).all())
+
+
+def choose_path(copy_path: CopyPath, *, count: int, total_bytes: int, min_count: int, max_mean_bytes: int,
+                legal: bool) -> Literal["kernel", "memcpy"]:
+    """The path of one submission.
+
+    Args:
+        copy_path: the backend's setting: ``"memcpy"`` never takes the kernel, ``"kernel"`` whenever legal,
+            ``"auto"`` when legal, ``count >= min_count`` and the mean size ``<= max_mean_bytes``.
+        count: number of descriptors.
+        total_bytes: the sum of their sizes.
+        min_count: ``auto``'s minimum descriptor count.
+        max_mean_bytes: ``auto``'s largest mean descriptor size.
+        legal: whether every descriptor lies inside the kernel's spans (on both sides).
+
+    Returns:
+        ``"kernel"`` or ``"memcpy"``.
+    """
+    if copy_path == "memcpy" or count == 0 or not legal:
+        return "memcpy"
+    if copy_path == "auto" and (count < min_count or total_bytes > count * max_mean_bytes):
+        return "memcpy"
+    return "kernel"
+
+
+def launch_grid(count: int, max_size: int) -> tuple[int, int, int]:
+    """The copy kernel's grid: x splits the largest descriptor (16 KiB per block, at most 1024), y strides over
+    the descriptors (at most 65535)."""
+    grid_x = min(_MAX_GRID_X, max(1, -(-max_size // _BYTES_PER_BLOCK_ROUND)))
+    return grid_x, min(count, _MAX_GRID_Y), 1
+
+
+def upload_in_one_copy(slots: int, count: int) -> bool:
+    """Whether the descriptor words go up in one copy of the whole block (small or mostly used), rather than
+    three copies of ``count`` words."""
+    return 3 * 8 * slots <= _SINGLE_UPLOAD_MAX_BYTES or 2 * count >= slots
+
+
+def coalesce(src: I64, dst: I64, sizes: I64) -> tuple[I64, I64, I64]:
+    """Merge runs of descriptors that are contiguous on both sides into single copies.
+
+    Returns:
+        ``(src, dst, sizes)`` of the runs.
+    """
+    if src.shape[0] <= 1:
+        return src, dst, sizes
+    breaks = (src[1:] != src[:-1] + sizes[:-1]) | (dst[1:] != dst[:-1] + sizes[:-1])
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    return src[starts], dst[starts], np.add.reduceat(sizes, starts)
