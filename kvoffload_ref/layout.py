@@ -23,6 +23,8 @@ from kvoffload_ref.specs import (
     TensorGeometry,
     check_geometry,
     check_int,
+    check_job_ids,
+    check_timeout,
 )
 
 __all__ = [
@@ -37,5 +39,7 @@ __all__ = [
     "PreparedPlan",
     "check_geometry",
     "check_int",
+    "check_job_ids",
+    "check_timeout",
     "plan_copies",
 ]

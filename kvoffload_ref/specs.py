@@ -24,6 +24,7 @@ naming the parameter. Every size, index and count a caller passes goes through i
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from typing import Final, Literal, SupportsIndex
 
@@ -42,6 +43,8 @@ __all__ = [
     "TensorGeometry",
     "check_geometry",
     "check_int",
+    "check_job_ids",
+    "check_timeout",
 ]
 
 Int64Array = npt.NDArray[np.int64]
@@ -97,6 +100,35 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
             raise InvalidTransferError(f"{name} must be <= {maximum}, got {result}")
         raise InvalidTransferError(f"{name} must be an int in [{minimum}, {maximum}], got {result}")
     return result
+
+
+def check_job_ids(job_ids: object) -> set[int]:
+    """The ids a ``wait`` lists: an iterable of job ids (R7).
+
+    Raises:
+        InvalidTransferError: not an iterable (e.g. ``wait(8)``: pass ``wait({8})``), or an element that is not
+            a job id.
+    """
+    if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+        raise InvalidTransferError(f"job_ids must be an iterable of job ids (e.g. {{{job_ids!r}}}), "
+                                   f"got {type(job_ids).__name__}")
+    return {check_int("job_id", job) for job in job_ids}
+
+
+def check_timeout(timeout: object) -> float | None:
+    """A wait's timeout: None (no bound) or a real number >= 0 (R7); infinity means no bound.
+
+    Raises:
+        InvalidTransferError: a bool, a non-number (e.g. the string "1"), NaN, or a negative number.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise InvalidTransferError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    value = float(timeout)
+    if math.isnan(value) or value < 0:
+        raise InvalidTransferError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    return None if math.isinf(value) else value
 
 
 def _int_tuple(values: object, name: str, minimum: int) -> tuple[int, ...]:

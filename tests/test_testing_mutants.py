@@ -89,11 +89,12 @@ def pop_before_sync(worker: CPUOffloadingWorker, setup: Setup) -> None:
             try:
                 done = observe(head.end)
             except DeviceError as exc:
-                self._fail_queue(exc)
+                self._queue.appendleft(head)
+                self._head_failed(exc)
                 return True
             if done:
                 self._queue.appendleft(head)
-                self._prove_head()
+                self._head_proven()
             return done
         handler._observe_head = types.MethodType(observe_head, handler)
 
@@ -103,10 +104,9 @@ def no_try_between_handler_shutdowns(worker: CPUOffloadingWorker, setup: Setup) 
     core = worker._core
 
     def drain_both(deadline: float, run: Any) -> None:
-        for name, handler in (("store", core.store), ("load", core.load)):
+        for handler in (core.store, core.load):
             outcome = handler.drain(deadline, interrupted=run.interrupt is not None)
-            run.outcomes[name] = outcome
-            run.clean &= outcome.clean
+            run.clean &= handler.clean
             if outcome.error is not None:
                 raise outcome.error
     core._drain_both = drain_both
@@ -115,11 +115,13 @@ def no_try_between_handler_shutdowns(worker: CPUOffloadingWorker, setup: Setup) 
 def unbounded_sync_on_shutdown(worker: CPUOffloadingWorker, setup: Setup) -> None:
     """The drain waits with a blocking ``synchronize()`` instead of polling against the deadline."""
     for handler in _handlers(worker):
-        bounded = handler._blocking_observer
-
-        def observer(deadline: float | None, handler: Any = handler, bounded: Any = bounded) -> Any:
-            return bounded(None) if handler.state is HandlerState.DRAINING else bounded(deadline)
-        handler._blocking_observer = observer
+        def observe_head(self: Any, observe: Callable[[Event], bool]) -> bool:
+            if self.state is HandlerState.DRAINING:
+                def observe(event: Event, self: Any = self) -> bool:
+                    self._backend.synchronize(event)
+                    return True
+            return type(self)._observe_head(self, observe)
+        handler._observe_head = types.MethodType(observe_head, handler)
 
 
 def release_after_failed_sync(worker: CPUOffloadingWorker, setup: Setup) -> None:
@@ -144,7 +146,7 @@ def success_for_failed_event(worker: CPUOffloadingWorker, setup: Setup) -> None:
             except DeviceError:
                 done = True
             if done:
-                self._prove_head()
+                self._head_proven()
             return done
         handler._observe_head = types.MethodType(observe_head, handler)
 

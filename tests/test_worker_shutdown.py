@@ -275,7 +275,8 @@ def test_shutdown_with_zero_timeout_still_proves_completed_work() -> None:
 
 # -- submission failures leave no trace --------------------------------------------------------------------------
 @pytest.mark.rule("R16")
-@pytest.mark.parametrize("point", ["copy", "event_create", "descriptor_alloc"])  # one stream per handler: none created per submission
+# (one stream per handler: no stream is created per submission)
+@pytest.mark.parametrize("point", ["copy", "event_create", "descriptor_alloc"])
 def test_shutdown_failed_submission_leaves_no_trace(point: str) -> None:
     plan = kv.FaultPlan([kv.Fault(point, "error", job_id=2, nth=1)])  # job 1 holds the pooled objects
     be, w, _ = make_worker(SimBackend(plan))
