@@ -8,6 +8,7 @@ randomized stress test per race (small switch interval, a few hundred iterations
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -15,12 +16,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _interleave import Pause, run_in_thread
+from _support import cspec, gspec, make_worker, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.base import Tag
 from kvoffload_ref.backends.sim import SimBackend
-from _interleave import Pause, run_in_thread
-from _support import cspec, gspec, make_worker, patterned_gpu, small_layout
 
 TIMEOUT = 1.0
 SLACK = 0.05
@@ -301,7 +302,7 @@ def test_threads_stress_submit_racing_shutdown() -> None:
         for i in range(150):
             be, w, _ = make_worker(timeout=TIMEOUT)
             w.submit_store(1, gspec([1]), cspec([1]))
-            _race(lambda: w.submit_store(2, gspec([2]), cspec([2])), w.shutdown)
+            _race(functools.partial(w.submit_store, 2, gspec([2]), cspec([2])), w.shutdown)
             report = w.shutdown()
             assert not be.violations, i
             _assert_accounted(be, report)
@@ -315,7 +316,7 @@ def test_threads_stress_concurrent_get_finished_and_wait() -> None:
             for job in range(4):
                 w.submit_store(job, gspec([job]), cspec([job]))
             be.clock_advance(1.0)
-            results = _race(w.get_finished, w.get_finished, lambda: w.wait(range(4), timeout=1.0))
+            results = _race(w.get_finished, w.get_finished, functools.partial(w.wait, range(4), timeout=1.0))
             jobs = sorted(r.job_id for batch in results[:2] for r in batch)
             assert jobs == [0, 1, 2, 3], (i, jobs)
             w.shutdown()
@@ -328,6 +329,6 @@ def test_threads_stress_waits_and_shutdowns_racing() -> None:
             be, w, _ = make_worker(SimBackend(kv.FaultPlan([kv.Fault("copy", "hang", job_id=1)])),
                                    timeout=TIMEOUT)
             w.submit_store(1, gspec([1]), cspec([1]))
-            results = _race(lambda: w.wait({1}, timeout=1000.0), w.shutdown, w.shutdown)
+            results = _race(functools.partial(w.wait, {1}, timeout=1000.0), w.shutdown, w.shutdown)
             assert results[0] is None and results[1] is results[2], i
             assert results[1].region == "quarantined"
