@@ -214,7 +214,8 @@ class _WorkerCore:
         if decision is not ProofDecision.ATTEMPT:
             run.proof = ProofOutcome(decision.value)
             return
-        streams: list[Stream] = [*self.store.streams_in_use(), *self.load.streams_in_use()]
+        streams: list[Stream] = [self.backend.current_stream(), *self.store.streams_in_use(),
+                                 *self.load.streams_in_use()]
         try:
             run.proof = ProofOutcome.OK if self.backend.prove_idle(streams, deadline) else ProofOutcome.TIMEOUT
         except DeviceError as exc:
