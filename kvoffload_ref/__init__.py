@@ -17,6 +17,7 @@ from kvoffload_ref.errors import (
     LifecycleError,
     OffloadError,
     OwnershipError,
+    SimHang,
     WorkerClosedError,
 )
 from kvoffload_ref.faults import Fault, FaultPlan, FaultyBackend
@@ -56,6 +57,7 @@ __all__ = [
     "SharedRegion",
     "ShutdownPolicy",
     "ShutdownReport",
+    "SimHang",
     "TransferResult",
     "WorkerClosedError",
     "WorkerStats",

@@ -45,7 +45,7 @@ from typing import Any, Final, Literal
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, ResourceKind, Stream
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, WorkerClosedError
-from kvoffload_ref.handler import DirectionHandler, HandlerReport, finish_all
+from kvoffload_ref.handler import DirectionHandler, HandlerReport
 from kvoffload_ref.lifecycle import (
     Action,
     Fate,
@@ -57,6 +57,7 @@ from kvoffload_ref.lifecycle import (
     WorkerState,
 )
 from kvoffload_ref.region import HostRegion, QuarantinedItem, quarantine
+from kvoffload_ref.shield import Shield, finish_all
 
 __all__ = ["DeviceSync", "RegionFate", "ShutdownPolicy", "ShutdownReport", "WorkerCore"]
 
@@ -193,9 +194,10 @@ class WorkerCore:
 
     def _finish(self, run: ShutdownRun, elapsed: float) -> None:
         """Release or quarantine everything, store the report and close, whatever is raised meanwhile (R14)."""
-        failed, interrupt = finish_all([("release the worker's resources", lambda: self._release(run))])
+        shield = Shield()
+        failed, _ = finish_all([("release the worker's resources", lambda: self._release(run, shield))], shield)
         run.errors.extend(failed)
-        run.interrupt = run.interrupt or interrupt
+        run.interrupt = run.interrupt or shield.interrupt
         with self.lock:
             self.report = run.report(self, elapsed)
             self.transition(WorkerInput.INTERRUPTED if run.interrupt else WorkerInput.SHUTDOWN_COMPLETE)
@@ -237,24 +239,23 @@ class WorkerCore:
                 logger.warning("Device could not be proven idle (%s); quarantining what may still be under DMA",
                                run.proof.value)
 
-    def _release(self, run: ShutdownRun) -> None:
+    def _release(self, run: ShutdownRun, shield: Shield) -> None:
         """R10/R12/R3: release or quarantine, both handlers then the region, every step whatever an earlier one
         raised (R9, R14). Never waits."""
         fate = lifecycle.decide_fate(run.proof, self.policy.policy)
         reason = f"device not proven idle (device_sync={run.proof.value})"
         for name, handler in (("store", self.store), ("load", self.load)):
-            kept, failed, interrupt = handler.release(fate)
+            kept, failed = handler.release(fate, shield)
             run.errors.extend(f"{name} release: {f}" for f in failed)
-            run.interrupt = run.interrupt or interrupt
             for buf in kept:
                 quarantine(QuarantinedItem("descriptor", repr(buf), reason, buf))
             run.add("quarantined", "descriptor", len(kept))
-        self._finish_region(fate, reason, run)
+        self._finish_region(fate, reason, run, shield)
 
-    def _finish_region(self, fate: Fate, reason: str, run: ShutdownRun) -> None:
+    def _finish_region(self, fate: Fate, reason: str, run: ShutdownRun, shield: Shield) -> None:
         region = self.region
         if fate is Fate.RELEASE:
-            run.errors.extend(f"region: {f}" for f in region.release_by_owner())
+            run.errors.extend(f"region: {f}" for f in region.release_by_owner(shield))
             kept = region.leaked
         else:
             run.errors.extend(f"region: {f}" for f in region.quarantine_by_owner(reason))

@@ -1,14 +1,19 @@
 """The error taxonomy: a small set of exceptions that says whose fault a failure is.
 
+* :class:`OffloadError` -- the common base of the errors below (all but :class:`SimHang`); never raised itself.
 * :class:`InvalidTransferError` -- the caller's input was wrong (also a :class:`ValueError`).
 * :class:`WorkerClosedError` -- the worker was used after its shutdown began (also a :class:`RuntimeError`).
+* :class:`OwnershipError` -- a region was used by someone who does not own it (also a :class:`RuntimeError`).
 * :class:`DeviceError` -- the device (or its driver) failed; ``.status`` carries a CUDA-style code and the
   backend's own exception, if any, is the ``__cause__``.
 * :class:`DeadlineExceeded` -- a bounded wait ran out of time (also a :class:`TimeoutError`).
 * :class:`LifecycleError` -- the library itself asked the lifecycle table for a transition it does not allow: a
   bug in kvoffload_ref, never the caller's fault.
+* :class:`SimHang` -- a blocking wait met hung work and gave up after a hang horizon (simulated device, or an
+  injected hang under ``FaultyBackend``). A :class:`BaseException`, not an :class:`OffloadError`, so that no
+  ``except Exception`` swallows it.
 
-:class:`OffloadError` is the common base; it is never raised itself.
+The ``CUDA_*`` constants are the CUDA runtime status codes the library names (``DeviceError.status``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ __all__ = [
     "LifecycleError",
     "OffloadError",
     "OwnershipError",
+    "SimHang",
     "WorkerClosedError",
 ]
 
@@ -69,6 +75,14 @@ class LifecycleError(OffloadError, RuntimeError):
 
 class DeadlineExceeded(OffloadError, TimeoutError):
     """A bounded wait ran out of time before what it waited for was proven complete."""
+
+
+class SimHang(BaseException):
+    """A blocking wait could not finish within a hang horizon: raised by the simulated device, and by
+    ``FaultyBackend`` (on any device) when a blocking ``synchronize`` meets an injected hang.
+
+    Derives from BaseException on purpose: no ``except Exception`` can swallow an unbounded wait (R11).
+    """
 
 
 class DeviceError(OffloadError, RuntimeError):

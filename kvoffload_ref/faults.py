@@ -5,15 +5,18 @@ A :class:`Fault` selects calls at one *point* (see :data:`POINTS`) by transfer t
 * ``direction`` / ``job_id``: match the ``tag=(direction, job_id)`` the call carries (for ``event_query`` and
   ``event_sync``: the tag the event was last recorded with). A selector that is set never matches an untagged
   call.
-* ``nth``: 1-based index among the calls at that point that match the other selectors; ``None`` = every match.
+* ``nth``: 1-based index among the calls at that point that match the other selectors (a reused job id counts
+  again each time); ``None`` = every match.
 
 Kinds:
 
 * ``"error"``: the call raises ``DeviceError(status)``. With ``sticky=True`` the device is lost: every later call
   at any fault point fails with the same status and nothing queued runs any more.
 * ``"hang"`` (points ``event_query``, ``event_sync``, ``copy``, ``device_sync`` only): the selected transfer's work
-  never completes. For the first three the selection happens when the transfer is *submitted* (its first
-  tagged ``record``), and ``nth`` counts matching submissions; at ``device_sync`` it selects the proof call.
+  never completes. For the first three the selection happens when the transfer is *submitted*: its start
+  record (on a stream other than a compute stream, a transfer's tagged records come in start/end pairs; a
+  tagged record that does not close an open pair of its tag is a start), and ``nth`` counts matching
+  submissions, a reused job id included; at ``device_sync`` it selects the proof call.
 
 ``plan.fired`` lists, in order, the faults that actually fired, so a test can assert its scenario happened.
 
@@ -22,6 +25,9 @@ reaches the inner backend, so they leave no trace there. Hangs are emulated abov
 transfer's stream is marked hung (its later copies are not forwarded), an event recorded on a hung stream is hung
 (queries say pending forever, a blocking synchronize gives up with ``SimHang`` after a horizon), and a stream that
 waits on a hung event is hung in turn -- the same observable behaviour as the simulated device's hang ops.
+It is thread-safe: each call's bookkeeping and its forwarding are atomic under one lock, except blocking waits
+(``synchronize``, ``sleep``, ``prove_idle``), which hold no lock while they wait. Like the sim it has an
+``on_call`` hook, called at the start of every call before any lock is taken.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ import numpy.typing as npt
 
 from kvoffload_ref.backends.base import (
     Backend,
+    CallHook,
     DescriptorBuffer,
     Event,
+    FaultPoint,
     Ledger,
     Stream,
     Tag,
@@ -45,17 +53,10 @@ from kvoffload_ref.backends.base import (
     poll_until,
     record_and_poll,
 )
-
-# sim.py imports this module for type checking only, so this is no import cycle at run time.
-from kvoffload_ref.backends.sim import SimHang
-from kvoffload_ref.errors import CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_NOT_READY, DeviceError
+from kvoffload_ref.errors import CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_NOT_READY, DeviceError, SimHang
 
 __all__ = ["HANG_POINTS", "POINTS", "Fault", "FaultKind", "FaultPlan", "FaultPoint", "FaultyBackend"]
 
-FaultPoint = Literal[
-    "event_query", "event_sync", "copy", "device_sync", "host_register", "host_unregister",
-    "stream_create", "event_create", "descriptor_alloc",
-]
 FaultKind = Literal["error", "hang"]
 
 POINTS: Final[tuple[FaultPoint, ...]] = (
@@ -234,6 +235,8 @@ class FaultyBackend:
     Attributes:
         inner: the wrapped backend.
         plan: the fault plan.
+        on_call: None, or ``on_call(point, tag)``, called at the start of every call (before any lock), with the
+            point names of :data:`~kvoffload_ref.backends.base.CALL_POINTS`.
     """
 
     def __init__(self, inner: Backend, plan: FaultPlan, *, hang_horizon: float = 3600.0) -> None:
@@ -243,16 +246,21 @@ class FaultyBackend:
         self.plan = plan
         self.name: str = f"faulty({inner.name})"
         self._horizon = hang_horizon
-        # Invariant: guards the four fields below (the inner backend has its own lock, if any).
-        self._lock = threading.Lock()
+        self.on_call: CallHook | None = None
+        # Invariant: guards the fields below and makes each non-blocking call (bookkeeping plus the forwarded
+        # inner call) atomic; never held across a blocking wait or the on_call hook. Reentrant: record_and_poll.
+        self._lock = threading.RLock()
         # Invariant: id() of each live stream that is hung (selected by a hang, or waited on a hung event).
         self._hung_streams: set[int] = set()
         # Invariant: id() of each live event whose latest record was made on a hung stream.
         self._hung_events: set[int] = set()
         # Invariant: id() of each live event recorded at least once -> the tag of its latest record.
         self._event_tags: dict[int, Tag | None] = {}
-        # Invariant: the tags already offered to FaultPlan.select_hang.
-        self._seen_tags: set[Tag] = set()
+        # Invariant: id() of each live stream -> the tag of the transfer whose start was recorded on it and whose
+        # end was not yet (the start was offered to FaultPlan.select_hang).
+        self._hang_tags: dict[int, Tag] = {}
+        # Invariant: id() of every stream current_stream()/compute_stream() returned (never offered to hangs).
+        self._compute_ids: set[int] = set()
 
     def __repr__(self) -> str:
         return f"<FaultyBackend over {self.inner!r} with {self.plan!r}>"
@@ -271,29 +279,35 @@ class FaultyBackend:
 
     def empty_device(self, shape: tuple[int, int]) -> object:
         """Delegated (raises DeviceError while the device is lost)."""
+        self._hook("empty_device")
         self._check_alive()
         return self.inner.empty_device(shape)
 
     def from_host(self, array: npt.NDArray[np.uint8]) -> object:
         """Delegated (raises DeviceError while the device is lost)."""
+        self._hook("from_host")
         self._check_alive()
         return self.inner.from_host(array)
 
     def to_host(self, array: object) -> npt.NDArray[np.uint8]:
         """Delegated (raises DeviceError while the device is lost)."""
+        self._hook("to_host")
         self._check_alive()
         return self.inner.to_host(array)
 
     def array_info(self, array: object) -> TensorGeometry:
         """Delegated."""
+        self._hook("array_info")
         return self.inner.array_info(array)
 
     def track_host(self, ptr: int, nbytes: int) -> None:
         """Delegated."""
+        self._hook("track_host")
         self.inner.track_host(ptr, nbytes)
 
     def untrack_host(self, ptr: int) -> None:
         """Delegated; never fails."""
+        self._hook("untrack_host")
         self.inner.untrack_host(ptr)
 
     def host_register(self, ptr: int, nbytes: int) -> None:
@@ -302,6 +316,7 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
+        self._hook("host_register")
         self.plan.check("host_register")
         self.inner.host_register(ptr, nbytes)
 
@@ -311,6 +326,7 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault (the range stays pinned), a lost device, or the inner error.
         """
+        self._hook("host_unregister")
         self.plan.check("host_unregister")
         self.inner.host_unregister(ptr)
 
@@ -320,18 +336,36 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
+        self._hook("descriptor_alloc", tag)
         self.plan.check("descriptor_alloc", tag)
         return self.inner.alloc_descriptors(capacity, tag=tag)
 
     def free_descriptors(self, buf: DescriptorBuffer) -> None:
         """Delegated; never fails."""
+        self._hook("free_descriptors")
         self.inner.free_descriptors(buf)
 
     # -- streams and events -----------------------------------------------------------------------------------
 
     def current_stream(self) -> Stream:
-        """Delegated."""
-        return self.inner.current_stream()
+        """Delegated (the stream is never offered to hang selection)."""
+        self._hook("current_stream")
+        with self._lock:
+            stream = self.inner.current_stream()
+            self._compute_ids.add(id(stream))
+            return stream
+
+    def compute_stream(self, stream: object | None = None) -> Stream:
+        """Delegated (the stream is never offered to hang selection).
+
+        Raises:
+            InvalidTransferError: the inner backend refuses ``stream``.
+        """
+        self._hook("compute_stream")
+        with self._lock:
+            resolved = self.inner.compute_stream(stream)
+            self._compute_ids.add(id(resolved))
+            return resolved
 
     def create_stream(self, *, tag: Tag | None = None) -> Stream:
         """Fault point ``stream_create``, then delegated.
@@ -339,14 +373,17 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
+        self._hook("stream_create", tag)
         self.plan.check("stream_create", tag)
         return self.inner.create_stream(tag=tag)
 
     def destroy_stream(self, stream: Stream) -> None:
         """Delegated; forgets the stream's hang. Never fails."""
+        self._hook("destroy_stream")
         with self._lock:
             self._hung_streams.discard(id(stream))
-        self.inner.destroy_stream(stream)
+            self._hang_tags.pop(id(stream), None)
+            self.inner.destroy_stream(stream)
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         """Delegated; waiting on a hung event hangs the stream.
@@ -354,9 +391,10 @@ class FaultyBackend:
         Raises:
             DeviceError: a lost device, or the inner backend's error.
         """
+        self._hook("wait_event")
         self._check_alive()
-        self.inner.wait_event(stream, event)
         with self._lock:
+            self.inner.wait_event(stream, event)
             if id(event) in self._hung_events:
                 self._hung_streams.add(id(stream))
 
@@ -366,27 +404,30 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
+        self._hook("event_create", tag)
         self.plan.check("event_create", tag)
         return self.inner.create_event(tag=tag)
 
     def destroy_event(self, event: Event) -> None:
         """Delegated; forgets the event's tag and hang. Never fails."""
+        self._hook("destroy_event")
         with self._lock:
             self._hung_events.discard(id(event))
             self._event_tags.pop(id(event), None)
-        self.inner.destroy_event(event)
+            self.inner.destroy_event(event)
 
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
-        """Delegated. The event is hung if the stream is; the first tagged record of a new tag on a stream other
-        than the compute stream submits the transfer to ``FaultPlan.select_hang`` and, if selected, hangs the
-        stream right after this record.
+        """Delegated. The event is hung if the stream is. A transfer is submitted at its start record (see the
+        module docstring): that record offers it to ``FaultPlan.select_hang`` (a reused job id is offered again)
+        and, if selected, hangs the stream right after this record.
 
         Raises:
             DeviceError: a lost device, or the inner backend's error.
         """
+        self._hook("record", tag)
         self._check_alive()
-        self.inner.record(event, stream, tag=tag)
         with self._lock:
+            self.inner.record(event, stream, tag=tag)
             self._event_tags[id(event)] = tag
             if id(stream) in self._hung_streams:
                 self._hung_events.add(id(event))
@@ -401,7 +442,9 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
-        self.plan.check("event_query", self._tag_of(event))
+        tag = self._tag_of(event)
+        self._hook("event_query", tag)
+        self.plan.check("event_query", tag)
         if self._is_hung(event):
             return False
         return self.inner.query(event)
@@ -413,7 +456,9 @@ class FaultyBackend:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
             SimHang: the event is hung.
         """
-        self.plan.check("event_sync", self._tag_of(event))
+        tag = self._tag_of(event)
+        self._hook("event_sync", tag)
+        self.plan.check("event_sync", tag)
         if not self._is_hung(event):
             self.inner.synchronize(event)
             return
@@ -428,6 +473,7 @@ class FaultyBackend:
         Raises:
             DeviceError: a hung event (600), a lost device, or the inner backend's error.
         """
+        self._hook("elapsed", self._tag_of(end))
         self._check_alive()
         if self._is_hung(start) or self._is_hung(end):
             raise DeviceError("elapsed: an event has not completed (hung)", CUDA_ERROR_NOT_READY)
@@ -442,27 +488,31 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
+        self._hook("copy", tag)
         self.plan.check("copy", tag)
         with self._lock:
-            hung = id(stream) in self._hung_streams
-        if not hung:
-            self.inner.copy_batch(stream, buf, count, tag=tag)
+            if id(stream) not in self._hung_streams:
+                self.inner.copy_batch(stream, buf, count, tag=tag)
 
     def monotonic(self) -> float:
         """Delegated."""
+        self._hook("monotonic")
         return self.inner.monotonic()
 
     def sleep(self, seconds: float) -> None:
-        """Delegated."""
+        """Delegated (no lock held)."""
+        self._hook("sleep")
         self.inner.sleep(seconds)
 
     def prove_idle(self, streams: Sequence[Stream], deadline: float) -> bool:
-        """Fault point ``device_sync``; then the generic proof through this wrapper, so fresh events recorded on
-        hung streams never complete. Under a ``device_sync`` hang, polls until the deadline and returns False.
+        """Fault point ``device_sync``; then the generic proof through this wrapper (fresh events on ``streams``
+        only), so fresh events recorded on hung streams never complete. Under a ``device_sync`` hang, polls
+        until the deadline and returns False. Holds no lock while it polls.
 
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
+        self._hook("device_sync")
         hang = self.plan.check_hang("device_sync")   # as the sim: both kinds count the call; an error wins
         self.plan.check("device_sync")
         if hang:
@@ -471,6 +521,11 @@ class FaultyBackend:
         return record_and_poll(self, streams, deadline)
 
     # -- internals --------------------------------------------------------------------------------------------
+
+    def _hook(self, point: str, tag: Tag | None = None) -> None:
+        hook = self.on_call
+        if hook is not None:
+            hook(point, tag)
 
     def _check_alive(self) -> None:
         lost = self.plan.lost()
@@ -486,10 +541,17 @@ class FaultyBackend:
             return id(event) in self._hung_events
 
     def _selects_hang(self, stream: Stream, tag: Tag | None) -> bool:
-        """Called with the lock held."""
-        if tag is None or tag in self._seen_tags or stream == self.inner.current_stream():
+        """Called with the lock held: whether this tagged record submits a transfer a hang selects."""
+        key = id(stream)
+        if tag is None or key in self._compute_ids:
             return False
-        self._seen_tags.add(tag)
+        if self._hang_tags.get(key) == tag:   # the transfer's end record closes its pair
+            del self._hang_tags[key]
+            return False
+        if stream == self.inner.current_stream():
+            self._compute_ids.add(key)
+            return False
+        self._hang_tags[key] = tag
         return self.plan.select_hang(tag) is not None
 
 

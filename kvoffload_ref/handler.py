@@ -34,7 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvoffload_ref import lifecycle
@@ -50,14 +50,11 @@ from kvoffload_ref.layout import (
     TensorGeometry,
 )
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
+from kvoffload_ref.shield import Shield, finish_all
 
-__all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "TransferResult", "finish_all"]
+__all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "TransferResult"]
 
 logger = logging.getLogger("kvoffload_ref.handler")
-
-#: How often a release step is retried when a BaseException (an injected or deferred interrupt) cut it short.
-RELEASE_ATTEMPTS = 3
-
 
 @dataclasses.dataclass(frozen=True)
 class TransferResult:
@@ -104,37 +101,6 @@ def _detached(exc: DeviceError) -> DeviceError:
         link.__traceback__ = None
         link = link.__cause__ or link.__context__
     return exc
-
-
-def finish_all(steps: Iterable[tuple[str, Callable[[], object]]]) -> tuple[list[str], BaseException | None]:
-    """Run every release step to its end, whatever any of them raises (R9, R14).
-
-    A step that raises an ``Exception`` is logged and counted as failed; the next step runs. A step cut short by a
-    ``BaseException`` (an interrupt) is retried, up to RELEASE_ATTEMPTS times -- an interrupt stops waiting, never
-    releasing -- and the first such exception is returned for the caller to re-raise once everything is done.
-
-    Args:
-        steps: (description, zero-argument callable) pairs, run in order.
-
-    Returns:
-        (descriptions of the steps that failed, the first interrupting BaseException or None).
-    """
-    failed: list[str] = []
-    interrupt: BaseException | None = None
-    for what, step in steps:
-        for _ in range(RELEASE_ATTEMPTS):
-            try:
-                step()
-            except Exception as exc:
-                logger.error("Failed to %s", what, exc_info=True)
-                failed.append(f"{what}: {exc!r}")
-            except BaseException as exc:  # an interrupt: remember it, finish the step anyway
-                interrupt = interrupt or exc
-                continue
-            break
-        else:
-            failed.append(f"{what}: interrupted {RELEASE_ATTEMPTS} times")
-    return failed, interrupt
 
 
 def _each(fn: Callable[[Any], object], items: list[Any]) -> None:
@@ -462,19 +428,23 @@ class DirectionHandler:
         """The streams this handler still holds: what the device-level proof covers."""
         return [] if self._stream is None else [self._stream]
 
-    def release(self, fate: Fate) -> tuple[list[DescriptorBuffer], list[str], BaseException | None]:
+    def release(self, fate: Fate, shield: Shield | None = None) -> tuple[list[DescriptorBuffer], list[str]]:
         """Release the transfer-side resources after the drain (R10); idempotent.
 
         The stream, the events and the descriptor buffers of proven transfers are always released. The descriptor
         buffers of unproven transfers are freed if ``fate`` is RELEASE, else returned for quarantine (and marked
         quarantined in the ledger). Every step runs, whatever an earlier one raised (R14).
 
+        Args:
+            fate: what happens to the unproven transfers' descriptor buffers.
+            shield: collects the interrupts that arrive meanwhile, for the caller to re-raise once its own release
+                is done (R14); None: they are dropped after the release finished.
+
         Returns:
-            (descriptor buffers to quarantine, failed steps, the first interrupting BaseException or None -- the
-            caller re-raises it once its own release is done).
+            (descriptor buffers to quarantine, descriptions of the steps that failed).
         """
         if self._step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
-            return [], [], None
+            return [], []
         backend = self._backend
         events = [*self._events, *(e for t in self._unproven for e in t.events)]
         unproven = [t.descriptors for t in self._unproven if t.descriptors is not None]
@@ -492,8 +462,8 @@ class DirectionHandler:
             ("quarantine descriptor buffers",
              lambda: _each(lambda buf: backend.ledger.quarantine("descriptor", id(buf)), quarantined)),
         ]
-        failed, interrupt = finish_all(steps)
-        return kept, failed, interrupt
+        failed, _ = finish_all(steps, shield)
+        return kept, failed
 
     def discard(self) -> None:
         """Construction rollback (R2): destroy what the constructor created; nothing was ever submitted."""

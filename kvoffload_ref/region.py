@@ -29,6 +29,7 @@ last steps: unlink the file if this process is to unlink it, then close the desc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import mmap
 import threading
@@ -44,6 +45,7 @@ from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipError
 from kvoffload_ref.layout import KVCacheLayout, TensorGeometry, check_int
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
+from kvoffload_ref.shield import Shield
 
 __all__ = ["DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine", "quarantined"]
 
@@ -142,12 +144,14 @@ class _Held:
             self.state, action = lifecycle.step(lifecycle.REGION_TABLE, "region", self.state, event)
             return action
 
-    def unpin(self) -> list[DeviceError]:
-        """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned."""
+    def unpin(self, shield: Shield | None = None) -> list[DeviceError]:
+        """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned.
+        With a ``shield``, an interrupt does not stop it (R14): the call is retried, the interrupt kept there."""
         failures: list[DeviceError] = []
+        run = (shield or Shield()).run
         for ptr in reversed(list(self.pinned)):
             try:
-                self.backend.host_unregister(ptr)
+                run(functools.partial(self.backend.host_unregister, ptr))
             except DeviceError as exc:
                 logger.warning("cudaHostUnregister failed for rank=%d (code=%d)", self.log_rank, exc.status)
                 failures.append(exc)
@@ -155,28 +159,32 @@ class _Held:
             self.pinned.remove(ptr)
         return failures
 
-    def release_steps(self, release_backing: Callable[[], list[str]]) -> list[str]:
+    def release_steps(self, release_backing: Callable[[], list[str]], shield: Shield | None = None) -> list[str]:
         """R3: unregister (reverse) -> drop views -> unmap -> release the backing (unlink, close).
 
-        A failed step is logged; the next steps still run.
+        A failed step is logged; the next steps still run. An interrupt does not stop them (R14): it is kept in
+        ``shield`` (re-raised at the end when no shield is given).
         """
-        errors = self._unpin_for_release()
+        local = shield or Shield()
+        errors = self._unpin_for_release(local)
         self.views.clear()  # R3 step 2: drop every view the library made, then the base export
         self.base = None
-        errors.extend(self._unmap())
+        errors.extend(self._unmap(local))
         errors.extend(release_backing())
+        if shield is None:
+            local.reraise()
         return errors
 
-    def _unpin_for_release(self) -> list[str]:
+    def _unpin_for_release(self, shield: Shield) -> list[str]:
         """R3 step 1: unregister every range (reverse); a range whose unregister failed is leaked."""
-        errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin()]
+        errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin(shield)]
         for ptr in self.pinned:  # unregister failed: the range is no longer ours to release
             self.backend.ledger.leak("pinned", ptr)
         self.leaked["pinned"] = len(self.pinned)
         self.pinned.clear()
         return errors
 
-    def _unmap(self) -> list[str]:
+    def _unmap(self, shield: Shield) -> list[str]:
         mapping, self.mmap = self.mmap, None
         if mapping is None:
             return []
@@ -189,7 +197,7 @@ class _Held:
             quarantine(QuarantinedItem("region", f"mapping at {self.ptr:#x}", "a view is still exported",
                                        mapping))
             return [f"mmap close failed: {exc}"]
-        self.backend.untrack_host(self.ptr)
+        shield.run(functools.partial(self.backend.untrack_host, self.ptr))
         return []
 
     def release_dropped(self, kind: str) -> None:
@@ -398,9 +406,13 @@ class HostRegion:
         """
         return self._finish(RegionInput.CALLER_RELEASE)
 
-    def release_by_owner(self) -> list[str]:
-        """The owning worker releases the region after proving it idle (or under policy "release")."""
-        return self._finish(RegionInput.WORKER_RELEASE)
+    def release_by_owner(self, shield: Shield | None = None) -> list[str]:
+        """The owning worker releases the region after proving it idle (or under policy "release").
+
+        Args:
+            shield: collects interrupts arriving meanwhile; every step still runs (R14). None: re-raised at the end.
+        """
+        return self._finish(RegionInput.WORKER_RELEASE, shield)
 
     def quarantine_by_owner(self, reason: str) -> list[str]:
         """The owning worker keeps the region mapped and pinned until process exit (R12).
@@ -414,11 +426,11 @@ class HostRegion:
     def _step(self, event: RegionInput) -> Action:
         return self._held.step(event)
 
-    def _finish(self, event: RegionInput) -> list[str]:
+    def _finish(self, event: RegionInput, shield: Shield | None = None) -> list[str]:
         action = self._step(event)
         if action is Action.RELEASE:
             self._dropped.detach()
-            return self._release_steps()
+            return self._release_steps(shield)
         if action is Action.QUARANTINE:
             self._dropped.detach()
             return self._quarantine()
@@ -454,12 +466,12 @@ class HostRegion:
                        self.nbytes, self.ptr, self._quarantine_reason)
         return failures
 
-    def _release_steps(self) -> list[str]:
+    def _release_steps(self, shield: Shield | None = None) -> list[str]:
         """R3: unregister (reverse) -> drop views -> unmap -> release the backing (unlink, close).
 
-        A failed step is logged; the next steps still run.
+        A failed step is logged; the next steps still run, whatever interrupts arrive (kept in ``shield``).
         """
-        return self._held.release_steps(self._release_backing)
+        return self._held.release_steps(self._release_backing, shield)
 
     def _release_backing(self) -> list[str]:
         """R3 steps after the unmap (unlink the file, close its descriptor); nothing for anonymous memory."""

@@ -111,7 +111,7 @@ class CPUOffloadingWorker:
         check_geometry(layout, gpu, region.geometries(), blocks_per_chunk)
         if region.state is not RegionState.CALLER_OWNED:
             lifecycle.step(lifecycle.REGION_TABLE, "region", region.state, lifecycle.RegionInput.ADOPT)
-        compute = backend.current_stream() if compute_stream is None else backend.compute_stream(compute_stream)
+        compute = backend.compute_stream(compute_stream)
         logger.info("Allocating %d CPU tensors...", layout.num_tensors)
         with contextlib.ExitStack() as guards:
             self._pin(region, pin_chunk_bytes, require_pinned, guards)

@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+import kvoffload_ref as kv
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag
 from kvoffload_ref.backends.sim import SimBackend, SimHang
 from kvoffload_ref.errors import DeviceError
@@ -376,3 +377,40 @@ def test_faults_faulty_backend_is_a_transparent_backend() -> None:
     assert inner.ledger.state_of("stream", id(stream)) == "live", "handles are the inner backend's own"
     be.destroy_stream(stream)
     assert inner.ledger.live() == {}
+
+
+@pytest.mark.rule("R5")
+@pytest.mark.parametrize("point", ["copy", "event_query", "event_sync"])
+@pytest.mark.parametrize("wrap", [False, True], ids=["sim", "faulty-sim"])
+def test_faults_nth_counts_a_reused_job_id_again(point: FaultPoint, wrap: bool) -> None:
+    fault = Fault(point, "hang", direction="store", job_id=5, nth=2)
+    plan = FaultPlan([fault])
+    be: Backend = FaultyBackend(SimBackend(), plan) if wrap else SimBackend(plan)
+    layout = kv.KVCacheLayout((64,), ((kv.LayerRef(0, 64),),))
+    gpu = [be.empty_device((8, 64))]
+    w = kv.create_worker(be, gpu, layout, blocks_per_chunk=1, num_cpu_chunks=4,
+                         policy=kv.ShutdownPolicy(timeout=0.5))
+    spec = kv.GPULoadStoreSpec([1], (1,), (0,))
+    w.submit_store(5, spec, kv.CPULoadStoreSpec([0]))
+    w.wait({5}, timeout=1.0)
+    assert [r.success for r in w.get_finished()] == [True] and plan.fired == []
+    w.submit_store(5, spec, kv.CPULoadStoreSpec([1]))   # the same job id again: the second matching submission
+    with pytest.raises(kv.DeadlineExceeded):
+        w.wait({5}, timeout=1.0)
+    assert plan.fired == [fault]
+    assert w.shutdown().device_sync != "ok"
+
+
+@pytest.mark.rule("R5")
+def test_faults_error_nth_counts_calls_of_a_reused_job_id() -> None:
+    fault = Fault("copy", "error", job_id=5, nth=2)
+    be = SimBackend(FaultPlan([fault]))
+    layout = kv.KVCacheLayout((64,), ((kv.LayerRef(0, 64),),))
+    w = kv.create_worker(be, [be.empty_device((8, 64))], layout, blocks_per_chunk=1, num_cpu_chunks=4)
+    spec = kv.GPULoadStoreSpec([1], (1,), (0,))
+    w.submit_store(5, spec, kv.CPULoadStoreSpec([0]))
+    w.wait({5})
+    w.get_finished()
+    with pytest.raises(kv.DeviceError, match="injected copy failure"):
+        w.submit_store(5, spec, kv.CPULoadStoreSpec([1]))
+    w.shutdown()

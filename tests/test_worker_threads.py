@@ -298,13 +298,23 @@ def _race(*fns: Callable[[], object]) -> list[Any]:
 
 @pytest.mark.rule("R19")
 def test_threads_stress_submit_racing_shutdown() -> None:
+    def submit_until_closed(w: kv.CPUOffloadingWorker) -> int:
+        for job in range(1, 400):
+            try:
+                w.submit_store(job, gspec([job % 60]), cspec([job % 16]))
+            except kv.WorkerClosedError:
+                return job
+        return 0
+
     with _fast_switching():
-        for i in range(150):
+        for i in range(200):
             be, w, _ = make_worker(timeout=TIMEOUT)
-            w.submit_store(1, gspec([1]), cspec([1]))
-            _race(functools.partial(w.submit_store, 2, gspec([2]), cspec([2])), w.shutdown)
-            report = w.shutdown()
-            assert not be.violations, i
+            submitter = run_in_thread(functools.partial(submit_until_closed, w))
+            report = w.shutdown()  # while the submitter is busy submitting
+            assert submitter.join()
+            submitted = submitter.result()
+            be.clock_advance(1.0)  # a copy queued after the release would run now, into unmapped memory
+            assert not be.violations, (i, submitted, be.violations[:1])
             _assert_accounted(be, report)
 
 

@@ -25,10 +25,15 @@ from kvoffload_ref.layout import TensorGeometry
 
 __all__ = [
     "RESOURCE_KINDS",
+    "CALL_POINTS",
     "Backend",
+    "CallHook",
     "DescriptorBuffer",
     "Event",
+    "FaultPoint",
+    "FaultSource",
     "Ledger",
+    "LostFault",
     "ResourceKind",
     "Stream",
     "Tag",
@@ -39,6 +44,31 @@ __all__ = [
 
 #: ``(direction, job_id)``; direction is ``"store"`` or ``"load"``.
 Tag = tuple[str, int]
+
+#: The backend calls where a fault can be injected (``faults.Fault``); see ``faults.py`` for their meaning.
+FaultPoint = Literal[
+    "event_query", "event_sync", "copy", "device_sync", "host_register", "host_unregister",
+    "stream_create", "event_create", "descriptor_alloc",
+]
+
+#: The point name each backend method reports to an ``on_call`` hook: a fault point's name where the method is
+#: one (``copy_batch`` -> ``"copy"``, ``query`` -> ``"event_query"``, ``synchronize`` -> ``"event_sync"``,
+#: ``prove_idle`` -> ``"device_sync"``, ``create_stream`` -> ``"stream_create"``, ``create_event`` ->
+#: ``"event_create"``, ``alloc_descriptors`` -> ``"descriptor_alloc"``, ``host_register``, ``host_unregister``),
+#: else the method's own name.
+CALL_POINTS: Final[dict[str, str]] = {
+    "copy_batch": "copy", "query": "event_query", "synchronize": "event_sync", "prove_idle": "device_sync",
+    "create_stream": "stream_create", "create_event": "event_create", "alloc_descriptors": "descriptor_alloc",
+    "host_register": "host_register", "host_unregister": "host_unregister",
+    "record": "record", "wait_event": "wait_event", "destroy_stream": "destroy_stream",
+    "destroy_event": "destroy_event", "free_descriptors": "free_descriptors", "track_host": "track_host",
+    "untrack_host": "untrack_host", "current_stream": "current_stream", "compute_stream": "compute_stream",
+    "elapsed": "elapsed", "monotonic": "monotonic", "sleep": "sleep", "empty_device": "empty_device",
+    "from_host": "from_host", "to_host": "to_host", "array_info": "array_info",
+}
+
+#: ``on_call(point, tag)``: called at the start of a backend call, before the backend takes its lock.
+CallHook = Callable[[str, "Tag | None"], None]
 
 ResourceKind = Literal["stream", "event", "descriptor", "pinned", "mapping", "shm_file"]
 RESOURCE_KINDS: Final[tuple[ResourceKind, ...]] = (
@@ -57,6 +87,36 @@ class Stream(Protocol):
 
 class Event(Protocol):
     """An opaque event handle made by one backend."""
+
+
+class LostFault(Protocol):
+    """What a backend needs of the fault that lost the device."""
+
+    @property
+    def status(self) -> int:
+        """The CUDA-style status every later call fails with."""
+        ...
+
+
+class FaultSource(Protocol):
+    """What a backend asks of a fault plan (``faults.FaultPlan`` implements it): the simulated device depends
+    on this protocol, not on ``faults.py``, so that no import circle joins them."""
+
+    def check(self, point: FaultPoint, tag: Tag | None = None) -> None:
+        """Count one call at ``point``; raise ``DeviceError`` if an error fault selects it or the device is lost."""
+        ...
+
+    def check_hang(self, point: FaultPoint, tag: Tag | None = None) -> bool:
+        """Count one call at ``point`` against hang faults; True if one fires."""
+        ...
+
+    def select_hang(self, tag: Tag | None) -> object | None:
+        """Called once per submitted transfer: the hang fault that selects it, if any."""
+        ...
+
+    def lost(self) -> LostFault | None:
+        """The sticky fault that lost the device, or None."""
+        ...
 
 
 class DescriptorBuffer:
@@ -208,7 +268,7 @@ class Ledger:
 
 @runtime_checkable
 class Backend(Protocol):
-    """What a device must offer. See ARCHITECTURE.md, "Backend protocol".
+    """What a device must offer. See docs/backends.md.
 
     Every method may raise ``DeviceError`` (with a CUDA-style ``.status``) unless it says otherwise. Release
     calls (``destroy_*``, ``free_descriptors``, ``untrack_host``) never fail; ``host_unregister`` may.
@@ -270,7 +330,20 @@ class Backend(Protocol):
 
     # -- streams and events -----------------------------------------------------------------------------------
     def current_stream(self) -> Stream:
-        """The compute stream: where the user's kernels run."""
+        """The calling thread's current stream: where its kernels run."""
+        ...
+
+    def compute_stream(self, stream: object | None = None) -> Stream:
+        """Resolve the compute stream transfers wait on (R4).
+
+        Args:
+            stream: None for the calling thread's current stream (:meth:`current_stream`); otherwise a value
+                naming a compute stream in the backend's own terms (the simulated device: a ``str`` name or one
+                of its streams; CuPy: a CuPy stream or a raw stream pointer).
+
+        Raises:
+            InvalidTransferError: a value the backend does not accept (the message says what it accepts).
+        """
         ...
 
     def create_stream(self, *, tag: Tag | None = None) -> Stream:
@@ -328,8 +401,9 @@ class Backend(Protocol):
         ...
 
     def prove_idle(self, streams: Sequence[Stream], deadline: float) -> bool:
-        """The device-level proof (R13): fresh events on the compute stream and on ``streams``, polled until
-        ``deadline`` (at least once). True if all completed; False if the deadline passed first.
+        """The device-level proof (R13): fresh events on each of ``streams`` (and on no other stream: the caller
+        lists the compute stream it needs proven), polled until ``deadline`` (at least once). True if all
+        completed; False if the deadline passed first.
 
         Raises:
             DeviceError: the device failed while proving.
@@ -364,12 +438,12 @@ def poll_until(backend: Backend, done: Callable[[], bool], deadline: float | Non
 
 
 def record_and_poll(backend: Backend, streams: Sequence[Stream], deadline: float) -> bool:
-    """The generic device-level proof: record a fresh event on the compute stream and on each stream, then
-    poll all of them until the deadline. Backends use it to implement ``prove_idle``.
+    """The generic device-level proof: record a fresh event on each of ``streams`` (only those), then poll all
+    of them until the deadline. Backends use it to implement ``prove_idle``.
 
     The events are created and destroyed here (so they pass through the ledger).
     """
-    targets = [backend.current_stream(), *streams]
+    targets = list(streams)
     events: list[Event] = []
     try:
         for stream in targets:

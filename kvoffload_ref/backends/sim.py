@@ -1,45 +1,31 @@
-"""The simulated device: a deterministic, single-threaded GPU model over real numpy memory.
+"""The simulated device: a deterministic GPU model over real numpy memory, safe to call from several threads.
 
 Theory of operation
 -------------------
-*Clock.* A virtual clock starts at 0.0. Only :meth:`SimBackend.sleep` / :meth:`SimBackend.clock_advance` move it
-forward freely; :meth:`SimBackend.synchronize` (and ``to_host``) move it to the moment what they wait for
-completes, or by ``hang_horizon`` when it never can (then :class:`SimHang`). Nothing else advances it, so every
-deadline a test sets is exact and repeatable.
-
-*Streams.* Each stream is a FIFO of ops (record, wait, copy, compute write, hang). The head op of a stream starts
-when the op before it finished (never before it was submitted) and, for a wait, once the awaited event record has
-completed. A started op sits in one global heap keyed by its finish time; its *effect* (bytes moved, event
-completed) is applied when the heap pops it. Ops finishing at the same virtual time pop latest-submitted first,
-so code that forgot a wait sees stale data instead of the convenient order. Work runs lazily: whenever a call
-observes the device (query, sleep, synchronize, a release that must know what is still pending), the heap is
-drained up to the current time. A hang op never finishes, so everything behind it on its stream, and every
-stream waiting on an event recorded behind it, never runs either. Draining costs O(log n) per op (a heap, never
-a scan of the streams): 10,000 chained transfers drain in about a quarter of a second of real time.
+*Scheduling.* A virtual clock, per-stream FIFOs of ops and one heap of started ops keyed by finish time
+(``_simsched.py``): only ``sleep``/``clock_advance`` move the clock freely, ``synchronize`` and ``to_host`` move it
+to when what they wait for completes; ops finishing at the same time apply latest-submitted first.
 
 *Memory.* Device arrays are C-contiguous 2-D uint8 numpy arrays; host mappings announced with ``track_host``
 are viewed through numpy arrays built from their raw address. Each is a *span* in an address map (``_simmem.py``,
-which also holds the copy engine). A copy is a batch of (src, dst, size) descriptors read from its descriptor
-buffer when the copy starts; every byte range must lie inside one live span, checked vectorized with
-``np.searchsorted``. The bytes move when the copy finishes, all sources read before any destination is written,
-grouped by (source span, destination span, size) with one integer key per descriptor (no sort when, as planner
-output does, each group is one contiguous segment): contiguous runs of rows move in one numpy pass each (a
-slice assignment, ``np.take`` into a run, or a fancy assignment from one); otherwise large rows move one slice
-assignment each and small rows by chunked fancy indexing over ``sliding_window_view`` windows; batches of a few
-descriptors go one by one. The sim never touches an address outside a live span (that would crash the
-interpreter): a copy whose range was unmapped or unpinned while it was pending is *poisoned* and is stopped at
-execution.
+which also holds the copy engine). A copy reads its descriptors when it starts and moves the bytes when it
+finishes, all sources read before any destination is written; every range must lie inside one live span. The
+sim never touches an address outside a live span: a copy whose range was unmapped or unpinned while it was
+pending is *poisoned* and is stopped at execution.
 
 *Violations.* Misuse that real hardware punishes late or silently is recorded in :attr:`SimBackend.violations`:
 unmapping or unpinning memory a pending copy touches, freeing a descriptor buffer a pending copy reads, a copy
 touching no live span (sticky illegal-address error, status 700, as CUDA), a double unregister, and releasing a
-handle that is not live. "Pending" includes a copy stuck behind a hang forever.
+handle that is not live. "Pending" includes a copy stuck behind a hang forever. With ``race_check`` (the
+default), two device operations touching the same bytes, one writing, that nothing orders (``dma_race``, R20;
+``_simrace.py``). docs/simulator.md is the user's guide.
 
 *Faults.* A :class:`~kvoffload_ref.faults.FaultPlan` is consulted at every fault point; see ``faults.py``. A hang
-is selected at a transfer's first tagged ``record`` on a stream other than the compute stream, and is a hang op
-queued right after that record. Once the device is lost (a sticky fault, or the sim's own illegal-address
-error) nothing queued runs any more and every call but the clock, the release calls (``destroy_*``,
-``free_descriptors``, ``untrack_host``), ``track_host``, ``array_info`` and ``current_stream`` raises.
+is selected when a transfer is submitted (its start: a tagged ``record`` on a stream other than a compute stream
+that does not close the stream's open start/end pair of that tag), and is a hang op queued right after it.
+Once the device is lost (a sticky fault, or the sim's own illegal-address error) nothing queued runs any more
+and every call but the clock, the release calls (``destroy_*``, ``free_descriptors``, ``untrack_host``),
+``track_host``, ``array_info``, ``current_stream`` and ``compute_stream`` raises.
 
 *Accounting.* Streams, events, descriptor buffers, pinned ranges and host mappings pass through the
 :class:`~kvoffload_ref.backends.base.Ledger`, only once the call that acquires them has succeeded.
@@ -47,22 +33,27 @@ error) nothing queued runs any more and every call but the clock, the release ca
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import heapq
-import itertools
-import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends._simmem import CopyPlan, Memory, Span, address, host_view
+from kvoffload_ref.backends._simcore import SimCore, describe, tag_of, transfer_name
+from kvoffload_ref.backends._simrace import Violation, ViolationKind, copy_access, rows_access
+from kvoffload_ref.backends._simsched import (
+    ComputeOp,
+    CopyOp,
+    HangOp,
+    SimEvent,
+    SimStream,
+    WaitOp,
+)
 from kvoffload_ref.backends.base import (
     Backend,
     DescriptorBuffer,
     Event,
+    FaultSource,
     Ledger,
     Stream,
     Tag,
@@ -71,252 +62,20 @@ from kvoffload_ref.backends.base import (
     record_and_poll,
 )
 from kvoffload_ref.errors import (
-    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
-    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
-    CUDA_ERROR_ILLEGAL_ADDRESS,
     CUDA_ERROR_INVALID_RESOURCE_HANDLE,
-    CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NOT_READY,
     DeviceError,
     InvalidTransferError,
+    SimHang,
 )
 
-if TYPE_CHECKING:
-    from kvoffload_ref.faults import FaultPlan, FaultPoint
-
-__all__ = ["SimBackend", "SimHang", "Violation", "ViolationKind"]
+__all__ = ["SimBackend", "SimEvent", "SimHang", "SimStream", "Violation", "ViolationKind"]
 
 I64 = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
 
-ViolationKind = Literal[
-    "unmap_under_dma", "unregister_under_dma", "descriptor_freed_under_dma", "illegal_address",
-    "double_unregister", "invalid_release",
-]
 
-
-class SimHang(BaseException):
-    """A blocking wait on the simulated device could not finish within the virtual hang horizon.
-
-    Derives from BaseException on purpose: no ``except Exception`` can swallow an unbounded wait (R11).
-    """
-
-
-@dataclasses.dataclass(frozen=True)
-class Violation:
-    """One misuse the simulated device detected.
-
-    Attributes:
-        time: virtual time of detection.
-        kind: what happened (see :data:`ViolationKind`).
-        detail: a human-readable description naming the addresses involved.
-        tag: the tag of the copy involved, if any.
-    """
-
-    time: float
-    kind: ViolationKind
-    detail: str
-    tag: Tag | None = None
-
-
-# -- streams, events and ops -----------------------------------------------------------------------------------
-
-
-class _Record:
-    """One generation of an event: completes when its record op runs."""
-
-    __slots__ = ("done_at", "waiters")
-
-    def __init__(self) -> None:
-        # Invariant: None until the record op ran; then the virtual time it completed. Never reset.
-        self.done_at: float | None = None
-        # Invariant: the streams whose head op is a wait on this record (None: none, the common case, so that
-        # most records allocate no list); None again once the record completed.
-        self.waiters: list[SimStream] | None = None
-
-
-class SimStream:
-    """A stream handle of one SimBackend."""
-
-    __slots__ = ("destroyed", "label", "owner", "queue")
-
-    def __init__(self, owner: SimBackend, label: str) -> None:
-        self.owner = owner
-        self.label = label
-        # Invariant: ops not yet finished, in submission order; queue[0] is running or blocked (wait/hang).
-        self.queue: collections.deque[_Op] = collections.deque()
-        # Invariant: True once destroyed; queued work still runs (as CUDA) but no new work is accepted.
-        self.destroyed = False
-
-    def __repr__(self) -> str:
-        return f"<SimStream {self.label}{' destroyed' if self.destroyed else ''}>"
-
-
-class SimEvent:
-    """An event handle of one SimBackend."""
-
-    __slots__ = ("destroyed", "label", "latest", "owner", "tag")
-
-    def __init__(self, owner: SimBackend, label: str) -> None:
-        self.owner = owner
-        self.label = label
-        # Invariant: the current generation; None while never recorded (such an event counts as complete).
-        self.latest: _Record | None = None
-        # Invariant: the tag of the latest record (fault selectors match it).
-        self.tag: Tag | None = None
-        self.destroyed = False
-
-    def __repr__(self) -> str:
-        return f"<SimEvent {self.label} tag={self.tag}>"
-
-
-class _Op:
-    """One unit of stream work; subclasses say what it does."""
-
-    __slots__ = ("seq", "stream", "submitted_at")
-
-    def __init__(self, stream: SimStream) -> None:
-        self.stream = stream
-        # Invariant: seq and submitted_at are set once, by _Scheduler.submit; seq is unique and increases in
-        # submission order.
-        self.seq = -1
-        self.submitted_at = 0.0
-
-
-class _RecordOp(_Op):
-    __slots__ = ("record",)
-
-    def __init__(self, stream: SimStream, record: _Record) -> None:
-        super().__init__(stream)
-        self.record = record
-
-
-class _WaitOp(_Op):
-    __slots__ = ("record",)
-
-    def __init__(self, stream: SimStream, record: _Record) -> None:
-        super().__init__(stream)
-        self.record = record
-
-
-class _HangOp(_Op):
-    """Never finishes: blocks its stream forever."""
-
-    __slots__ = ()
-
-
-class _ComputeOp(_Op):
-    __slots__ = ("delay", "rows", "target", "value")
-
-    def __init__(self, stream: SimStream, target: Bytes, rows: I64, value: int, delay: float) -> None:
-        super().__init__(stream)
-        self.target, self.rows, self.value, self.delay = target, rows, value, delay
-
-
-class _CopyOp(_Op):
-    __slots__ = ("buf", "count", "plan", "poison", "tag")
-
-    def __init__(self, stream: SimStream, buf: DescriptorBuffer, count: int, tag: Tag | None) -> None:
-        super().__init__(stream)
-        self.buf, self.count, self.tag = buf, count, tag
-        # Invariant: None until the op starts; then the descriptors as read at start, resolved to spans.
-        self.plan: CopyPlan | None = None
-        # Invariant: why the op must not touch memory (a range it uses was unmapped/unpinned), or None.
-        self.poison: str | None = None
-
-    def descriptors(self) -> tuple[I64, I64, I64]:
-        """The (src, dst, sizes) this copy uses: the snapshot once started, else the buffer's current rows."""
-        if self.plan is not None:
-            return self.plan.src, self.plan.dst, self.plan.sizes
-        n = self.count
-        return self.buf.src[:n], self.buf.dst[:n], self.buf.sizes[:n]
-
-    def touches(self, lo: int, hi: int) -> bool:
-        """Whether any descriptor's source or destination intersects [lo, hi)."""
-        src, dst, sizes = self.descriptors()
-        live = sizes > 0
-        return bool(np.any(live & (src < hi) & (src + sizes > lo)) or
-                    np.any(live & (dst < hi) & (dst + sizes > lo)))
-
-
-# -- the scheduler ---------------------------------------------------------------------------------------------
-
-
-class _Scheduler:
-    """Virtual clock, per-stream FIFOs and the heap of started ops (see the module docstring)."""
-
-    def __init__(self, duration: Callable[[_Op], float], apply: Callable[[_Op, float], None],
-                 halted: Callable[[], bool]) -> None:
-        self._duration = duration
-        self._apply = apply
-        self._halted = halted
-        # Invariant: never decreases.
-        self.now = 0.0
-        # Invariant: one entry per started op that will finish: (finish time, -seq, op); -seq makes ties pop
-        # latest-submitted first, and seq is unique so ops themselves are never compared.
-        self._heap: list[tuple[float, int, _Op]] = []
-        self._seq = itertools.count()
-
-    def submit(self, op: _Op) -> None:
-        """Append an op to its stream; start it now if the stream is idle."""
-        op.seq = next(self._seq)
-        op.submitted_at = self.now
-        queue = op.stream.queue
-        queue.append(op)
-        if len(queue) == 1:
-            self._start_head(op.stream, self.now)
-
-    def run(self, limit: float, until: Callable[[], bool] | None = None) -> bool:
-        """Apply, in order, the ops finishing at or before ``limit`` (none once the device is halted).
-
-        Returns:
-            True as soon as ``until()`` holds after an op (the clock then stands at that op's finish time).
-        """
-        while self._heap and self._heap[0][0] <= limit and not self._halted():
-            t, _, op = heapq.heappop(self._heap)
-            self.now = max(self.now, t)
-            self._finish(op, t)
-            if until is not None and until():
-                return True
-        return False
-
-    def catch_up(self) -> None:
-        """:meth:`run` up to the current time (cheap when nothing is due)."""
-        heap = self._heap
-        if heap and heap[0][0] <= self.now:
-            self.run(self.now)
-
-    def _start_head(self, stream: SimStream, t: float) -> None:
-        op = stream.queue[0]
-        if isinstance(op, _HangOp):
-            return
-        if isinstance(op, _WaitOp) and op.record.done_at is None:
-            if op.record.waiters is None:
-                op.record.waiters = [stream]
-            else:
-                op.record.waiters.append(stream)
-            return
-        start = max(t, op.submitted_at)
-        heapq.heappush(self._heap, (start + self._duration(op), -op.seq, op))
-
-    def _finish(self, op: _Op, t: float) -> None:
-        stream = op.stream
-        stream.queue.popleft()
-        if isinstance(op, _RecordOp):
-            op.record.done_at = t
-            waiters, op.record.waiters = op.record.waiters, None
-            for waiter in waiters or ():
-                self._start_head(waiter, t)
-        elif not isinstance(op, _WaitOp):
-            self._apply(op, t)
-        if stream.queue:
-            self._start_head(stream, t)
-
-
-# -- the backend -----------------------------------------------------------------------------------------------
-
-
-class SimBackend:
+class SimBackend(SimCore):
     """The deterministic simulated device (see the module docstring). Implements :class:`Backend`.
 
     Args:
@@ -326,50 +85,23 @@ class SimBackend:
         pageable_bandwidth: bytes per virtual second when a host side is not inside one pinned range.
         hang_horizon: virtual seconds a blocking wait (``synchronize``, ``to_host``) waits before it gives up
             with :class:`SimHang`.
+        race_check: detect unordered overlapping device operations (violation ``dma_race``, R20); on by
+            default.
+
+    Attributes:
+        on_call: None, or ``on_call(point, tag)`` called at the start of every public call (before the internal
+            lock is taken), with the point name of :data:`~kvoffload_ref.backends.base.CALL_POINTS` and the
+            call's tag (for ``query``/``synchronize``/``elapsed``: the tag of the event's latest record). Tests
+            use it to pause a thread at a chosen call.
+
+    Thread safety: every public call is atomic under one internal lock, except that ``prove_idle`` and the hook
+    run outside it (``prove_idle`` is made of ordinary calls).
 
     Raises:
         ValueError: a negative latency, or a non-positive bandwidth or horizon.
     """
 
     name: str = "sim"
-
-    def __init__(self, faults: FaultPlan | None = None, *, latency: float = 5e-6,
-                 pinned_bandwidth: float = 25e9, pageable_bandwidth: float = 8e9,
-                 hang_horizon: float = 3600.0) -> None:
-        if latency < 0 or min(pinned_bandwidth, pageable_bandwidth, hang_horizon) <= 0:
-            raise ValueError("latency must be >= 0; bandwidths and hang_horizon must be > 0")
-        self._plan = faults
-        self._latency, self._hang_horizon = latency, hang_horizon
-        self._pinned_bw, self._pageable_bw = pinned_bandwidth, pageable_bandwidth
-        # Invariant: held by every public method; reentrant because prove_idle calls public methods.
-        self._lock = threading.RLock()
-        self._ledger = Ledger()
-        self._memory = Memory()
-        self._sched = _Scheduler(self._op_duration, self._apply_op, self._halted)
-        self._labels = itertools.count(1)
-        # Invariant: the compute stream; never destroyed and never in the ledger.
-        self._compute = SimStream(self, "compute")
-        # Invariant: id -> handle for every live (created, not destroyed/freed) stream, event, descriptor buffer.
-        self._streams: dict[int, SimStream] = {}
-        self._events: dict[int, SimEvent] = {}
-        self._buffers: dict[int, DescriptorBuffer] = {}
-        # Invariant: id(buffer) -> number of pending copies reading it (no entry when zero).
-        self._buffer_users: collections.Counter[int] = collections.Counter()
-        # Invariant: the copies submitted and not yet executed, including those stuck behind a hang.
-        self._pending: dict[_CopyOp, None] = {}
-        # Invariant: every device array ever allocated; device memory is never freed, so no copy can touch
-        # memory that was given back.
-        self._device_arrays: list[Bytes] = []
-        self._violations: list[Violation] = []
-        # Invariant: pointers unregistered and not registered again since (to tell a double unregister).
-        self._unpinned: set[int] = set()
-        # Invariant: the tags already offered to FaultPlan.select_hang (each transfer is selected at most once).
-        self._seen_tags: set[Tag] = set()
-        # Invariant: None while healthy; once a copy hit an illegal address, why (sticky: never reset).
-        self._sticky: str | None = None
-
-    def __repr__(self) -> str:
-        return f"<SimBackend t={self._sched.now:.6g}s violations={len(self._violations)}>"
 
     # -- inspection ---------------------------------------------------------------------------------------------
 
@@ -390,7 +122,7 @@ class SimBackend:
             return list(self._violations)
 
     @property
-    def faults(self) -> FaultPlan | None:
+    def faults(self) -> FaultSource | None:
         """The fault plan this device applies, if any."""
         return self._plan
 
@@ -409,13 +141,10 @@ class SimBackend:
             InvalidTransferError: a malformed shape.
             DeviceError: the device is lost.
         """
+        if self.on_call is not None:
+            self.on_call("empty_device", None)
         with self._lock:
-            self._check_alive()
-            rows, row_bytes = _checked_shape(shape)
-            array = np.zeros((rows, row_bytes), dtype=np.uint8)
-            self._memory.add(Span(address(array), address(array) + array.nbytes, False, array.reshape(-1)))
-            self._device_arrays.append(array)
-            return array
+            return self._new_device_array(shape)
 
     def from_host(self, array: npt.NDArray[np.uint8]) -> object:
         """A new device array holding a copy of a 2-D uint8 host array.
@@ -425,10 +154,12 @@ class SimBackend:
             DeviceError: the device is lost.
         """
         if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 2:
-            raise InvalidTransferError(f"from_host needs a 2-D uint8 numpy array, got {_describe(array)}")
+            raise InvalidTransferError(f"from_host needs a 2-D uint8 numpy array, got {describe(array)}")
+        if self.on_call is not None:
+            self.on_call("from_host", None)
         with self._lock:
-            device = self.empty_device((int(array.shape[0]), int(array.shape[1])))
-            np.copyto(self._device_view(device), array)
+            device = self._new_device_array((int(array.shape[0]), int(array.shape[1])))
+            np.copyto(device, array)
             return device
 
     def to_host(self, array: object) -> npt.NDArray[np.uint8]:
@@ -441,12 +172,15 @@ class SimBackend:
             DeviceError: the device is lost (or fails while the compute stream drains).
             SimHang: the compute stream's work cannot complete within the hang horizon.
         """
+        if self.on_call is not None:
+            self.on_call("to_host", None)
         with self._lock:
             self._check_alive()
             view = self._device_view(array)
-            marker = _Record()
-            self._sched.submit(_RecordOp(self._compute, marker))
+            marker = self._submit_record(self._compute)
             self._wait_for(marker, "to_host: the compute stream's queued work")
+            if self._race is not None:   # observed; to_host itself is an inspection, never part of a race
+                self._race.observe(marker)
             return np.array(view, copy=True)
 
     def array_info(self, array: object) -> TensorGeometry:
@@ -456,87 +190,10 @@ class SimBackend:
             InvalidTransferError: anything else (another backend's array, wrong dtype, not 2-D, empty,
                 rows not contiguous).
         """
+        if self.on_call is not None:
+            self.on_call("array_info", None)
         with self._lock:
             return self._geometry(array)[0]
-
-    # -- host memory -------------------------------------------------------------------------------------------
-
-    def track_host(self, ptr: int, nbytes: int) -> None:
-        """Announce a host mapping [ptr, ptr+nbytes) (ledger kind "mapping", key ptr); copies may then use it.
-
-        The caller vouches that the memory stays mapped until :meth:`untrack_host`. No device failure applies.
-
-        Raises:
-            InvalidTransferError: a non-positive size or address, or a range overlapping live memory.
-        """
-        if ptr <= 0 or nbytes <= 0:
-            raise InvalidTransferError(f"track_host({ptr:#x}, {nbytes}): address and size must be positive")
-        with self._lock:
-            self._memory.add(Span(ptr, ptr + nbytes, True, host_view(ptr, nbytes)))
-            self._ledger.acquire("mapping", ptr)
-
-    def untrack_host(self, ptr: int) -> None:
-        """Forget the host mapping starting at ptr. Never fails.
-
-        Pending copies touching it are recorded (``unmap_under_dma``) and poisoned: they will not touch it and
-        will raise the sticky illegal-address error when they execute. An unknown ptr is recorded
-        (``invalid_release``). Ranges still pinned inside it stay registered (as after a failed unregister).
-        """
-        with self._lock:
-            self._catch_up()
-            span = self._memory.host_span_at(ptr)
-            if span is None:
-                self._violate("invalid_release", f"untrack_host({ptr:#x}): no tracked mapping starts there")
-                return
-            where = f"mapping [{span.start:#x}, {span.end:#x})"
-            self._poison_pending(span.start, span.end, "unmap_under_dma", f"{where} was untracked")
-            self._memory.remove(ptr)
-            self._ledger.release("mapping", ptr)
-
-    def host_register(self, ptr: int, nbytes: int) -> None:
-        """Pin [ptr, ptr+nbytes) of a tracked mapping (ledger kind "pinned", key ptr). Fault point.
-
-        Raises:
-            DeviceError: an injected fault or a lost device; status 1 if the range is not inside one tracked
-                mapping; 712 if it overlaps a pinned range.
-        """
-        with self._lock:
-            self._fault("host_register", None)
-            span = self._memory.span_holding(ptr, nbytes) if nbytes > 0 else None
-            if span is None or not span.is_host:
-                raise DeviceError(f"host_register({ptr:#x}, {nbytes}): not inside one tracked host mapping",
-                                  CUDA_ERROR_INVALID_VALUE)
-            if self._memory.pins_overlapping(ptr, ptr + nbytes):
-                raise DeviceError(f"host_register({ptr:#x}, {nbytes}): overlaps a pinned range",
-                                  CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
-            self._memory.pin(ptr, ptr + nbytes)
-            self._unpinned.discard(ptr)
-            self._ledger.acquire("pinned", ptr)
-
-    def host_unregister(self, ptr: int) -> None:
-        """Unpin the range registered at ptr. Fault point.
-
-        Pending copies touching the range are recorded (``unregister_under_dma``) and poisoned (they raise the
-        sticky illegal-address error when they execute).
-
-        Raises:
-            DeviceError: an injected fault or a lost device (the range stays pinned); 713 if nothing is
-                registered at ptr (a second unregister is also recorded as ``double_unregister``).
-        """
-        with self._lock:
-            self._fault("host_unregister", None)
-            if ptr not in self._memory.pinned:
-                if ptr in self._unpinned:
-                    self._violate("double_unregister", f"host_unregister({ptr:#x}) called twice")
-                raise DeviceError(f"host_unregister({ptr:#x}): not registered",
-                                  CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
-            self._catch_up()
-            end = self._memory.pinned[ptr]
-            self._poison_pending(ptr, end, "unregister_under_dma",
-                                 f"pinned range [{ptr:#x}, {end:#x}) was unregistered")
-            self._memory.unpin(ptr)
-            self._unpinned.add(ptr)
-            self._ledger.release("pinned", ptr)
 
     # -- descriptor buffers ------------------------------------------------------------------------------------
 
@@ -547,6 +204,8 @@ class SimBackend:
             InvalidTransferError: a negative capacity.
             DeviceError: an injected ``descriptor_alloc`` fault or a lost device.
         """
+        if self.on_call is not None:
+            self.on_call("descriptor_alloc", tag)
         with self._lock:
             self._fault("descriptor_alloc", tag)
             if capacity < 0:
@@ -565,6 +224,8 @@ class SimBackend:
         (``invalid_release``).
         """
         key = id(buf)
+        if self.on_call is not None:
+            self.on_call("free_descriptors", None)
         with self._lock:
             self._catch_up()
             if self._buffers.get(key) is not buf:
@@ -579,8 +240,36 @@ class SimBackend:
     # -- streams and events ------------------------------------------------------------------------------------
 
     def current_stream(self) -> Stream:
-        """The compute stream (not in the ledger)."""
+        """The default compute stream (not in the ledger). The sim has no per-thread current stream."""
+        if self.on_call is not None:
+            self.on_call("current_stream", None)
         return self._compute
+
+    def compute_stream(self, stream: object | None = None) -> Stream:
+        """Resolve a compute stream (R4: the stream transfers wait on at submission).
+
+        Args:
+            stream: None for the default compute stream (:meth:`current_stream`); a ``str`` for the named
+                compute stream of that name (created on first use; the same stream for the same name; never
+                destroyed, not in the ledger); or a stream of this device, returned as is.
+
+        Raises:
+            InvalidTransferError: anything else (another device's stream, a destroyed stream, another type).
+        """
+        if self.on_call is not None:
+            self.on_call("compute_stream", None)
+        if stream is None:
+            return self._compute
+        with self._lock:
+            if isinstance(stream, str):
+                named = self._named.get(stream)
+                if named is None:
+                    named = self._named[stream] = SimStream(self, f"compute:{stream}", compute=True)
+                return named
+            if isinstance(stream, SimStream) and stream.owner is self and not stream.destroyed:
+                return stream
+        raise InvalidTransferError(f"compute_stream: expected None, a str naming a compute stream, or a live "
+                                   f"stream of this device; got {describe(stream)}")
 
     def create_stream(self, *, tag: Tag | None = None) -> Stream:
         """A new stream (ledger kind "stream", key id(stream)).
@@ -588,6 +277,8 @@ class SimBackend:
         Raises:
             DeviceError: an injected ``stream_create`` fault or a lost device.
         """
+        if self.on_call is not None:
+            self.on_call("stream_create", tag)
         with self._lock:
             self._fault("stream_create", tag)
             stream = SimStream(self, f"s{next(self._labels)}")
@@ -598,11 +289,15 @@ class SimBackend:
     def destroy_stream(self, stream: Stream) -> None:
         """Destroy a stream; work already queued on it still runs. Never fails (misuse: ``invalid_release``)."""
         key = id(stream)
+        if self.on_call is not None:
+            self.on_call("destroy_stream", None)
         with self._lock:
             if self._streams.pop(key, None) is not stream or not isinstance(stream, SimStream):
                 self._violate("invalid_release", f"destroy_stream({stream!r}): not a live stream of this device")
                 return
             stream.destroyed = True
+            if self._race is not None:
+                self._race.forget_stream(stream)
             self._ledger.release("stream", key)
 
     def wait_event(self, stream: Stream, event: Event) -> None:
@@ -611,11 +306,15 @@ class SimBackend:
         Raises:
             DeviceError: a lost device, or a handle that is not live on this device (400).
         """
+        if self.on_call is not None:
+            self.on_call("wait_event", None)
         with self._lock:
             self._check_alive()
             target, awaited = self._own_stream(stream), self._own_event(event)
             if awaited.latest is not None:
-                self._sched.submit(_WaitOp(target, awaited.latest))
+                self._sched.submit(WaitOp(target, awaited.latest))
+                if self._race is not None:
+                    self._race.on_wait(target, awaited.latest)
 
     def create_event(self, *, tag: Tag | None = None) -> Event:
         """A new event (ledger kind "event", key id(event)); it counts as complete until recorded.
@@ -623,6 +322,8 @@ class SimBackend:
         Raises:
             DeviceError: an injected ``event_create`` fault or a lost device.
         """
+        if self.on_call is not None:
+            self.on_call("event_create", tag)
         with self._lock:
             self._fault("event_create", tag)
             event = SimEvent(self, f"e{next(self._labels)}")
@@ -633,6 +334,8 @@ class SimBackend:
     def destroy_event(self, event: Event) -> None:
         """Destroy an event. Never fails (misuse: ``invalid_release``)."""
         key = id(event)
+        if self.on_call is not None:
+            self.on_call("destroy_event", None)
         with self._lock:
             if self._events.pop(key, None) is not event or not isinstance(event, SimEvent):
                 self._violate("invalid_release", f"destroy_event({event!r}): not a live event of this device")
@@ -643,19 +346,22 @@ class SimBackend:
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
         """Start a new generation of the event, completing once the work queued on the stream before it ran.
 
-        The first tagged record of a tag on a stream other than the compute stream submits the transfer to
-        ``FaultPlan.select_hang``; if a hang is selected, the stream blocks forever right after this record.
+        On a stream other than a compute stream, a transfer's tagged records come in pairs (start, end): a
+        tagged record that does not close an open pair of the same tag *submits* a transfer and offers it to
+        ``FaultPlan.select_hang`` (so ``nth`` counts submissions, a reused job id included); if a hang is
+        selected, the stream blocks forever right after this record.
 
         Raises:
             DeviceError: a lost device, or a handle that is not live on this device (400).
         """
+        if self.on_call is not None:
+            self.on_call("record", tag)
         with self._lock:
             self._check_alive()
             target, recorded = self._own_stream(stream), self._own_event(event)
-            recorded.latest, recorded.tag = _Record(), tag
-            self._sched.submit(_RecordOp(target, recorded.latest))
+            recorded.latest, recorded.tag = self._submit_record(target), tag
             if self._selects_hang(target, tag):
-                self._sched.submit(_HangOp(target))
+                self._sched.submit(HangOp(target))
 
     def query(self, event: Event) -> bool:
         """Whether the event's latest record completed (True if never recorded). Runs work due by now.
@@ -664,6 +370,8 @@ class SimBackend:
             DeviceError: an injected ``event_query`` fault (matched on the event's tag), a lost device, the
                 sticky illegal-address error (700), or a handle that is not live (400).
         """
+        if self.on_call is not None:
+            self.on_call("event_query", tag_of(event))
         with self._lock:
             recorded = self._own_event(event)
             if self._plan is not None or self._sticky is not None:  # else _fault and _check_alive do nothing
@@ -672,7 +380,13 @@ class SimBackend:
             if self._plan is not None or self._sticky is not None:
                 self._check_alive()
             latest = recorded.latest
-            return latest is None or latest.done_at is not None
+            if latest is None:
+                return True
+            if latest.done_at is None:
+                return False
+            if self._race is not None:
+                self._race.observe(latest)
+            return True
 
     def synchronize(self, event: Event) -> None:
         """Advance the clock until the event's latest record completes.
@@ -682,11 +396,15 @@ class SimBackend:
                 a handle that is not live.
             SimHang: the record cannot complete within the hang horizon (the clock then advanced by it).
         """
+        if self.on_call is not None:
+            self.on_call("event_sync", tag_of(event))
         with self._lock:
             recorded = self._own_event(event)
             self._fault("event_sync", recorded.tag)
             if recorded.latest is not None:
                 self._wait_for(recorded.latest, f"synchronize({recorded!r})")
+                if self._race is not None:
+                    self._race.observe(recorded.latest)
 
     def elapsed(self, start: Event, end: Event) -> float:
         """Virtual seconds between the completions of two events' latest records.
@@ -695,6 +413,8 @@ class SimBackend:
             DeviceError: 600 if either has not completed (or was never recorded); a lost device; 400 for a
                 handle that is not live.
         """
+        if self.on_call is not None:
+            self.on_call("elapsed", tag_of(end))
         with self._lock:
             self._check_alive()
             self._catch_up()
@@ -716,6 +436,8 @@ class SimBackend:
             InvalidTransferError: ``count`` outside [0, capacity].
             DeviceError: an injected ``copy`` fault, a lost device, or a stream or buffer that is not live (400).
         """
+        if self.on_call is not None:
+            self.on_call("copy", tag)
         with self._lock:
             target = self._own_stream(stream)
             self._fault("copy", tag)
@@ -724,7 +446,9 @@ class SimBackend:
                                   CUDA_ERROR_INVALID_RESOURCE_HANDLE)
             if not 0 <= count <= buf.capacity:
                 raise InvalidTransferError(f"copy_batch: count {count} outside [0, {buf.capacity}]")
-            op = _CopyOp(target, buf, count, tag)
+            op = CopyOp(target, buf, count, tag)
+            if self._race is not None:
+                self._check_race(target, transfer_name(tag, target), tag, copy_access(buf, count))
             self._pending[op] = None
             self._buffer_users[id(buf)] += 1
             self._sched.submit(op)
@@ -733,6 +457,8 @@ class SimBackend:
 
     def monotonic(self) -> float:
         """The virtual clock, in seconds."""
+        if self.on_call is not None:
+            self.on_call("monotonic", None)
         with self._lock:
             return self._sched.now
 
@@ -742,6 +468,8 @@ class SimBackend:
         Raises:
             ValueError: a negative duration.
         """
+        if self.on_call is not None:
+            self.on_call("sleep", None)
         if seconds < 0:
             raise ValueError(f"cannot sleep a negative time ({seconds})")
         with self._lock:
@@ -755,8 +483,10 @@ class SimBackend:
         self.sleep(seconds)
 
     def prove_idle(self, streams: Sequence[Stream], deadline: float) -> bool:
-        """The device-level proof (R13): fresh events on the compute stream and ``streams``, polled until
-        ``deadline`` (at least once). Fault point ``device_sync``.
+        """The device-level proof (R13): fresh events on each of ``streams`` (only those), polled until
+        ``deadline`` (at least once). Fault point ``device_sync``. Runs outside the internal lock: it is made of
+        ordinary calls (``create_event``, ``record``, ``query``, ``sleep``...), each atomic and each reported to
+        ``on_call``.
 
         Returns:
             True if every fresh event completed; False at the deadline (always, under a ``device_sync`` hang,
@@ -765,26 +495,37 @@ class SimBackend:
         Raises:
             DeviceError: an injected fault or a lost device.
         """
+        if self.on_call is not None:
+            self.on_call("device_sync", None)
         with self._lock:
             # Both kinds count this call (nth counts every call at the point); an error wins over a hang.
             hang = self._plan is not None and self._plan.check_hang("device_sync")
             self._fault("device_sync", None)
-            if hang:
-                poll_until(self, lambda: False, deadline)
-                return False
-            return record_and_poll(self, streams, deadline)
+        if hang:
+            poll_until(self, lambda: False, deadline)
+            return False
+        return record_and_poll(self, streams, deadline)
 
     # -- test helpers ------------------------------------------------------------------------------------------
 
-    def enqueue_compute_write(self, dev: object, rows: npt.ArrayLike, value: int, delay: float) -> None:
-        """Test helper: queue on the compute stream a kernel that runs ``delay`` virtual seconds and then
-        writes byte ``value`` into the given rows of ``dev``.
+    def enqueue_compute_write(self, dev: object, rows: npt.ArrayLike, value: int, delay: float, *,
+                              stream: object | None = None) -> None:
+        """Test helper: queue on a compute stream a kernel that runs ``delay`` virtual seconds and then writes
+        byte ``value`` into the given rows of ``dev``.
+
+        Args:
+            dev: a device array of this backend.
+            rows: the row indices to write.
+            value: the byte written.
+            delay: virtual seconds the kernel runs.
+            stream: the compute stream, as :meth:`compute_stream` resolves it (None: the default one).
 
         Raises:
             InvalidTransferError: not a device array of this backend, a row out of range, a value outside
-                0..255, or a negative delay.
+                0..255, a negative delay, or a stream :meth:`compute_stream` refuses.
             DeviceError: the device is lost.
         """
+        target_stream = cast(SimStream, self.compute_stream(stream))
         with self._lock:
             self._check_alive()
             target = self._device_view(dev)
@@ -793,136 +534,10 @@ class SimBackend:
                 raise InvalidTransferError(f"enqueue_compute_write: rows outside [0, {target.shape[0]})")
             if not 0 <= value <= 255 or delay < 0:
                 raise InvalidTransferError("enqueue_compute_write: value must be a byte and delay >= 0")
-            self._sched.submit(_ComputeOp(self._compute, target, picked, value, delay))
-
-    # -- internals ---------------------------------------------------------------------------------------------
-
-    def _halted(self) -> bool:
-        return self._sticky is not None or (self._plan is not None and self._plan.lost() is not None)
-
-    def _check_alive(self) -> None:
-        if self._sticky is not None:
-            raise DeviceError(f"device has a sticky illegal-address error: {self._sticky}",
-                              CUDA_ERROR_ILLEGAL_ADDRESS)
-        lost = self._plan.lost() if self._plan is not None else None
-        if lost is not None:
-            raise DeviceError(f"device lost earlier ({lost!r})", lost.status)
-
-    def _fault(self, point: FaultPoint, tag: Tag | None) -> None:
-        if self._plan is not None:
-            self._plan.check(point, tag)
-        self._check_alive()
-
-    def _catch_up(self) -> None:
-        self._sched.catch_up()
-
-    def _wait_for(self, record: _Record, what: str) -> None:
-        """Run work until ``record`` completes; past the hang horizon, advance the clock by it and raise."""
-        start = self._sched.now
-        done = record.done_at is not None or self._sched.run(
-            start + self._hang_horizon, until=lambda: record.done_at is not None)
-        self._check_alive()
-        if not done:
-            self._sched.now = max(self._sched.now, start + self._hang_horizon)
-            raise SimHang(f"{what} did not complete within {self._hang_horizon} virtual seconds "
-                          "(hung work, or work waiting on hung work)")
-
-    def _selects_hang(self, stream: SimStream, tag: Tag | None) -> bool:
-        if self._plan is None or tag is None or stream is self._compute or tag in self._seen_tags:
-            return False
-        self._seen_tags.add(tag)
-        return self._plan.select_hang(tag) is not None
-
-    def _violate(self, kind: ViolationKind, detail: str, tag: Tag | None = None) -> None:
-        self._violations.append(Violation(self._sched.now, kind, detail, tag))
-
-    def _poison_pending(self, lo: int, hi: int, kind: ViolationKind, why: str) -> None:
-        for op in self._pending:
-            if op.touches(lo, hi):
-                self._violate(kind, f"copy {op.tag} is pending while {why}", op.tag)
-                op.poison = op.poison or f"{why} while the copy was pending"
-
-    def _op_duration(self, op: _Op) -> float:
-        if isinstance(op, _ComputeOp):
-            return op.delay
-        if not isinstance(op, _CopyOp):
-            return 0.0
-        n = op.count
-        op.plan, slow = self._memory.plan(op.buf.src[:n].copy(), op.buf.dst[:n].copy(), op.buf.sizes[:n].copy())
-        total = int(op.plan.sizes[op.plan.sizes > 0].sum())
-        return self._latency + (total - slow) / self._pinned_bw + slow / self._pageable_bw
-
-    def _apply_op(self, op: _Op, t: float) -> None:
-        if isinstance(op, _ComputeOp):
-            op.target[op.rows] = op.value
-        elif isinstance(op, _CopyOp):
-            self._execute_copy(op)
-
-    def _execute_copy(self, op: _CopyOp) -> None:
-        del self._pending[op]
-        self._buffer_users[id(op.buf)] -= 1
-        if not self._buffer_users[id(op.buf)]:
-            del self._buffer_users[id(op.buf)]
-        plan = op.plan
-        bad = plan.first_bad() if plan is not None else None
-        if plan is not None and op.poison is None and bad is None:
-            plan.execute()
-            return
-        detail = op.poison or _outside_detail(op, bad)
-        self._violate("illegal_address", f"copy {op.tag}: {detail}", op.tag)
-        self._sticky = detail
-
-    def _own_stream(self, stream: Stream) -> SimStream:
-        if isinstance(stream, SimStream) and stream.owner is self and not stream.destroyed:
-            return stream
-        raise DeviceError(f"{stream!r} is not a live stream of this device", CUDA_ERROR_INVALID_RESOURCE_HANDLE)
-
-    def _own_event(self, event: Event) -> SimEvent:
-        if isinstance(event, SimEvent) and event.owner is self and not event.destroyed:
-            return event
-        raise DeviceError(f"{event!r} is not a live event of this device", CUDA_ERROR_INVALID_RESOURCE_HANDLE)
-
-    def _geometry(self, array: object) -> tuple[TensorGeometry, npt.NDArray[np.uint8]]:
-        if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 2:
-            raise InvalidTransferError(f"expected a 2-D uint8 sim device array, got {_describe(array)}")
-        rows, row_bytes = (int(n) for n in array.shape)
-        stride, column_stride = (int(n) for n in array.strides)
-        if rows == 0 or row_bytes == 0 or column_stride != 1 or (rows > 1 and stride < row_bytes):
-            raise InvalidTransferError(f"sim device arrays must be non-empty with contiguous, non-overlapping "
-                                       f"rows; got shape {array.shape}, strides {array.strides}")
-        stride = stride if rows > 1 else max(stride, row_bytes)
-        ptr = address(array)
-        span = self._memory.span_holding(ptr, (rows - 1) * stride + row_bytes)
-        if span is None or span.is_host:
-            raise InvalidTransferError(f"array at {ptr:#x} is not a device array of this backend")
-        return TensorGeometry(ptr, rows, row_bytes, stride), array
-
-    def _device_view(self, array: object) -> npt.NDArray[np.uint8]:
-        return self._geometry(array)[1]
-
-
-def _checked_shape(shape: tuple[int, int]) -> tuple[int, int]:
-    try:
-        rows, row_bytes = (int(n) for n in shape)
-    except (TypeError, ValueError):
-        raise InvalidTransferError(f"shape must be (rows, row_bytes), got {shape!r}") from None
-    if rows <= 0 or row_bytes <= 0:
-        raise InvalidTransferError(f"shape must be positive, got {shape!r}")
-    return rows, row_bytes
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, np.ndarray):
-        return f"an ndarray of dtype {value.dtype} and shape {value.shape}"
-    return type(value).__name__
-
-
-def _outside_detail(op: _CopyOp, bad: int | None) -> str:
-    if bad is None:
-        return "descriptors never read"
-    src, dst, sizes = op.descriptors()
-    return (f"descriptor {bad} (src {int(src[bad]):#x}, dst {int(dst[bad]):#x}, {int(sizes[bad])} bytes) "
-            "touches memory outside every live span")
+            if self._race is not None:
+                name = f"compute work on stream {target_stream.label!r}"
+                self._check_race(target_stream, name, None, rows_access(target, picked))
+            self._sched.submit(ComputeOp(target_stream, target, picked, value, delay))
 
 
 if TYPE_CHECKING:

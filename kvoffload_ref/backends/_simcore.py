@@ -1,0 +1,372 @@
+"""The simulated device's state, its host-memory calls and its internal mechanics; ``sim.py`` builds the rest
+of the public facade on it.
+
+:class:`SimCore` holds what a :class:`~kvoffload_ref.backends.sim.SimBackend` knows (the address map, the
+scheduler, live handles, pending copies, violations, the race detector) and the steps its public calls share:
+fault checks, waiting for a record within the hang horizon, poisoning pending copies, timing and applying ops,
+resolving handles and arrays, and naming memory in violations. It also implements the host-memory calls
+(``track_host``, ``untrack_host``, ``host_register``, ``host_unregister``). See ``sim.py`` for the theory of operation.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref.backends._simmem import Memory, Span, address, host_view
+from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, ViolationKind
+from kvoffload_ref.backends._simsched import (
+    ComputeOp,
+    CopyOp,
+    Op,
+    Record,
+    RecordOp,
+    Scheduler,
+    SimEvent,
+    SimStream,
+)
+from kvoffload_ref.backends.base import (
+    CallHook,
+    DescriptorBuffer,
+    Event,
+    FaultPoint,
+    FaultSource,
+    Ledger,
+    Stream,
+    Tag,
+    TensorGeometry,
+)
+from kvoffload_ref.errors import (
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
+    CUDA_ERROR_ILLEGAL_ADDRESS,
+    CUDA_ERROR_INVALID_RESOURCE_HANDLE,
+    CUDA_ERROR_INVALID_VALUE,
+    DeviceError,
+    InvalidTransferError,
+    SimHang,
+)
+
+__all__ = ["SimCore", "checked_shape", "describe", "tag_of", "transfer_name"]
+
+Bytes = npt.NDArray[np.uint8]
+
+
+class SimCore:
+    """State and internal steps of the simulated device (the constructor's arguments: see ``SimBackend``).
+
+    Raises:
+        ValueError: a negative latency, or a non-positive bandwidth or horizon.
+    """
+
+    def __init__(self, faults: FaultSource | None = None, *, latency: float = 5e-6,
+                 pinned_bandwidth: float = 25e9, pageable_bandwidth: float = 8e9,
+                 hang_horizon: float = 3600.0, race_check: bool = True) -> None:
+        if latency < 0 or min(pinned_bandwidth, pageable_bandwidth, hang_horizon) <= 0:
+            raise ValueError("latency must be >= 0; bandwidths and hang_horizon must be > 0")
+        self._plan = faults
+        self._latency, self._hang_horizon = latency, hang_horizon
+        self._pinned_bw, self._pageable_bw = pinned_bandwidth, pageable_bandwidth
+        # Invariant: held by every public method but prove_idle (and never while calling on_call).
+        self._lock = threading.RLock()
+        self.on_call: CallHook | None = None
+        self._ledger = Ledger()
+        self._memory = Memory()
+        self._sched = Scheduler(self._op_duration, self._apply_op, self._halted)
+        self._labels = itertools.count(1)
+        # Invariant: the compute stream; never destroyed and never in the ledger.
+        self._compute = SimStream(self, "compute", compute=True)
+        # Invariant: name -> the named compute stream (compute_stream(name)); never destroyed, not in the ledger.
+        self._named: dict[str, SimStream] = {}
+        # Invariant: None when race_check is off; else tracks happens-before over every memory op (R20).
+        self._race = RaceDetector(self._name_range) if race_check else None
+        # Invariant: id -> handle for every live (created, not destroyed/freed) stream, event, descriptor buffer.
+        self._streams: dict[int, SimStream] = {}
+        self._events: dict[int, SimEvent] = {}
+        self._buffers: dict[int, DescriptorBuffer] = {}
+        # Invariant: id(buffer) -> number of pending copies reading it (no entry when zero).
+        self._buffer_users: collections.Counter[int] = collections.Counter()
+        # Invariant: the copies submitted and not yet executed, including those stuck behind a hang.
+        self._pending: dict[CopyOp, None] = {}
+        # Invariant: every device array ever allocated; device memory is never freed, so no copy can touch
+        # memory that was given back.
+        self._device_arrays: list[Bytes] = []
+        # Invariant: start address -> index in _device_arrays (for naming memory in violations).
+        self._device_index: dict[int, int] = {}
+        self._violations: list[Violation] = []
+        # Invariant: pointers unregistered and not registered again since (to tell a double unregister).
+        self._unpinned: set[int] = set()
+        # Invariant: None while healthy; once a copy hit an illegal address, why (sticky: never reset).
+        self._sticky: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<SimBackend t={self._sched.now:.6g}s violations={len(self._violations)}>"
+
+    # -- host memory -------------------------------------------------------------------------------------------
+
+    def track_host(self, ptr: int, nbytes: int) -> None:
+        """Announce a host mapping [ptr, ptr+nbytes) (ledger kind "mapping", key ptr); copies may then use it.
+
+        The caller vouches that the memory stays mapped until :meth:`untrack_host`. No device failure applies.
+
+        Raises:
+            InvalidTransferError: a non-positive size or address, or a range overlapping live memory.
+        """
+        if ptr <= 0 or nbytes <= 0:
+            raise InvalidTransferError(f"track_host({ptr:#x}, {nbytes}): address and size must be positive")
+        if self.on_call is not None:
+            self.on_call("track_host", None)
+        with self._lock:
+            self._memory.add(Span(ptr, ptr + nbytes, True, host_view(ptr, nbytes)))
+            self._ledger.acquire("mapping", ptr)
+
+    def untrack_host(self, ptr: int) -> None:
+        """Forget the host mapping starting at ptr. Never fails.
+
+        Pending copies touching it are recorded (``unmap_under_dma``) and poisoned: they will not touch it and
+        will raise the sticky illegal-address error when they execute. An unknown ptr is recorded
+        (``invalid_release``). Ranges still pinned inside it stay registered (as after a failed unregister).
+        """
+        if self.on_call is not None:
+            self.on_call("untrack_host", None)
+        with self._lock:
+            self._catch_up()
+            span = self._memory.host_span_at(ptr)
+            if span is None:
+                self._violate("invalid_release", f"untrack_host({ptr:#x}): no tracked mapping starts there")
+                return
+            where = f"mapping [{span.start:#x}, {span.end:#x})"
+            self._poison_pending(span.start, span.end, "unmap_under_dma", f"{where} was untracked")
+            self._memory.remove(ptr)
+            self._ledger.release("mapping", ptr)
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        """Pin [ptr, ptr+nbytes) of a tracked mapping (ledger kind "pinned", key ptr). Fault point.
+
+        Raises:
+            DeviceError: an injected fault or a lost device; status 1 if the range is not inside one tracked
+                mapping; 712 if it overlaps a pinned range.
+        """
+        if self.on_call is not None:
+            self.on_call("host_register", None)
+        with self._lock:
+            self._fault("host_register", None)
+            span = self._memory.span_holding(ptr, nbytes) if nbytes > 0 else None
+            if span is None or not span.is_host:
+                raise DeviceError(f"host_register({ptr:#x}, {nbytes}): not inside one tracked host mapping",
+                                  CUDA_ERROR_INVALID_VALUE)
+            if self._memory.pins_overlapping(ptr, ptr + nbytes):
+                raise DeviceError(f"host_register({ptr:#x}, {nbytes}): overlaps a pinned range",
+                                  CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
+            self._memory.pin(ptr, ptr + nbytes)
+            self._unpinned.discard(ptr)
+            self._ledger.acquire("pinned", ptr)
+
+    def host_unregister(self, ptr: int) -> None:
+        """Unpin the range registered at ptr. Fault point.
+
+        Pending copies touching the range are recorded (``unregister_under_dma``) and poisoned (they raise the
+        sticky illegal-address error when they execute).
+
+        Raises:
+            DeviceError: an injected fault or a lost device (the range stays pinned); 713 if nothing is
+                registered at ptr (a second unregister is also recorded as ``double_unregister``).
+        """
+        if self.on_call is not None:
+            self.on_call("host_unregister", None)
+        with self._lock:
+            self._fault("host_unregister", None)
+            if ptr not in self._memory.pinned:
+                if ptr in self._unpinned:
+                    self._violate("double_unregister", f"host_unregister({ptr:#x}) called twice")
+                raise DeviceError(f"host_unregister({ptr:#x}): not registered",
+                                  CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+            self._catch_up()
+            end = self._memory.pinned[ptr]
+            self._poison_pending(ptr, end, "unregister_under_dma",
+                                 f"pinned range [{ptr:#x}, {end:#x}) was unregistered")
+            self._memory.unpin(ptr)
+            self._unpinned.add(ptr)
+            self._ledger.release("pinned", ptr)
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _halted(self) -> bool:
+        return self._sticky is not None or (self._plan is not None and self._plan.lost() is not None)
+
+    def _check_alive(self) -> None:
+        if self._sticky is not None:
+            raise DeviceError(f"device has a sticky illegal-address error: {self._sticky}",
+                              CUDA_ERROR_ILLEGAL_ADDRESS)
+        lost = self._plan.lost() if self._plan is not None else None
+        if lost is not None:
+            raise DeviceError(f"device lost earlier ({lost!r})", lost.status)
+
+    def _fault(self, point: FaultPoint, tag: Tag | None) -> None:
+        if self._plan is not None:
+            self._plan.check(point, tag)
+        self._check_alive()
+
+    def _catch_up(self) -> None:
+        self._sched.catch_up()
+
+    def _wait_for(self, record: Record, what: str) -> None:
+        """Run work until ``record`` completes; past the hang horizon, advance the clock by it and raise."""
+        start = self._sched.now
+        done = record.done_at is not None or self._sched.run(
+            start + self._hang_horizon, until=lambda: record.done_at is not None)
+        self._check_alive()
+        if not done:
+            self._sched.now = max(self._sched.now, start + self._hang_horizon)
+            raise SimHang(f"{what} did not complete within {self._hang_horizon} virtual seconds "
+                          "(hung work, or work waiting on hung work)")
+
+    def _selects_hang(self, stream: SimStream, tag: Tag | None) -> bool:
+        """Whether this tagged record submits a transfer that a hang fault selects (see :meth:`record`)."""
+        if tag is None or stream.compute:
+            return False
+        if stream.hang_tag == tag:   # the transfer's end record closes its pair
+            stream.hang_tag = None
+            return False
+        stream.hang_tag = tag
+        return self._plan is not None and self._plan.select_hang(tag) is not None
+
+    def _submit_record(self, stream: SimStream) -> Record:
+        record = Record()
+        self._sched.submit(RecordOp(stream, record))
+        if self._race is not None:
+            self._race.on_record(stream, record)
+        return record
+
+    def _check_race(self, stream: SimStream, name: str, tag: Tag | None, access: Access) -> None:
+        assert self._race is not None   # callers check; an internal invariant, not user input
+        for detail, found, pair in self._race.on_op(stream, name, tag, access):
+            self._violate("dma_race", detail, found, pair)
+
+    def _name_range(self, lo: int, hi: int) -> str:
+        """Names [lo, hi) for a violation: a device array's rows, or bytes of a host mapping."""
+        span = self._memory.span_holding(lo, max(hi - lo, 0))
+        if span is None:
+            return f"bytes [{lo:#x}, {hi:#x})"
+        if span.is_host:
+            return f"host mapping {span.start:#x} bytes [{lo - span.start}, {hi - span.start})"
+        index = self._device_index[span.start]
+        array = self._device_arrays[index]
+        stride = int(array.strides[0])
+        first, last = (lo - span.start) // stride, (hi - 1 - span.start) // stride
+        rows = f"row {first}" if first == last else f"rows {first}..{last}"
+        return f"device array {index} ({array.shape[0]}x{array.shape[1]}) {rows}"
+
+    def _new_device_array(self, shape: tuple[int, int]) -> Bytes:
+        self._check_alive()
+        rows, row_bytes = checked_shape(shape)
+        array = np.zeros((rows, row_bytes), dtype=np.uint8)
+        self._memory.add(Span(address(array), address(array) + array.nbytes, False, array.reshape(-1)))
+        self._device_index[address(array)] = len(self._device_arrays)
+        self._device_arrays.append(array)
+        return array
+
+    def _violate(self, kind: ViolationKind, detail: str, tag: Tag | None = None,
+                 pair: tuple[int, int] | None = None) -> None:
+        self._violations.append(Violation(self._sched.now, kind, detail, tag, pair))
+
+    def _poison_pending(self, lo: int, hi: int, kind: ViolationKind, why: str) -> None:
+        for op in self._pending:
+            if op.touches(lo, hi):
+                self._violate(kind, f"copy {op.tag} is pending while {why}", op.tag)
+                op.poison = op.poison or f"{why} while the copy was pending"
+
+    def _op_duration(self, op: Op) -> float:
+        if isinstance(op, ComputeOp):
+            return op.delay
+        if not isinstance(op, CopyOp):
+            return 0.0
+        n = op.count
+        op.plan, slow = self._memory.plan(op.buf.src[:n].copy(), op.buf.dst[:n].copy(), op.buf.sizes[:n].copy())
+        total = int(op.plan.sizes[op.plan.sizes > 0].sum())
+        return self._latency + (total - slow) / self._pinned_bw + slow / self._pageable_bw
+
+    def _apply_op(self, op: Op, t: float) -> None:
+        if isinstance(op, ComputeOp):
+            op.target[op.rows] = op.value
+        elif isinstance(op, CopyOp):
+            self._execute_copy(op)
+
+    def _execute_copy(self, op: CopyOp) -> None:
+        del self._pending[op]
+        self._buffer_users[id(op.buf)] -= 1
+        if not self._buffer_users[id(op.buf)]:
+            del self._buffer_users[id(op.buf)]
+        plan = op.plan
+        bad = plan.first_bad() if plan is not None else None
+        if plan is not None and op.poison is None and bad is None:
+            plan.execute()
+            return
+        detail = op.poison or _outside_detail(op, bad)
+        self._violate("illegal_address", f"copy {op.tag}: {detail}", op.tag)
+        self._sticky = detail
+
+    def _own_stream(self, stream: Stream) -> SimStream:
+        if isinstance(stream, SimStream) and stream.owner is self and not stream.destroyed:
+            return stream
+        raise DeviceError(f"{stream!r} is not a live stream of this device", CUDA_ERROR_INVALID_RESOURCE_HANDLE)
+
+    def _own_event(self, event: Event) -> SimEvent:
+        if isinstance(event, SimEvent) and event.owner is self and not event.destroyed:
+            return event
+        raise DeviceError(f"{event!r} is not a live event of this device", CUDA_ERROR_INVALID_RESOURCE_HANDLE)
+
+    def _geometry(self, array: object) -> tuple[TensorGeometry, npt.NDArray[np.uint8]]:
+        if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 2:
+            raise InvalidTransferError(f"expected a 2-D uint8 sim device array, got {describe(array)}")
+        rows, row_bytes = (int(n) for n in array.shape)
+        stride, column_stride = (int(n) for n in array.strides)
+        if rows == 0 or row_bytes == 0 or column_stride != 1 or (rows > 1 and stride < row_bytes):
+            raise InvalidTransferError(f"sim device arrays must be non-empty with contiguous, non-overlapping "
+                                       f"rows; got shape {array.shape}, strides {array.strides}")
+        stride = stride if rows > 1 else max(stride, row_bytes)
+        ptr = address(array)
+        span = self._memory.span_holding(ptr, (rows - 1) * stride + row_bytes)
+        if span is None or span.is_host:
+            raise InvalidTransferError(f"array at {ptr:#x} is not a device array of this backend")
+        return TensorGeometry(ptr, rows, row_bytes, stride), array
+
+    def _device_view(self, array: object) -> npt.NDArray[np.uint8]:
+        return self._geometry(array)[1]
+
+
+def tag_of(event: Event) -> Tag | None:
+    """The tag of an event's latest record, read without the lock (for the call hook only)."""
+    return event.tag if isinstance(event, SimEvent) else None
+
+
+def transfer_name(tag: Tag | None, stream: SimStream) -> str:
+    return f"{tag[0]} job {tag[1]}" if tag is not None else f"an untagged copy on {stream.label}"
+
+
+def checked_shape(shape: tuple[int, int]) -> tuple[int, int]:
+    try:
+        rows, row_bytes = (int(n) for n in shape)
+    except (TypeError, ValueError):
+        raise InvalidTransferError(f"shape must be (rows, row_bytes), got {shape!r}") from None
+    if rows <= 0 or row_bytes <= 0:
+        raise InvalidTransferError(f"shape must be positive, got {shape!r}")
+    return rows, row_bytes
+
+
+def describe(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"an ndarray of dtype {value.dtype} and shape {value.shape}"
+    return type(value).__name__
+
+
+def _outside_detail(op: CopyOp, bad: int | None) -> str:
+    if bad is None:
+        return "descriptors never read"
+    src, dst, sizes = op.descriptors()
+    return (f"descriptor {bad} (src {int(src[bad]):#x}, dst {int(dst[bad]):#x}, {int(sizes[bad])} bytes) "
+            "touches memory outside every live span")

@@ -1,0 +1,244 @@
+"""The simulated device's scheduler: streams, event records, ops, and the heap of ops due by virtual time.
+
+Theory of operation
+-------------------
+*Clock.* A virtual clock starts at 0.0. Only the backend's ``sleep`` / ``clock_advance`` move it forward freely;
+``synchronize`` (and ``to_host``) move it to the moment what they wait for completes, or by the hang horizon when
+it never can. Nothing else advances it, so every deadline a test sets is exact and repeatable.
+
+*Streams.* Each stream is a FIFO of ops (record, wait, copy, compute write, hang). The head op of a stream starts
+when the op before it finished (never before it was submitted) and, for a wait, once the awaited event record has
+completed. A started op sits in one global heap keyed by its finish time; its *effect* (bytes moved, event
+completed) is applied when the heap pops it. Ops finishing at the same virtual time pop latest-submitted first
+(the *tie order*), so code that forgot a wait sees stale data instead of the convenient order. Work runs lazily:
+whenever a call observes the device, the heap is drained up to the current time. A hang op never finishes, so
+everything behind it on its stream, and every stream waiting on an event recorded behind it, never runs either.
+Draining costs O(log n) per op (a heap, never a scan of the streams).
+
+Nothing here touches memory or knows about faults: :class:`Scheduler` calls back ``duration`` when an op starts
+and ``apply`` when it finishes.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref.backends._simmem import CopyPlan
+from kvoffload_ref.backends.base import DescriptorBuffer, Tag
+
+__all__ = [
+    "ComputeOp", "CopyOp", "HangOp", "Op", "Record", "RecordOp", "Scheduler", "SimEvent", "SimStream", "WaitOp",
+]
+
+I64 = npt.NDArray[np.int64]
+Bytes = npt.NDArray[np.uint8]
+
+#: A happens-before clock (see ``_simrace.py``): lane -> the count of that lane's last op known to precede.
+Clock = dict[int, int]
+_EMPTY: Clock = {}
+
+
+class Record:
+    """One generation of an event: completes when its record op runs."""
+
+    __slots__ = ("clock", "done_at", "waiters")
+
+    def __init__(self) -> None:
+        # Invariant: what the record's stream had been ordered after when it was recorded (the race detector's
+        # snapshot; never mutated, may be shared with the stream).
+        self.clock: Clock = _EMPTY
+        # Invariant: None until the record op ran; then the virtual time it completed. Never reset.
+        self.done_at: float | None = None
+        # Invariant: the streams whose head op is a wait on this record (None: none, the common case, so that
+        # most records allocate no list); None again once the record completed.
+        self.waiters: list[SimStream] | None = None
+
+
+class SimStream:
+    """A stream handle of one SimBackend."""
+
+    __slots__ = ("clock", "compute", "destroyed", "hang_tag", "label", "lane", "owner", "queue")
+
+    def __init__(self, owner: object, label: str, *, compute: bool = False) -> None:
+        self.owner = owner
+        self.label = label
+        # Invariant: True for a compute stream (the default one or a named one): never destroyed, not in the ledger.
+        self.compute = compute
+        # Invariant: the race detector's clock of what the next op on this stream is ordered after (replaced,
+        # never mutated) and the lane that op continues (-1: none yet).
+        self.clock: Clock = _EMPTY
+        self.lane = -1
+        # Invariant: the tag of the transfer whose start was recorded here and whose end was not yet (its start
+        # was offered to hang selection), else None.
+        self.hang_tag: Tag | None = None
+        # Invariant: ops not yet finished, in submission order; queue[0] is running or blocked (wait/hang).
+        self.queue: collections.deque[Op] = collections.deque()
+        # Invariant: True once destroyed; queued work still runs (as CUDA) but no new work is accepted.
+        self.destroyed = False
+
+    def __repr__(self) -> str:
+        return f"<SimStream {self.label}{' destroyed' if self.destroyed else ''}>"
+
+
+class SimEvent:
+    """An event handle of one SimBackend."""
+
+    __slots__ = ("destroyed", "label", "latest", "owner", "tag")
+
+    def __init__(self, owner: object, label: str) -> None:
+        self.owner = owner
+        self.label = label
+        # Invariant: the current generation; None while never recorded (such an event counts as complete).
+        self.latest: Record | None = None
+        # Invariant: the tag of the latest record (fault selectors match it).
+        self.tag: Tag | None = None
+        self.destroyed = False
+
+    def __repr__(self) -> str:
+        return f"<SimEvent {self.label} tag={self.tag}>"
+
+
+class Op:
+    """One unit of stream work; subclasses say what it does."""
+
+    __slots__ = ("seq", "stream", "submitted_at")
+
+    def __init__(self, stream: SimStream) -> None:
+        self.stream = stream
+        # Invariant: seq and submitted_at are set once, by Scheduler.submit; seq is unique and increases in
+        # submission order.
+        self.seq = -1
+        self.submitted_at = 0.0
+
+
+class RecordOp(Op):
+    __slots__ = ("record",)
+
+    def __init__(self, stream: SimStream, record: Record) -> None:
+        super().__init__(stream)
+        self.record = record
+
+
+class WaitOp(Op):
+    __slots__ = ("record",)
+
+    def __init__(self, stream: SimStream, record: Record) -> None:
+        super().__init__(stream)
+        self.record = record
+
+
+class HangOp(Op):
+    """Never finishes: blocks its stream forever."""
+
+    __slots__ = ()
+
+
+class ComputeOp(Op):
+    __slots__ = ("delay", "rows", "target", "value")
+
+    def __init__(self, stream: SimStream, target: Bytes, rows: I64, value: int, delay: float) -> None:
+        super().__init__(stream)
+        self.target, self.rows, self.value, self.delay = target, rows, value, delay
+
+
+class CopyOp(Op):
+    __slots__ = ("buf", "count", "plan", "poison", "tag")
+
+    def __init__(self, stream: SimStream, buf: DescriptorBuffer, count: int, tag: Tag | None) -> None:
+        super().__init__(stream)
+        self.buf, self.count, self.tag = buf, count, tag
+        # Invariant: None until the op starts; then the descriptors as read at start, resolved to spans.
+        self.plan: CopyPlan | None = None
+        # Invariant: why the op must not touch memory (a range it uses was unmapped/unpinned), or None.
+        self.poison: str | None = None
+
+    def descriptors(self) -> tuple[I64, I64, I64]:
+        """The (src, dst, sizes) this copy uses: the snapshot once started, else the buffer's current rows."""
+        if self.plan is not None:
+            return self.plan.src, self.plan.dst, self.plan.sizes
+        n = self.count
+        return self.buf.src[:n], self.buf.dst[:n], self.buf.sizes[:n]
+
+    def touches(self, lo: int, hi: int) -> bool:
+        """Whether any descriptor's source or destination intersects [lo, hi)."""
+        src, dst, sizes = self.descriptors()
+        live = sizes > 0
+        return bool(np.any(live & (src < hi) & (src + sizes > lo)) or
+                    np.any(live & (dst < hi) & (dst + sizes > lo)))
+
+
+class Scheduler:
+    """Virtual clock, per-stream FIFOs and the heap of started ops (see the module docstring)."""
+
+    def __init__(self, duration: Callable[[Op], float], apply: Callable[[Op, float], None],
+                 halted: Callable[[], bool]) -> None:
+        self._duration = duration
+        self._apply = apply
+        self._halted = halted
+        # Invariant: never decreases.
+        self.now = 0.0
+        # Invariant: one entry per started op that will finish: (finish time, -seq, op); -seq makes ties pop
+        # latest-submitted first, and seq is unique so ops themselves are never compared.
+        self._heap: list[tuple[float, int, Op]] = []
+        self._seq = itertools.count()
+
+    def submit(self, op: Op) -> None:
+        """Append an op to its stream; start it now if the stream is idle."""
+        op.seq = next(self._seq)
+        op.submitted_at = self.now
+        queue = op.stream.queue
+        queue.append(op)
+        if len(queue) == 1:
+            self._start_head(op.stream, self.now)
+
+    def run(self, limit: float, until: Callable[[], bool] | None = None) -> bool:
+        """Apply, in order, the ops finishing at or before ``limit`` (none once the device is halted).
+
+        Returns:
+            True as soon as ``until()`` holds after an op (the clock then stands at that op's finish time).
+        """
+        while self._heap and self._heap[0][0] <= limit and not self._halted():
+            t, _, op = heapq.heappop(self._heap)
+            self.now = max(self.now, t)
+            self._finish(op, t)
+            if until is not None and until():
+                return True
+        return False
+
+    def catch_up(self) -> None:
+        """:meth:`run` up to the current time (cheap when nothing is due)."""
+        heap = self._heap
+        if heap and heap[0][0] <= self.now:
+            self.run(self.now)
+
+    def _start_head(self, stream: SimStream, t: float) -> None:
+        op = stream.queue[0]
+        if isinstance(op, HangOp):
+            return
+        if isinstance(op, WaitOp) and op.record.done_at is None:
+            if op.record.waiters is None:
+                op.record.waiters = [stream]
+            else:
+                op.record.waiters.append(stream)
+            return
+        start = max(t, op.submitted_at)
+        heapq.heappush(self._heap, (start + self._duration(op), -op.seq, op))
+
+    def _finish(self, op: Op, t: float) -> None:
+        stream = op.stream
+        stream.queue.popleft()
+        if isinstance(op, RecordOp):
+            op.record.done_at = t
+            waiters, op.record.waiters = op.record.waiters, None
+            for waiter in waiters or ():
+                self._start_head(waiter, t)
+        elif not isinstance(op, WaitOp):
+            self._apply(op, t)
+        if stream.queue:
+            self._start_head(stream, t)

@@ -1,0 +1,89 @@
+"""Release steps that no interrupt can leave half done (R14).
+
+A ``BaseException`` that is not an ``Exception`` -- a ``KeyboardInterrupt`` from a Ctrl-C, or one a test injects at
+a backend call -- asks the library to stop *waiting*, never to stop *releasing*: memory left neither released nor
+quarantined could be unmapped by the garbage collector while a DMA still writes it. So every release step runs
+under a :class:`Shield`: an interrupt that cuts a step short is remembered and the step is retried (the interrupt
+arrived before the step did its work, or the step is idempotent), the remaining steps run, and the caller re-raises
+the interrupt once everything is done.
+
+This module imports nothing of the package; the handler, the regions and the worker's core use it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Final, TypeVar
+
+__all__ = ["ATTEMPTS", "Shield", "finish_all"]
+
+logger = logging.getLogger("kvoffload_ref.shield")
+
+#: How often a step is tried when interrupts keep cutting it short.
+ATTEMPTS: Final = 3
+
+T = TypeVar("T")
+
+
+class Shield:
+    """Collects the interrupts that arrive while release steps run, so the steps can finish first."""
+
+    def __init__(self) -> None:
+        # Invariant: the first interrupting BaseException (not an Exception) seen by run(), or None.
+        self.interrupt: BaseException | None = None
+
+    def run(self, step: Callable[[], T]) -> T:
+        """Run ``step()``; retry it when an interrupt cuts it short (up to ATTEMPTS tries).
+
+        Returns:
+            What the step returned.
+
+        Raises:
+            Exception: what the step raised (not retried: a failed step is the caller's to log).
+            BaseException: the interrupt, when the step was interrupted ATTEMPTS times in a row.
+        """
+        for attempt in range(ATTEMPTS):
+            try:
+                return step()
+            except Exception:
+                raise
+            except BaseException as exc:
+                self.interrupt = self.interrupt or exc
+                if attempt == ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def reraise(self) -> None:
+        """Raise the remembered interrupt, if any (once everything is done)."""
+        interrupt, self.interrupt = self.interrupt, None
+        if interrupt is not None:
+            raise interrupt
+
+
+def finish_all(steps: Iterable[tuple[str, Callable[[], object]]],
+               shield: Shield | None = None) -> tuple[list[str], BaseException | None]:
+    """Run every step to its end, whatever any of them raises (R9, R14).
+
+    A step that raises an ``Exception`` is logged ("Failed to <description>") and listed as failed; the next step
+    runs. A step cut short by interrupts is retried (:meth:`Shield.run`).
+
+    Args:
+        steps: (description, zero-argument callable) pairs, run in order.
+        shield: where interrupts are collected (a new one if None).
+
+    Returns:
+        (descriptions of the steps that failed, the first interrupting BaseException or None). The caller
+        re-raises the interrupt once its own steps are done.
+    """
+    shield = shield or Shield()
+    failed: list[str] = []
+    for what, step in steps:
+        try:
+            shield.run(step)
+        except Exception as exc:
+            logger.error("Failed to %s", what, exc_info=True)
+            failed.append(f"{what}: {exc!r}")
+        except BaseException:
+            failed.append(f"{what}: interrupted {ATTEMPTS} times")
+    return failed, shield.interrupt
