@@ -19,15 +19,20 @@ could not be proven idle. The machine therefore accepts sim violations under tha
 (``device_sync`` "timeout" or "failed"; for a dropped worker: when the model could not predict a release).
 Those are counted as ``hazards``. Any violation under "quarantine", or before shutdown, fails.
 
-Use :func:`make_machine` to check another implementation; ``OffloadingMachine`` checks kvoffload_ref itself.
+Use :func:`make_machine` (or ``OffloadingMachine.for_factory``) to check another implementation;
+``OffloadingMachine`` checks kvoffload_ref itself.
 """
 
 
 from __future__ import annotations
 
 import contextlib
+import unittest
+from typing import Any
 
+import hypothesis
 from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload_ref.backends.sim import SimHang
 from kvoffload_ref.testing.adapter import (
@@ -37,6 +42,7 @@ from kvoffload_ref.testing.adapter import (
     reference_factory,
 )
 from kvoffload_ref.testing.machine_base import ConformanceError, Counters
+from kvoffload_ref.testing.settings import bounded_shrinking, kit_settings
 from kvoffload_ref.testing.shutdown import (
     MARGIN,
     SLACK,
@@ -46,7 +52,7 @@ from kvoffload_ref.testing.strategies import (
     setups,
 )
 
-__all__ = ["MARGIN", "SLACK", "ConformanceError", "Counters", "OffloadingMachine", "make_machine"]
+__all__ = ["MARGIN", "SLACK", "ConformanceError", "Counters", "OffloadingMachine", "factory_import", "make_machine"]
 
 
 class OffloadingMachine(ShutdownRules):
@@ -56,6 +62,19 @@ class OffloadingMachine(ShutdownRules):
     checks and invariants in :mod:`~kvoffload_ref.testing.invariants`, the state and helpers in
     :mod:`~kvoffload_ref.testing.machine_base`.
     """
+
+    @classmethod
+    def for_factory(cls, worker_factory: WorkerFactory, **options: Any) -> type[OffloadingMachine]:
+        """``make_machine(worker_factory, **options)``: a machine class for another implementation.
+
+        Args:
+            worker_factory: builds the implementation under test.
+            **options: the keyword arguments of :func:`make_machine`.
+
+        Returns:
+            The machine class (its ``.TestCase`` runs it under pytest).
+        """
+        return make_machine(worker_factory, **options)
 
     def teardown(self) -> None:
         """Always shut down (checked like the rule unless the run already failed) and check the ledger (R16)."""
@@ -71,26 +90,74 @@ class OffloadingMachine(ShutdownRules):
             self.ledger_balances()
 
 
+def factory_import(worker_factory: WorkerFactory) -> tuple[str, str]:
+    """How a reproduction script names a factory: (the import line, or "" when it cannot be imported by name; the
+    name to call it by).
+
+    Args:
+        worker_factory: a module-level callable (importable by name), or any other callable.
+
+    Returns:
+        ``("from pkg.mod import fn", "fn")`` for a module-level function or class, else ``("", its __name__)``.
+    """
+    module = getattr(worker_factory, "__module__", None)
+    qualname = str(getattr(worker_factory, "__qualname__", None) or getattr(worker_factory, "__name__", "factory"))
+    if not module or module == "__main__" or "<" in qualname:
+        return "", str(getattr(worker_factory, "__name__", "factory"))
+    return f"from {module} import {qualname.split('.', 1)[0]}", qualname
+
+
 def make_machine(worker_factory: WorkerFactory = reference_factory, *, name: str = "OffloadingMachine",
                  factory_name: str | None = None, setup_strategy: st.SearchStrategy[Setup] | None = None,
-                 capabilities: Capabilities | None = None) -> type[OffloadingMachine]:
+                 capabilities: Capabilities | None = None,
+                 settings: hypothesis.settings | None = None) -> type[OffloadingMachine]:
     """A machine class checking the implementation ``worker_factory`` builds.
 
     Args:
         worker_factory: (backend, GPU tensors, setup) -> a worker (see ``adapter.WorkerLike``).
         name: the class name (shown in failures).
-        factory_name: how the reproduction names the factory (default: its ``__name__``).
+        factory_name: how the reproduction names the factory (default: its qualified name, imported by the
+            script when the factory is a module-level callable).
         setup_strategy: setups to draw (default: ``strategies.setups()``).
         capabilities: optional behaviours the implementation has.
+        settings: the settings of the class's ``TestCase`` (default: :func:`~kvoffload_ref.testing.settings.
+            kit_settings`, which skips Hypothesis's slow explain phase).
 
     Returns:
-        A new subclass of :class:`OffloadingMachine` with its own ``counters``; ``.TestCase`` runs it in pytest.
+        A new subclass of :class:`OffloadingMachine` with its own ``counters``. Its ``.TestCase`` is a
+        ``unittest.TestCase`` to assign at module level in a test file (``TestMyWorker = Machine.TestCase``):
+        pytest runs it, and HypoFuzz (``hypothesis fuzz``) finds it.
     """
+    import_line, called = factory_import(worker_factory)
     attrs = {
         "worker_factory": (worker_factory,),
-        "factory_name": factory_name or getattr(worker_factory, "__name__", "factory"),
+        "factory_name": factory_name or called,
+        "factory_import": import_line if factory_name is None else "",
         "setup_strategy": setup_strategy if setup_strategy is not None else setups(),
         "capabilities": capabilities or Capabilities(),
         "counters": Counters(),
+        "last_reproduction": "",
     }
-    return type(name, (OffloadingMachine,), attrs)
+    machine: type[OffloadingMachine] = type(name, (OffloadingMachine,), attrs)
+    case = _bounded_test_case(machine, settings if settings is not None else kit_settings())
+    # The class attribute shadows Hypothesis's TestCase property (which refuses assignment on an instance).
+    setattr(machine, "TestCase", case)  # noqa: B010
+    return machine
+
+
+def _bounded_test_case(machine: type[OffloadingMachine], chosen: hypothesis.settings) -> type[unittest.TestCase]:
+    """Hypothesis's TestCase for ``machine``, its run wrapped in :func:`bounded_shrinking` (the markers that
+    let pytest plugins and HypoFuzz recognise a Hypothesis test are kept)."""
+    base = machine.TestCase  # Hypothesis's, built for this class
+
+    class ConformanceTestCase(base):  # type: ignore[misc,valid-type]
+        settings = chosen
+
+        def runTest(self) -> None:
+            with bounded_shrinking(machine.shrink_seconds):
+                run_state_machine_as_test(machine, settings=self.settings)
+
+    ConformanceTestCase.runTest.__dict__.update(base.runTest.__dict__)
+    ConformanceTestCase.__name__ = f"{machine.__name__}.TestCase"
+    ConformanceTestCase.__qualname__ = f"{machine.__qualname__}.TestCase"
+    return ConformanceTestCase

@@ -30,6 +30,7 @@ from kvoffload_ref.testing.adapter import (
     reference_factory,
 )
 from kvoffload_ref.testing.model import Model
+from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS
 from kvoffload_ref.testing.strategies import (
     InvalidTransfer,
     setups,
@@ -75,6 +76,9 @@ class MachineBase(RuleBasedStateMachine):
     Class attributes (set by :func:`make_machine`):
         worker_factory: builds the implementation under test.
         factory_name: how the reproduction header names the factory.
+        factory_import: the reproduction's line importing the factory ("" when the kit's imports cover it).
+        shrink_seconds: how long Hypothesis may shrink a failure (see ``settings.bounded_shrinking``).
+        last_reproduction: the reproduction script of the last failing run ("" before any failure).
         setup_strategy: what setups are drawn.
         capabilities: optional behaviours of the implementation.
         counters: totals over every run of this class.
@@ -82,6 +86,9 @@ class MachineBase(RuleBasedStateMachine):
 
     worker_factory: ClassVar[tuple[WorkerFactory]] = (reference_factory,)
     factory_name: ClassVar[str] = "reference_factory"
+    factory_import: ClassVar[str] = ""
+    shrink_seconds: ClassVar[float | None] = DEFAULT_SHRINK_SECONDS
+    last_reproduction: ClassVar[str] = ""
     setup_strategy: ClassVar[st.SearchStrategy[Setup]] = setups()
     capabilities: ClassVar[Capabilities] = Capabilities()
     counters: ClassVar[Counters] = Counters()
@@ -168,7 +175,9 @@ class MachineBase(RuleBasedStateMachine):
         counters.first_failure_step = counters.first_failure_step or counters.steps
         if not self.script_noted:
             self.script_noted = True
-            note("# Reproduction (runnable Python):\n" + "\n".join(self.script))
+            script = "\n".join(self.script)
+            type(self).last_reproduction = script  # the last failing run: after shrinking, the shrunk one
+            note("# Reproduction (runnable Python):\n" + script)
 
     def _check(self, ok: bool, rules: str, message: str) -> None:
         if not ok:

@@ -50,7 +50,8 @@ class TransferRules(Checks):
         """Draw a setup, build the device and the worker (R1/R2 when construction fails)."""
         with self._step():
             self.next_job = data.draw(st.sampled_from((1, 1, 1000)), label="first job id")
-            self._say("import gc\nfrom kvoffload_ref import *\nfrom kvoffload_ref.testing import *")
+            header = "import gc\nfrom kvoffload_ref import *\nfrom kvoffload_ref.testing import *"
+            self._say(header + (f"\n{self.factory_import}" if self.factory_import else ""))
             self._start(data)
 
     @precondition(lambda self: self.phase in ("closed", "dropped", "refused"))
