@@ -65,6 +65,7 @@ def _failure_modes(check_only: bool, write: bool, root: str) -> int:
               "failure-modes: docs/failure-modes.md is out of date (run: kvoffload-ref failure-modes --write)")
         return 0 if ok else 1
     (path / "docs" / "failure-modes.md").write_text(failure_modes.render())
+    failure_modes.write_readme_table(path)
     return 0
 
 
@@ -147,7 +148,8 @@ def _parser() -> argparse.ArgumentParser:
                      "--check the committed one (exit 1 if out of date; 2 outside a source checkout).")
     fm_mode = modes.add_mutually_exclusive_group()
     fm_mode.add_argument("--check", action="store_true", help="compare with the committed table")
-    fm_mode.add_argument("--write", action="store_true", help="rewrite docs/failure-modes.md")
+    fm_mode.add_argument("--write", action="store_true",
+                         help="rewrite docs/failure-modes.md and README's guarantee table")
     modes.add_argument("--root", default=".", help="repository root (default: the current directory)")
     bench = _command(sub, "bench", "measure the planner, the sim data path, shutdown and fuzzing (ratios)",
                      "Measure each figure against a baseline from the same run and print the table (progress "

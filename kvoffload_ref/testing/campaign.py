@@ -78,7 +78,7 @@ def _validate(steps: int | None, seconds: float | None) -> None:
         raise ValueError(f"seconds must be positive, got {seconds}")
 
 
-def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: TextIO = sys.stdout, *,
+def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: TextIO | None = None, *,
                  factory: WorkerFactory = reference_factory, capabilities: Capabilities | None = None,
                  seconds: float | None = None, quiet: bool = True,
                  shrink_seconds: float | None = DEFAULT_SHRINK_SECONDS,
@@ -90,7 +90,7 @@ def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: T
             when ``seconds`` bounds the campaign.
         seed: the campaign's seed (None: a random one, printed so the campaign can be repeated).
         policy: "quarantine" or "release" to fuzz one shutdown policy, None to draw it per example.
-        out: where progress lines and a failure's report go.
+        out: where progress lines and a failure's report go (default: ``sys.stdout`` at call time).
         factory: the implementation under test (default: kvoffload_ref's own worker).
         capabilities: the optional behaviours it has (default: all).
         seconds: run batches until this many seconds have passed (instead of ``steps``).
@@ -105,6 +105,7 @@ def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: T
         ValueError: an unknown policy, both or neither of ``steps`` and ``seconds``, or a bound below 1 step.
     """
     _validate(steps, seconds)
+    out = out if out is not None else sys.stdout
     machine = _machine(factory, policy, capabilities)
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
     batches = random.Random(seed)

@@ -120,7 +120,7 @@ def _child(job: _Job, messages: multiprocessing.Queue[_Message]) -> None:
 
 
 def run_jobs(factory: str, jobs: int, steps: int | None, seed: int | None, policy: str | None,
-             out: TextIO = sys.stdout, *, seconds: float | None = None, capabilities: Capabilities | None = None,
+             out: TextIO | None = None, *, seconds: float | None = None, capabilities: Capabilities | None = None,
              quiet: bool = True, shrink_seconds: float | None = None) -> int:
     """Run ``jobs`` campaigns in parallel processes and aggregate them.
 
@@ -130,7 +130,7 @@ def run_jobs(factory: str, jobs: int, steps: int | None, seed: int | None, polic
         steps: total rule steps, shared out between the jobs (None when ``seconds`` bounds them).
         seed: the campaign's seed (None: random, printed); job i runs with ``derive_seed(seed, i)``.
         policy: as :func:`~kvoffload_ref.testing.campaign.run_campaign`.
-        out: where the aggregated progress and the first failure go.
+        out: where the aggregated progress and the first failure go (default: ``sys.stdout`` at call time).
         seconds: how long each job runs (instead of ``steps``).
         capabilities: the optional behaviours the implementation has.
         quiet: silence the library's loggers in the jobs.
@@ -150,6 +150,7 @@ def run_jobs(factory: str, jobs: int, steps: int | None, seed: int | None, polic
     if (steps is None) == (seconds is None) or (steps is not None and steps < 1):
         raise ValueError("give exactly one of steps (>= 1) and seconds")
     load_factory(factory)
+    out = out if out is not None else sys.stdout
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
     share = None if steps is None else -(-steps // jobs)
     plans = [_Job(i, factory, share, seconds, derive_seed(seed, i), policy, capabilities, quiet,
