@@ -8,8 +8,10 @@ import unittest
 
 import pytest
 from hypothesis import Phase
+from hypothesis import strategies as st
 
-from kvoffload_ref.testing import kit_settings, make_machine, settings_for_ci
+from kvoffload_ref.faults import Fault
+from kvoffload_ref.testing import kit_settings, make_machine, settings_for_ci, setups
 from kvoffload_ref.testing.campaign import quiet_logs
 from kvoffload_ref.testing.mutants import failures_reported_as_success
 from kvoffload_ref.testing.settings import bounded_shrinking
@@ -45,8 +47,10 @@ def test_testing_settings_bounded_shrinking_sets_and_restores_hypothesis_bound()
 
 @pytest.mark.rule("R5")
 def test_testing_settings_pytest_route_catches_a_worker_reporting_failures_as_success() -> None:
-    """docs/conformance.md's pytest route, on the importable wrong worker: found, shrunk and reported."""
-    machine = make_machine(failures_reported_as_success, name="WrongWorker",
+    """docs/conformance.md's pytest route, on the importable wrong worker: found, shrunk and reported. Every
+    setup arms an error on job 1's end event, so the run does not depend on which examples are drawn."""
+    failing_job_1 = setups(plans=st.just((Fault("event_query", "error", job_id=1),)))
+    machine = make_machine(failures_reported_as_success, name="WrongWorker", setup_strategy=failing_job_1,
                            settings=kit_settings(200, derandomize=True))
     machine.shrink_seconds = 2.0
     start = time.perf_counter()
