@@ -3,13 +3,14 @@
 GPU KV-cache pages are copied to a pinned host region (store) and back (load) on device streams, with an exact,
 bounded and leak-free lifecycle: the worker owns the region, shutdown is bounded by one timeout, memory that may
 still be under DMA is quarantined instead of freed, and failed transfers are never reported as successes.
-The normative rules R1-R18 are in docs/spec.md.
+The normative rules are in docs/spec.md.
 
 Only the public API is re-exported here.
 """
 
 from kvoffload_ref.backends import get_backend
 from kvoffload_ref.backends.base import Backend, Ledger
+from kvoffload_ref.backends.sim import SimBackend, Violation
 from kvoffload_ref.errors import (
     DeadlineExceeded,
     DeviceError,
@@ -55,10 +56,12 @@ __all__ = [
     "OwnershipError",
     "QuarantinedItem",
     "SharedRegion",
+    "SimBackend",
+    "SimHang",
     "ShutdownPolicy",
     "ShutdownReport",
-    "SimHang",
     "TransferResult",
+    "Violation",
     "WorkerClosedError",
     "WorkerStats",
     "create_worker",

@@ -1,9 +1,8 @@
 """The ``kvoffload-ref`` command line: ``demo``, ``bench``, ``fuzz``, ``diagram``, ``spec``, ``failure-modes``.
 
-``demo`` runs the main job on the simulated device: a realistic layout, a few hundred store and load jobs with
-every byte verified, then a never-completing load to show a bounded shutdown that quarantines the region, and the
-same fault under the vLLM #51622 "release" policy to show the use-after-free it allows. Exit status 0 only if
-every check held.
+Exit status: 0 success; 1 a check failed (a demo check, a missed bench goal under ``--check``, a conformance
+violation, out-of-date docs); 2 bad usage (bad arguments, an unimportable ``--factory``, Hypothesis missing for
+``fuzz``, ``spec``/``failure-modes --check`` run outside a source checkout).
 """
 
 from __future__ import annotations
@@ -14,164 +13,35 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-import numpy as np
-import numpy.typing as npt
-
+from kvoffload_ref import __version__, failure_modes
 from kvoffload_ref import diagram as diagram_mod
-from kvoffload_ref import failure_modes
 from kvoffload_ref import spec as spec_mod
-from kvoffload_ref.backends.sim import SimBackend
-from kvoffload_ref.bench import run_bench
-from kvoffload_ref.faults import Fault, FaultPlan
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
-from kvoffload_ref.worker import CPUOffloadingWorker, ShutdownPolicy, ShutdownReport, create_worker
+from kvoffload_ref.bench import missed_goals, run_bench
+from kvoffload_ref.demo import demo
 
 __all__ = ["main"]
 
-PAGE = 16 * 1024
-NUM_LAYERS = 8
-BPC = 4
-GPU_BLOCKS = 512
-JOBS = 128  # stores, and as many loads
-CPU_CHUNKS = JOBS * 2 * 8 // BPC
-BLOCKS_PER_JOB = 8  # per group
+#: The factory ``fuzz`` checks when none is named: kvoffload_ref's own worker.
+REFERENCE_FACTORY = "kvoffload_ref.testing.adapter:reference_factory"
+#: Capabilities a factory may lack (``fuzz --without``).
+CAPABILITIES = ("finalizer", "stats", "interrupts")
 
 
-class _Checks:
-    """Counts checks and prints the failed ones."""
-
-    def __init__(self) -> None:
-        self.passed = 0
-        self.failed: list[str] = []
-
-    def check(self, ok: bool, what: str) -> None:
-        if ok:
-            self.passed += 1
-        else:
-            self.failed.append(what)
-            print(f"  CHECK FAILED: {what}")
-
-
-def _layout() -> KVCacheLayout:
-    half = NUM_LAYERS // 2
-    return KVCacheLayout(
-        tensor_page_bytes=(PAGE,) * NUM_LAYERS,
-        groups=(tuple(LayerRef(t, PAGE) for t in range(half)),
-                tuple(LayerRef(t, PAGE) for t in range(half, NUM_LAYERS))),
-    )
-
-
-def _gpu_spec(blocks: npt.NDArray[np.int64]) -> GPULoadStoreSpec:
-    return GPULoadStoreSpec(np.concatenate([blocks, blocks]), group_sizes=(len(blocks), len(blocks)),
-                            block_indices=(0, 0))
-
-
-def _round_trip(checks: _Checks) -> None:
-    """Store JOBS jobs, load every one back (in waves) into other GPU blocks, verify every byte."""
-    rng = np.random.default_rng(42)
-    be = SimBackend()
-    source = [rng.integers(0, 256, (GPU_BLOCKS, PAGE), dtype=np.uint8) for _ in range(NUM_LAYERS)]
-    gpu = [be.from_host(a) for a in source]
-    chunks_per_job = BLOCKS_PER_JOB // BPC
-    with create_worker(be, gpu, _layout(), blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS) as w:
-        stored = []
-        for job in range(JOBS):
-            blocks = rng.choice(GPU_BLOCKS // 2, BLOCKS_PER_JOB, replace=False).astype(np.int64)
-            chunks = np.arange(2 * chunks_per_job, dtype=np.int64) + job * 2 * chunks_per_job
-            w.submit_store(job, _gpu_spec(blocks), CPULoadStoreSpec(chunks))
-            stored.append((blocks, chunks))
-        w.wait(range(JOBS))
-        results = w.get_finished()
-        checks.check(len(results) == JOBS and all(r.success for r in results), "every store succeeded")
-        wave = GPU_BLOCKS // 2 // BLOCKS_PER_JOB  # loads per wave: each wave fills the upper half of the GPU
-        exact = True
-        for first in range(0, JOBS, wave):
-            jobs = range(first, min(first + wave, JOBS))
-            for i, job in enumerate(jobs):
-                dst = GPU_BLOCKS // 2 + i * BLOCKS_PER_JOB + np.arange(BLOCKS_PER_JOB, dtype=np.int64)
-                w.submit_load(JOBS + job, CPULoadStoreSpec(stored[job][1]), _gpu_spec(dst))
-            w.wait(JOBS + j for j in jobs)
-            after = [be.to_host(a) for a in gpu]
-            exact &= all(np.array_equal(after[t][GPU_BLOCKS // 2 + i * BLOCKS_PER_JOB:][:BLOCKS_PER_JOB],
-                                        source[t][stored[job][0]])
-                         for i, job in enumerate(jobs) for t in range(NUM_LAYERS))
-        loads = w.get_finished()
-        checks.check(len(loads) == JOBS and all(r.success for r in loads), "every load succeeded")
-        checks.check(exact, "every loaded byte equals the stored byte")
-        results += loads
-        nbytes = sum(r.transfer_size or 0 for r in results)
-        seconds = sum(r.transfer_time or 0.0 for r in results)
-        print(f"round trip: {len(results)} jobs ({JOBS} stores, {len(loads)} loads), {nbytes / 2**20:.0f} MiB "
-              f"verified, sim device time {seconds * 1e3:.2f} ms, sim bandwidth "
-              f"{nbytes / max(seconds, 1e-12) / 1e9:.1f} GB/s")
-    report = w.shutdown()
-    checks.check(report.region == "released" and report.device_sync == "not_needed", "clean shutdown released")
-    checks.check(not be.ledger.live(), f"ledger balanced after shutdown (live: {be.ledger.live()})")
-    checks.check(not be.violations, f"no use-after-free (violations: {be.violations})")
-
-
-def _hung_shutdown(checks: _Checks, on_unproven: str) -> None:
-    """A load that never completes; shutdown must return within its timeout."""
-    be = SimBackend(FaultPlan([Fault("copy", "hang", direction="load", job_id=2)]))
-    layout = _layout()
-    gpu = [be.empty_device((GPU_BLOCKS, PAGE)) for _ in range(NUM_LAYERS)]
-    policy = ShutdownPolicy(timeout=2.0, on_unproven=on_unproven)
-    w: CPUOffloadingWorker = create_worker(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS,
-                                           policy=policy)
-    blocks = np.arange(BLOCKS_PER_JOB, dtype=np.int64)
-    chunks = np.arange(BLOCKS_PER_JOB // BPC * 2, dtype=np.int64)
-    w.submit_store(1, _gpu_spec(blocks), CPULoadStoreSpec(chunks))
-    w.submit_load(2, CPULoadStoreSpec(chunks), _gpu_spec(blocks + 100))
-    w.submit_load(3, CPULoadStoreSpec(chunks), _gpu_spec(blocks + 200))
-    report = w.shutdown()
-    _print_report(f"hung load, policy {on_unproven!r}", report)
-    checks.check(report.elapsed <= policy.timeout + 0.01, f"shutdown bounded ({report.elapsed:.3f} s)")
-    checks.check(report.load.abandoned == 2, "the hung load and the one behind it were abandoned")
-    checks.check(report.device_sync == "timeout", "the device-level proof timed out")
-    if on_unproven == "quarantine":
-        checks.check(report.region == "quarantined", "region quarantined, not freed under DMA")
-        checks.check(not be.violations, "no use-after-free under the quarantine policy")
-        checks.check(not be.ledger.live(), "nothing live but the quarantine")
-    else:
-        checks.check(report.region == "released", "region released anyway (vLLM #51622 behaviour)")
-        kinds = sorted({v.kind for v in be.violations})
-        print(f"  use-after-free detected by the sim under 'release': {kinds}")
-        checks.check(bool(be.violations), "the sim detects the release under DMA")
-
-
-def _print_report(title: str, report: ShutdownReport) -> None:
-    print(f"{title}: shutdown in {report.elapsed:.3f} s (sim clock), device_sync={report.device_sync}, "
-          f"region={report.region}")
-    print(f"  store drained={report.store.drained} abandoned={report.store.abandoned}; "
-          f"load drained={report.load.drained} abandoned={report.load.abandoned}")
-    print(f"  quarantined={dict(report.quarantined)} leaked={dict(report.leaked)} errors={len(report.errors)}")
-
-
-class _NoTraceback(logging.Formatter):
-    def formatException(self, ei: object) -> str:
-        return ""
-
-    def format(self, record: logging.LogRecord) -> str:
-        record.exc_text = ""
-        text = super().format(record)
-        return text if not record.exc_info else f"{text} ({record.exc_info[1]!r})"
-
-
-def demo() -> int:
-    """Run the demo; returns the exit status."""
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(_NoTraceback("  [log %(levelname)s] %(message)s"))
-    logging.getLogger("kvoffload_ref").addHandler(handler)
-    checks = _Checks()
-    _round_trip(checks)
-    _hung_shutdown(checks, "quarantine")
-    _hung_shutdown(checks, "release")
-    print(f"{checks.passed} checks passed, {len(checks.failed)} failed")
-    return 0 if not checks.failed else 1
+def _checkout(root: str, needs: Sequence[str], command: str) -> pathlib.Path | None:
+    """``root`` as a path when it holds every path in ``needs``; else print one line saying so and return None."""
+    path = pathlib.Path(root)
+    missing = [n for n in needs if not (path / n).exists()]
+    if missing:
+        print(f"kvoffload-ref {command}: needs a source checkout of kvoffload_ref ({missing[0]} not found under "
+              f"{path.resolve()}); run it from the repository root or pass --root", file=sys.stderr)
+        return None
+    return path
 
 
 def _spec(check_only: bool, root: str) -> int:
-    path = pathlib.Path(root)
+    path = _checkout(root, ("docs/spec.md", "docs/lifecycle.md", "tests"), "spec")
+    if path is None:
+        return 2
     if not check_only:
         spec_mod.write(path)
     problems = spec_mod.check(path)
@@ -183,54 +53,157 @@ def _spec(check_only: bool, root: str) -> int:
 
 
 def _failure_modes(check_only: bool, write: bool, root: str) -> int:
-    path = pathlib.Path(root)
+    if not (check_only or write):
+        sys.stdout.write(failure_modes.render())
+        return 0
+    path = _checkout(root, ("docs/failure-modes.md",), "failure-modes")
+    if path is None:
+        return 2
     if check_only:
         ok = failure_modes.check(path)
         print("failure-modes: docs/failure-modes.md is current" if ok else
               "failure-modes: docs/failure-modes.md is out of date (run: kvoffload-ref failure-modes --write)")
         return 0 if ok else 1
-    text = failure_modes.render()
-    if write:
-        (path / "docs" / "failure-modes.md").write_text(text)
-    else:
-        sys.stdout.write(text)
+    (path / "docs" / "failure-modes.md").write_text(failure_modes.render())
+    failure_modes.write_readme_table(path)
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``kvoffload-ref``."""
+def _bench(json_path: str | None, quick: bool, check: bool) -> int:
+    doc = run_bench(json_path, quick=quick, progress=sys.stderr)
+    missed = missed_goals(doc)
+    if missed:
+        print(f"bench: goals missed: {', '.join(missed)}", file=sys.stderr)
+    return 1 if check and missed else 0
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    """``kvoffload-ref fuzz``: 2 for bad usage (before anything runs), else the campaign's status."""
+    try:
+        from kvoffload_ref.testing import Capabilities  # noqa: PLC0415  (needs Hypothesis)
+        from kvoffload_ref.testing.campaign import run_campaign  # noqa: PLC0415
+        from kvoffload_ref.testing.jobs import FactoryError, load_factory, run_jobs  # noqa: PLC0415
+        from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS  # noqa: PLC0415
+    except ModuleNotFoundError as exc:
+        if exc.name != "hypothesis":
+            raise
+        print(f"kvoffload-ref fuzz: {exc}", file=sys.stderr)
+        return 2
+    try:
+        factory = load_factory(args.factory)
+    except FactoryError as exc:
+        print(f"kvoffload-ref fuzz: {exc}", file=sys.stderr)
+        return 2
+    off = set(args.without or ())
+    capabilities = Capabilities(**{name: name not in off for name in CAPABILITIES}) if off else None
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="[log %(levelname)s %(name)s] %(message)s")
+    steps = args.steps if args.seconds is None else None
+    shrink = args.shrink_seconds if args.shrink_seconds is not None else DEFAULT_SHRINK_SECONDS
+    if args.jobs > 1:
+        return run_jobs(args.factory, args.jobs, steps, args.seed, args.policy, seconds=args.seconds,
+                        capabilities=capabilities, quiet=not args.verbose, shrink_seconds=shrink)
+    return run_campaign(steps, args.seed, args.policy, factory=factory, capabilities=capabilities,
+                        seconds=args.seconds, quiet=not args.verbose, shrink_seconds=shrink)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvoffload-ref", description="kvoffload_ref: a reference KV-cache offloading worker (GPU <-> pinned CPU)")
+    parser.add_argument("--version", action="version", version=f"kvoffload-ref {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="round trips, a hung shutdown and the release-policy hazard, on the sim")
-    sub.add_parser("diagram", help="print the lifecycle machines as Mermaid stateDiagram-v2 text")
-    spec = sub.add_parser("spec", help="check (or --write) docs/spec.md's rule->test lists and docs/lifecycle.md")
+    _command(sub, "demo", "round trips, a hung shutdown and the release-policy hazard, on the simulated device",
+             "Three acts on the simulated device, each explained before it runs, every check printed: round trips "
+             "with every byte verified, a never-completing load shut down within its timeout (quarantine), and "
+             "the same under the vLLM #51622 'release' policy (the use-after-free it allows). Exit 1 if a check "
+             "fails.")
+    _command(sub, "diagram", "print the lifecycle state machines as Mermaid text",
+             "Print the worker's, the handler's and the region's state machines (generated from "
+             "kvoffload_ref/lifecycle.py) as Mermaid stateDiagram-v2 text.")
+    spec = _command(sub, "spec", "check (or --write) docs/spec.md's rule->test lists and docs/lifecycle.md",
+                    "In a source checkout: check that every rule in docs/spec.md is cited by a test and that the "
+                    "generated lists and docs/lifecycle.md are current (exit 1 if not), or regenerate them with "
+                    "--write. Outside a checkout: exit 2.")
     mode = spec.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="only check (the default)")
     mode.add_argument("--write", action="store_true", help="regenerate, then check")
     spec.add_argument("--root", default=".", help="repository root (default: the current directory)")
-    modes = sub.add_parser("failure-modes", help="regenerate (--write) or --check docs/failure-modes.md")
+    modes = _command(sub, "failure-modes", "print, --write or --check the failure-mode table",
+                     "Run every failure scenario on the simulated device and print the table of "
+                     "docs/failure-modes.md (vLLM before/after #51622 against kvoffload_ref), --write it, or "
+                     "--check the committed one (exit 1 if out of date; 2 outside a source checkout).")
     fm_mode = modes.add_mutually_exclusive_group()
     fm_mode.add_argument("--check", action="store_true", help="compare with the committed table")
-    fm_mode.add_argument("--write", action="store_true", help="rewrite docs/failure-modes.md")
+    fm_mode.add_argument("--write", action="store_true",
+                         help="rewrite docs/failure-modes.md and README's guarantee table")
     modes.add_argument("--root", default=".", help="repository root (default: the current directory)")
-    bench = sub.add_parser("bench", help="measure the planner, the sim data path, shutdown and fuzzing (ratios)")
+    bench = _command(sub, "bench", "measure the planner, the sim data path, shutdown and fuzzing (ratios)",
+                     "Measure each figure against a baseline from the same run and print the table (progress "
+                     "goes to stderr). Exit 1 under --check when a goal is missed.")
     bench.add_argument("--json", default=None, help="also write the results as JSON to this path")
     bench.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    fuzz = sub.add_parser("fuzz", help="a stateful fuzz campaign of the worker against the lifecycle model")
-    fuzz.add_argument("--steps", type=int, default=10_000, help="rule steps to run (default 10000)")
-    fuzz.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
-    fuzz.add_argument("--policy", choices=("quarantine", "release"), default=None,
-                      help="shutdown policy to fuzz (default: drawn per run)")
-    args = parser.parse_args(argv)
-    if args.command == "bench":
-        run_bench(args.json, quick=args.quick)
-        return 0
-    if args.command == "fuzz":
-        # Imported here: the conformance kit needs Hypothesis, which the demo and the core do not.
-        from kvoffload_ref.testing.campaign import run_campaign  # noqa: PLC0415
+    bench.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
+    _fuzz_parser(sub)
+    return parser
 
-        return int(run_campaign(args.steps, args.seed, args.policy))
+
+def _command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, short: str,
+             long: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=short, description=long)
+
+
+def _fuzz_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    fuzz = _command(sub, "fuzz", "fuzz a worker against the conformance machine (needs Hypothesis)",
+                    "Run the conformance state machine against a worker -- kvoffload_ref's own, or the one "
+                    "--factory builds -- for --steps or --seconds, in --jobs processes. Exit 0: no violation; "
+                    "1: a violation (shrunk, printed with its seed and a runnable reproduction); 2: bad usage. "
+                    'Needs Hypothesis: pip install "kvoffload_ref[conformance]".')
+    fuzz.add_argument("--factory", default=REFERENCE_FACTORY, metavar="MODULE:CALLABLE",
+                      help="the worker factory, (backend, gpu_tensors, setup) -> worker, as in docs/conformance.md "
+                           "(default: kvoffload_ref's own worker)")
+    bound = fuzz.add_mutually_exclusive_group()
+    bound.add_argument("--steps", type=_positive_int, default=10_000, help="rule steps to run (default 10000)")
+    bound.add_argument("--seconds", type=_positive_float, default=None, help="run for this long instead")
+    fuzz.add_argument("--jobs", type=_positive_int, default=1,
+                      help="processes, each seeded from the campaign seed (default 1)")
+    fuzz.add_argument("--seed", type=int, default=None, help="campaign seed (default: random, printed)")
+    fuzz.add_argument("--policy", choices=("quarantine", "release"), default=None,
+                      help="shutdown policy to fuzz (default: drawn per example)")
+    fuzz.add_argument("--without", action="append", choices=CAPABILITIES, default=None,
+                      help="a capability the worker lacks (repeatable): its rules are not drawn")
+    fuzz.add_argument("--shrink-seconds", type=_positive_float, default=None,
+                      help="how long to shrink a failure (default 30)")
+    fuzz.add_argument("--verbose", action="store_true", help="show the library's logs (quiet by default)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``kvoffload-ref``.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status (see the module docstring).
+    """
+    args = _parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args.json, args.quick, args.check)
+    if args.command == "fuzz":
+        return _fuzz(args)
     if args.command == "failure-modes":
         return _failure_modes(args.check, args.write, args.root)
     if args.command == "demo":

@@ -24,7 +24,8 @@ from kvoffload_ref.faults import Fault, FaultPlan
 from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import CPUOffloadingWorker, ShutdownPolicy, ShutdownReport, create_worker
 
-__all__ = ["ROWS", "check", "render", "run_scenario"]
+__all__ = ["GUARANTEES", "ROWS", "Guarantee", "check", "guarantee_table", "render", "run_scenario", "vllm_cells",
+           "write_readme_table"]
 
 TIMEOUT = 1.0
 _LAYOUT = KVCacheLayout(tensor_page_bytes=(512, 512), groups=((LayerRef(0, 512), LayerRef(1, 512)),))
@@ -198,6 +199,81 @@ _DRIVERS: dict[str, Callable[[Row, str], str]] = {
     "submit": _run_submit, "interrupt": _run_interrupt, "drop": _run_drop,
 }
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Guarantee:
+    """One row of README's guarantee table: a topic, what kvoffload_ref guarantees, and vLLM's behaviour --
+    taken from the failure-mode row ``fault`` names (one source of truth), or stated here when no fault row covers
+    the topic."""
+
+    topic: str
+    ours: str
+    fault: str | None = None
+    vllm_before: str = ""
+    vllm_after: str = ""
+
+
+GUARANTEES: tuple[Guarantee, ...] = (
+    Guarantee("Region owner", "worker (R1), caller until construction succeeds (R2)",
+              vllm_before="store handler", vllm_after="worker"),
+    Guarantee("One handler raises during shutdown", "logged, kept in the report, the other handler still shut "
+              "down (R9)", fault="transfer end event fails during the shutdown drain (store job 1)"),
+    Guarantee("Hung transfer at shutdown", "bounded by one timeout (R11)", fault="event never completes (load job 3)"),
+    Guarantee("Memory possibly under DMA after a failed transfer", "quarantined until exit (R12), unless policy "
+              '"release"', fault="device sync error (after a failed transfer)"),
+    Guarantee("Failed transfer", "`success=False` with the error, and the ones behind it (R5)",
+              fault="event query error in `get_finished` (store job 1)"),
+    Guarantee("Bad input", "`InvalidTransferError`, nothing changed (R7)",
+              vllm_before="`AssertionError`", vllm_after="`AssertionError`"),
+    Guarantee("Ctrl-C during shutdown", "abandons, quarantines, releases the rest, re-raises (R14)",
+              fault="`KeyboardInterrupt` during shutdown"),
+    Guarantee("Process exit without `shutdown()`", "the finalizer shuts it down under the same rules (R15)",
+              fault="process exit without `shutdown()`"),
+    Guarantee("Resource accounting", "ledger: nothing live after shutdown but the listed quarantine (R16)",
+              vllm_before="—", vllm_after="—"),
+)
+
+_README_BEGIN = "<!-- guarantees: generated from kvoffload_ref/failure_modes.py -->"
+_README_END = "<!-- /guarantees -->"
+
+
+def vllm_cells(guarantee: Guarantee) -> tuple[str, str]:
+    """vLLM's behaviour before and after #51622 for one guarantee row ("same as before" spelled out).
+
+    Args:
+        guarantee: the row.
+
+    Returns:
+        (before, after).
+
+    Raises:
+        KeyError: ``guarantee.fault`` names no failure-mode row.
+    """
+    if guarantee.fault is None:
+        return guarantee.vllm_before, guarantee.vllm_after
+    row = {r.fault: r for r in ROWS}[guarantee.fault]
+    return row.vllm_before, row.vllm_before if row.vllm_after == "same as before" else row.vllm_after
+
+
+def guarantee_table() -> str:
+    """README's guarantee table (markdown, between its generated-block markers)."""
+    lines = [_README_BEGIN, "| | vLLM before #51622 | vLLM after #51622 | kvoffload_ref |", "|---|---|---|---|"]
+    for g in GUARANTEES:
+        before, after = vllm_cells(g)
+        lines.append(f"| {g.topic} | {before} | {after} | {g.ours} |")
+    return "\n".join([*lines, _README_END]) + "\n"
+
+
+def write_readme_table(root: pathlib.Path) -> bool:
+    """Replace README.md's generated guarantee table under ``root``; returns whether it was found."""
+    path = root / "README.md"
+    text = path.read_text()
+    begin, end = text.find(_README_BEGIN), text.find(_README_END)
+    if begin < 0 or end < begin:
+        return False
+    path.write_text(text[:begin] + guarantee_table() + text[end + len(_README_END) + 1:])
+    return True
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:

@@ -2,7 +2,8 @@
 
 ``docs/spec.md`` states each rule under a ``## Rn`` heading. Below each rule, between
 ``<!-- tests:Rn -->`` and ``<!-- /tests -->``, sits the list of tests that cite it, found from the
-``@pytest.mark.rule("Rn")`` markers in ``tests/`` (by reading the source, not by importing it). ``check`` fails when
+``@pytest.mark.rule("Rn")`` markers on test functions and ``Test*`` classes in ``tests/`` (by reading the source,
+not by importing it). ``check`` fails when
 a rule has no test, a test cites a rule the spec does not have, or a list (or ``docs/lifecycle.md``, generated
 from ``lifecycle.py``) is out of date; ``write`` regenerates them.
 """
@@ -31,8 +32,14 @@ def _rule_ids(decorators: list[ast.expr]) -> Iterator[str]:
             yield node.args[0].value
 
 
+def _is_test(node: ast.FunctionDef | ast.ClassDef) -> bool:
+    """A test function, or a test class (e.g. a state machine's module-level TestCase subclass)."""
+    return node.name.startswith("test" if isinstance(node, ast.FunctionDef) else "Test")
+
+
 def rule_citations(tests_dir: pathlib.Path) -> dict[str, list[str]]:
-    """Map each cited rule id to the tests citing it (``file::function``), from the test sources.
+    """Map each cited rule id to the tests citing it (``file::function`` or ``file::TestClass``), from the test
+    sources.
 
     Args:
         tests_dir: the repository's ``tests/`` directory.
@@ -44,7 +51,7 @@ def rule_citations(tests_dir: pathlib.Path) -> dict[str, list[str]]:
     for path in sorted(tests_dir.glob("test_*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and _is_test(node):
                 for rule in _rule_ids(node.decorator_list):
                     cited.setdefault(rule, []).append(f"{path.name}::{node.name}")
     return {rule: sorted(set(names)) for rule, names in cited.items()}

@@ -28,9 +28,8 @@ import numpy.typing as npt
 
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import POLL_FIRST_SLEEP, POLL_MAX_SLEEP, Backend, ResourceKind
-from kvoffload_ref.backends.sim import SimHang
 from kvoffload_ref.core import DEFAULT_TIMEOUT, ShutdownPolicy, ShutdownReport, WorkerCore, finalize
-from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError
+from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
 from kvoffload_ref.handler import DirectionHandler, HandlerReport, HandlerStats, TransferResult
 from kvoffload_ref.layout import (
     CPULoadStoreSpec,

@@ -1,31 +1,31 @@
-"""Shared pytest configuration: Hypothesis profiles and the GPU skip."""
+"""Shared pytest configuration: Hypothesis profiles (the conformance kit's settings) and the GPU skip."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
+from kvoffload_ref.testing import settings_for_ci, settings_for_dev, settings_for_fuzz
+
+# The kit's settings (no explain phase, bounded shrinking), under the names HYPOTHESIS_PROFILE selects.
 # Stateful tests (tests/test_testing_machine.py) run 4x max_examples examples of stateful_step_count steps each:
 # "ci" gives the conformance machine >= 20,000 steps (checked by test_testing_machine_ci_budget_of_stateful_steps).
-settings.register_profile("dev", max_examples=50, stateful_step_count=50, deadline=None)
-settings.register_profile("ci", max_examples=100, stateful_step_count=50, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("fuzz", max_examples=5000, stateful_step_count=50, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", settings_for_dev())
+settings.register_profile("ci", settings_for_ci())
+settings.register_profile("fuzz", settings_for_fuzz())
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 def _gpu_usable() -> bool:
+    """The CuPy backend's own probe; False when the backend (or CuPy) cannot be imported."""
     try:
-        import cupy
-    except Exception:
+        from kvoffload_ref.backends.cupy import gpu_usable
+    except ImportError:
         return False
-    try:
-        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
-    except Exception:
-        return False
+    usable, _reason = gpu_usable()
+    return usable
 
 
 GPU_USABLE = _gpu_usable()

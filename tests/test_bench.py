@@ -10,7 +10,7 @@ import json
 import math
 import pathlib
 
-from kvoffload_ref.bench import run_bench
+from kvoffload_ref.bench import FIGURE_GROUPS, missed_goals, run_bench
 
 KEYS = [
     "planner_small", "planner_medium", "planner_large", "planner_scaling",
@@ -24,8 +24,10 @@ FIELDS = {"key", "metric", "value", "unit", "reference", "reference_unit", "refe
 
 
 def test_quick_bench_reports_every_metric_and_writes_json(tmp_path: pathlib.Path) -> None:
-    out, path = io.StringIO(), tmp_path / "bench.json"
-    doc = run_bench(str(path), quick=True, out=out)
+    out, path, progress = io.StringIO(), tmp_path / "bench.json", io.StringIO()
+    doc = run_bench(str(path), quick=True, out=out, progress=progress)
+    assert progress.getvalue().count(" done in ") == len(FIGURE_GROUPS)
+    assert missed_goals(doc) == [r["key"] for r in doc["results"] if r["met"] is False]  # type: ignore[index,union-attr]
 
     results = doc["results"]
     assert isinstance(results, list)

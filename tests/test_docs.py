@@ -37,3 +37,32 @@ def test_docs_readme_diagram_is_generated_from_the_lifecycle_table() -> None:
     text = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- diagram:handler -->\n```mermaid\n(.*?)```\n<!-- /diagram -->", text, flags=re.S)
     assert block is not None and block.group(1) == diagram.render_machine("handler")
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+
+
+def test_docs_readme_guarantee_table_is_generated_from_the_failure_modes() -> None:
+    from kvoffload_ref import failure_modes
+
+    text = (ROOT / "README.md").read_text()
+    assert failure_modes.guarantee_table() in text, "regenerate with: kvoffload-ref failure-modes --write"
+
+
+def test_docs_readme_vllm_cells_match_docs_failure_modes() -> None:
+    """One source of truth: every vLLM cell of README's table is the one docs/failure-modes.md states."""
+    from kvoffload_ref import failure_modes
+
+    readme = {row[0]: row for row in _table_rows((ROOT / "README.md").read_text())}
+    modes = {row[0]: row for row in _table_rows((ROOT / "docs" / "failure-modes.md").read_text())}
+    linked = [g for g in failure_modes.GUARANTEES if g.fault is not None]
+    assert len(linked) >= 5
+    for g in linked:
+        _, before, after, _ = readme[g.topic]
+        _, want_before, want_after, *_ = modes[g.fault]
+        assert before == want_before, g.topic
+        assert after == (want_before if want_after == "same as before" else want_after), g.topic
+    failed = readme["Failed transfer"]
+    assert "success=True" in failed[1] and "escapes `get_finished`" in failed[1]

@@ -8,12 +8,11 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
-_MD_NAME = re.compile(r"(?<![\w/.-])((?:\.\./|[\w-]+/)*[\w-]+\.md)\b")
+_MD_NAME = re.compile(r"(?<![\w/.$-])((?:\.\./|[\w-]+/)*[\w-]+\.md)\b")
 
 
 def _texts() -> list[pathlib.Path]:
-    return sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "kvoffload_ref").rglob("*.py"),
-                   *(ROOT / "scripts").glob("*")])
+    return sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "kvoffload_ref").rglob("*.py")])
 
 
 def _exists(name: str, where: pathlib.Path) -> bool:

@@ -1,6 +1,7 @@
 """The conformance machine on kvoffload_ref itself, under both shutdown policies (the CI budget: >= 20,000 steps).
 
-The step counts are printed (``pytest -s``) and the last test checks the budget under the ``ci`` profile.
+The machines are module-level ``TestCase`` classes (pytest runs them; HypoFuzz finds them); the step counts are
+printed (``pytest -s``) and the last test checks what they did and the budget under the ``ci`` profile.
 """
 
 from __future__ import annotations
@@ -10,18 +11,14 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import run_state_machine_as_test
 
-from kvoffload_ref.testing import Counters, make_machine, policies, setups
+from kvoffload_ref.testing import OffloadingMachine, make_machine, policies, setups
 from kvoffload_ref.testing.campaign import quiet_logs
 
 #: Stateful examples per test = the profile's max_examples times this (each example is up to 50 steps).
 STATEFUL_MULTIPLIER = 4
 #: Steps the ``ci`` profile must run over the stateful tests of this module (issue 3).
 CI_STEP_BUDGET = 20_000
-
-# Invariant: test name -> the counters of its machine, filled as the stateful tests run.
-COUNTS: dict[str, Counters] = {}
 
 
 @pytest.fixture(autouse=True)
@@ -38,12 +35,15 @@ def stateful_settings() -> settings:
                                                           HealthCheck.filter_too_much])
 
 
-def _run(name: str, policy: str) -> Counters:
-    machine = make_machine(name=name, setup_strategy=setups(policy=policies(on_unproven=(policy,))))
-    run_state_machine_as_test(machine, settings=stateful_settings())
-    COUNTS[name] = machine.counters
-    print(f"\n{name}: {machine.counters.line()}")
-    return machine.counters
+def _machine(name: str, policy: str) -> type[OffloadingMachine]:
+    return make_machine(name=name, setup_strategy=setups(policy=policies(on_unproven=(policy,))),
+                        settings=stateful_settings())
+
+
+#: The machines the project tests itself with: module-level TestCase classes, so that pytest runs them and
+#: HypoFuzz (``hypothesis fuzz``) discovers them.
+QuarantineMachine = _machine("ReferenceWorkerQuarantine", "quarantine")
+ReleaseMachine = _machine("ReferenceWorkerRelease", "release")
 
 
 @pytest.mark.rule("R4")
@@ -59,10 +59,8 @@ def _run(name: str, policy: str) -> Counters:
 @pytest.mark.rule("R14")
 @pytest.mark.rule("R15")
 @pytest.mark.rule("R16")
-def test_testing_machine_reference_worker_quarantine_policy() -> None:
-    counters = _run("quarantine", "quarantine")
-    assert counters.violations == 0 and counters.hazards == 0
-    assert counters.submitted and counters.succeeded and counters.data_checks and counters.shutdowns
+class TestReferenceWorkerQuarantinePolicy(QuarantineMachine.TestCase):
+    """The machine on kvoffload_ref's worker under the "quarantine" policy."""
 
 
 @pytest.mark.rule("R2")
@@ -72,15 +70,20 @@ def test_testing_machine_reference_worker_quarantine_policy() -> None:
 @pytest.mark.rule("R12")
 @pytest.mark.rule("R14")
 @pytest.mark.rule("R16")
-def test_testing_machine_reference_worker_release_policy() -> None:
-    counters = _run("release", "release")
-    assert counters.violations == 0 and counters.shutdowns
+class TestReferenceWorkerReleasePolicy(ReleaseMachine.TestCase):
+    """The machine on kvoffload_ref's worker under the "release" policy (vLLM #51622)."""
 
 
 def test_testing_machine_ci_budget_of_stateful_steps() -> None:
-    if len(COUNTS) < 2:
+    """After both machines ran: what they did, and the CI budget (>= 20,000 steps under the ``ci`` profile)."""
+    quarantine, release = QuarantineMachine.counters, ReleaseMachine.counters
+    if not (quarantine.runs and release.runs):
         pytest.skip("the stateful tests of this module did not run in this session")
-    total = sum(c.steps for c in COUNTS.values())
-    print(f"\nstateful steps this session: {total} ({', '.join(f'{k}={c.steps}' for k, c in COUNTS.items())})")
+    print(f"\nquarantine: {quarantine.line()}\nrelease: {release.line()}")
+    assert quarantine.violations == 0 and quarantine.hazards == 0
+    assert quarantine.submitted and quarantine.succeeded and quarantine.data_checks and quarantine.shutdowns
+    assert release.violations == 0 and release.shutdowns
+    total = quarantine.steps + release.steps
+    print(f"stateful steps this session: {total} (quarantine={quarantine.steps}, release={release.steps})")
     if os.environ.get("HYPOTHESIS_PROFILE") == "ci":
         assert total >= CI_STEP_BUDGET

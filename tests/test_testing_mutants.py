@@ -130,10 +130,10 @@ def release_after_failed_sync(worker: CPUOffloadingWorker, setup: Setup) -> None
     core = worker._core
     release = core._release
 
-    def release_anyway(run: Any) -> None:
+    def release_anyway(run: Any, shield: Any) -> None:
         if run.proof in (ProofOutcome.FAILED, ProofOutcome.TIMEOUT):
             run.proof = ProofOutcome.OK
-        release(run)
+        release(run, shield)
     core._release = release_anyway
 
 

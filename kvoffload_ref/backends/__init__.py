@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, cast, overload
 
 from kvoffload_ref.backends.base import Backend
 from kvoffload_ref.backends.sim import SimBackend
+
+if TYPE_CHECKING:  # the CuPy backend module is imported only when asked for (see the module docstring)
+    from kvoffload_ref.backends.cupy import CupyBackend
 
 __all__ = ["BACKEND_NAMES", "get_backend"]
 
@@ -20,8 +23,19 @@ BACKEND_NAMES: Final = ("auto", "sim", "cupy")
 _log = logging.getLogger("kvoffload_ref")
 
 
+@overload
+def get_backend(name: Literal["sim"], **kwargs: Any) -> SimBackend: ...
+@overload
+def get_backend(name: Literal["cupy"], **kwargs: Any) -> CupyBackend: ...
+@overload
+def get_backend(name: Literal["auto"] = "auto", **kwargs: Any) -> Backend: ...
+@overload
+def get_backend(name: str, **kwargs: Any) -> Backend: ...
+
+
 def get_backend(name: str = "auto", **kwargs: Any) -> Backend:
-    """Make a backend by name.
+    """Make a backend by name (typed per name: ``get_backend("sim")`` is a :class:`SimBackend`,
+    ``get_backend("cupy")`` a ``CupyBackend``, anything else a :class:`Backend`).
 
     Args:
         name: ``"sim"`` (the simulated device), ``"cupy"`` (a CUDA GPU through CuPy), or ``"auto"``: CuPy when

@@ -268,7 +268,7 @@ class Ledger:
 
 @runtime_checkable
 class Backend(Protocol):
-    """What a device must offer. See docs/backends.md.
+    """What a device must offer (docs/architecture.md, "The Backend protocol"; docs/backends.md).
 
     Every method may raise ``DeviceError`` (with a CUDA-style ``.status``) unless it says otherwise. Release
     calls (``destroy_*``, ``free_descriptors``, ``untrack_host``) never fail; ``host_unregister`` may.

@@ -1,16 +1,22 @@
 """kvoffload_ref's conformance kit: Hypothesis strategies, a pure model and a rule-based state machine.
 
-Public and documented in docs/conformance.md. It needs ``hypothesis`` (installed by the ``test`` extra); the
-library itself never imports this package.
+Public and documented in docs/conformance.md. It needs Hypothesis: ``pip install "kvoffload_ref[conformance]"``
+(the ``test`` extra brings it too); without it, importing this package raises :class:`HypothesisMissing` (a
+``ModuleNotFoundError``) whose one-line message names that command. The library itself never imports this package.
 
 * :mod:`~kvoffload_ref.testing.strategies`: layouts, valid and invalid transfers, faults, policies, setups.
 * :mod:`~kvoffload_ref.testing.adapter`: what an implementation must offer (:class:`WorkerLike`, built by a
   :data:`WorkerFactory`), and the kit's device (:class:`SimDevice`).
 * :mod:`~kvoffload_ref.testing.model`: the pure model run beside the worker.
 * :mod:`~kvoffload_ref.testing.machine`: :class:`OffloadingMachine` and :func:`make_machine`.
-* :mod:`~kvoffload_ref.testing.campaign`: :func:`run_campaign`, a fuzz campaign outside pytest.
+* :mod:`~kvoffload_ref.testing.campaign`: :func:`run_campaign`, a fuzz campaign outside pytest;
+  :mod:`~kvoffload_ref.testing.jobs`: the same across processes (``kvoffload-ref fuzz --jobs``).
+* :mod:`~kvoffload_ref.testing.settings`: the kit's Hypothesis settings and profiles (no explain phase).
+* :mod:`~kvoffload_ref.testing.mutants`: deliberately wrong workers, to see a conformance set-up bite.
 """
 
+# First: fail with the one-line install hint when Hypothesis is missing (the rest imports it).
+from kvoffload_ref.testing._requires import INSTALL_HINT, HypothesisMissing
 from kvoffload_ref.testing.adapter import (
     Capabilities,
     DeviceLike,
@@ -27,6 +33,13 @@ from kvoffload_ref.testing.adapter import (
 )
 from kvoffload_ref.testing.machine import ConformanceError, Counters, OffloadingMachine, make_machine
 from kvoffload_ref.testing.model import Model, plan_moves
+from kvoffload_ref.testing.settings import (
+    kit_settings,
+    register_profiles,
+    settings_for_ci,
+    settings_for_dev,
+    settings_for_fuzz,
+)
 from kvoffload_ref.testing.strategies import (
     INVALID_CASES,
     InvalidTransfer,
@@ -40,7 +53,9 @@ from kvoffload_ref.testing.strategies import (
 )
 
 __all__ = [
+    "INSTALL_HINT",
     "INVALID_CASES",
+    "HypothesisMissing",
     "Capabilities",
     "ConformanceError",
     "Counters",
@@ -60,11 +75,16 @@ __all__ = [
     "faults",
     "initial_gpu_bytes",
     "invalid_transfers",
+    "kit_settings",
     "layouts",
     "make_machine",
     "plan_moves",
     "policies",
     "reference_factory",
+    "register_profiles",
+    "settings_for_ci",
+    "settings_for_dev",
+    "settings_for_fuzz",
     "setups",
     "transfer_specs",
 ]

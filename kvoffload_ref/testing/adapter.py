@@ -142,7 +142,7 @@ class HandlerReportLike(Protocol):
 
 
 class ReportLike(Protocol):
-    """A shutdown report (the fields the machine reads; see ARCHITECTURE.md for their meaning)."""
+    """A shutdown report (the fields the machine reads; see ``kvoffload_ref.core.ShutdownReport`` for their meaning)."""
 
     @property
     def store(self) -> HandlerReportLike: ...

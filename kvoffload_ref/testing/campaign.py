@@ -1,10 +1,12 @@
-"""A fuzz campaign outside pytest: the conformance machine, driven by Hypothesis, for a number of steps.
+"""A fuzz campaign outside pytest: the conformance machine, driven by Hypothesis, for a number of steps or seconds.
 
-``kvoffload-ref fuzz --steps N [--seed S] [--policy quarantine|release]`` calls :func:`run_campaign`. The
-campaign runs the same :class:`~kvoffload_ref.testing.machine.OffloadingMachine` as the test suite, in batches
-of examples, each batch seeded from the campaign's seed (so a seed repeats a campaign exactly), and prints a
-progress line after each batch. On the first failure Hypothesis shrinks it; the campaign prints the falsifying
-example -- with the runnable reproduction the machine noted -- and returns 1.
+``kvoffload-ref fuzz [--factory module:callable] --steps N | --seconds T [--seed S] [--policy ...]`` calls
+:func:`run_campaign` (``--jobs N``: :func:`kvoffload_ref.testing.jobs.run_jobs`, one campaign per process). The
+campaign runs the same :class:`~kvoffload_ref.testing.machine.OffloadingMachine` as the test suite, in batches of
+examples, each batch seeded from the campaign's seed (so a seed repeats a campaign exactly), and prints a progress
+line after each batch. On the first failure Hypothesis shrinks it (for at most ``shrink_seconds``); the campaign
+prints the falsifying example -- with the runnable reproduction the machine noted, which imports the factory it
+names -- and returns 1.
 """
 
 from __future__ import annotations
@@ -18,20 +20,23 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Final, TextIO
 
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload_ref.testing.adapter import Capabilities, WorkerFactory, reference_factory
-from kvoffload_ref.testing.machine import OffloadingMachine, make_machine
+from kvoffload_ref.testing.machine import Counters, OffloadingMachine, make_machine
+from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS, STEPS_PER_EXAMPLE, bounded_shrinking, kit_settings
 from kvoffload_ref.testing.strategies import policies, setups
 
-__all__ = ["STEPS_PER_EXAMPLE", "quiet_logs", "run_campaign"]
+__all__ = ["REPRO_BEGIN", "REPRO_END", "STEPS_PER_EXAMPLE", "quiet_logs", "run_campaign"]
 
-#: Rule steps per example (one worker's life).
-STEPS_PER_EXAMPLE: Final = 50
+#: The lines around the shrunk reproduction a failed campaign prints last (save what is between them as a .py file).
+REPRO_BEGIN: Final = "fuzz: reproduction (runnable Python, as is):"
+REPRO_END: Final = "fuzz: end of reproduction"
 #: Most examples per batch (a progress line follows every batch).
 MAX_BATCH: Final = 200
+#: Examples per batch of a campaign bounded in time (about a second each on one core).
+TIMED_BATCH: Final = 20
 
 # Typed alias: some Hypothesis releases annotate run_state_machine_as_test, others do not (mypy --strict either way).
 _run_machine: Callable[..., None] = run_state_machine_as_test
@@ -49,66 +54,86 @@ def quiet_logs(name: str = "kvoffload_ref") -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _settings(examples: int) -> settings:
-    return settings(max_examples=examples, stateful_step_count=STEPS_PER_EXAMPLE, deadline=None,
-                    database=None, derandomize=False, report_multiple_bugs=False,
-                    suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink])
-
-
 def _machine(factory: WorkerFactory, policy: str | None, capabilities: Capabilities | None) -> type[OffloadingMachine]:
     if policy not in (None, "quarantine", "release"):
         raise ValueError(f"policy must be None, 'quarantine' or 'release', got {policy!r}")
     chosen = setups(policy=policies(on_unproven=(policy,))) if policy else setups()
-    return make_machine(factory, name="CampaignMachine", setup_strategy=chosen, capabilities=capabilities,
-                        factory_name=getattr(factory, "__name__", "factory"))
+    return make_machine(factory, name="CampaignMachine", setup_strategy=chosen, capabilities=capabilities)
 
 
-def _progress(machine: type[OffloadingMachine], goal: int, started: float) -> str:
-    c = machine.counters
+def _progress(counters: Counters, goal: str, started: float) -> str:
+    c = counters
     seconds = max(time.perf_counter() - started, 1e-9)
     return (f"fuzz: steps {c.steps}/{goal}  {c.steps / seconds:,.0f} steps/s  {seconds:.1f} s  runs {c.runs}  "
             f"faults injected {c.faults_injected} (fired {c.faults_fired})  violations {c.violations}  "
             f"accepted release-policy hazards {c.hazards}  quarantined {c.quarantined}/{c.shutdowns}\n")
 
 
-def run_campaign(steps: int, seed: int | None, policy: str | None, out: TextIO = sys.stdout, *,
-                 factory: WorkerFactory = reference_factory, capabilities: Capabilities | None = None) -> int:
-    """Run the conformance machine for at least ``steps`` rule steps.
+def _validate(steps: int | None, seconds: float | None) -> None:
+    if (steps is None) == (seconds is None):
+        raise ValueError("give exactly one of steps and seconds")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"seconds must be positive, got {seconds}")
+
+
+def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: TextIO | None = None, *,
+                 factory: WorkerFactory = reference_factory, capabilities: Capabilities | None = None,
+                 seconds: float | None = None, quiet: bool = True,
+                 shrink_seconds: float | None = DEFAULT_SHRINK_SECONDS,
+                 on_progress: Callable[[Counters], None] | None = None) -> int:
+    """Run the conformance machine for at least ``steps`` rule steps, or for about ``seconds``.
 
     Args:
-        steps: rule steps to run (each example is one worker's life of up to STEPS_PER_EXAMPLE steps).
+        steps: rule steps to run (each example is one worker's life of up to STEPS_PER_EXAMPLE steps); None
+            when ``seconds`` bounds the campaign.
         seed: the campaign's seed (None: a random one, printed so the campaign can be repeated).
         policy: "quarantine" or "release" to fuzz one shutdown policy, None to draw it per example.
-        out: where progress lines and a failure's report go.
+        out: where progress lines and a failure's report go (default: ``sys.stdout`` at call time).
         factory: the implementation under test (default: kvoffload_ref's own worker).
         capabilities: the optional behaviours it has (default: all).
+        seconds: run batches until this many seconds have passed (instead of ``steps``).
+        quiet: silence the ``kvoffload_ref`` loggers while it runs.
+        shrink_seconds: how long Hypothesis may shrink a failure (None: Hypothesis's own bound).
+        on_progress: called with the machine's counters after every batch.
 
     Returns:
         0 if no rule was violated, 1 at the first violation (its shrunk reproduction is printed).
 
     Raises:
-        ValueError: an unknown policy.
+        ValueError: an unknown policy, both or neither of ``steps`` and ``seconds``, or a bound below 1 step.
     """
+    _validate(steps, seconds)
+    out = out if out is not None else sys.stdout
     machine = _machine(factory, policy, capabilities)
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
     batches = random.Random(seed)
-    out.write(f"fuzz: {steps} steps, seed {seed}, policy {policy or 'drawn per example'}\n")
+    bound = f"{steps} steps" if steps is not None else f"{seconds:g} s"
+    out.write(f"fuzz: {bound}, seed {seed}, policy {policy or 'drawn per example'}\n"
+              f"fuzz: factory {machine.factory_name}\n")
     started = time.perf_counter()
-    with quiet_logs():
-        while machine.counters.steps < steps:
-            left = steps - machine.counters.steps
-            examples = max(1, min(MAX_BATCH, -(-left // (STEPS_PER_EXAMPLE * 4 // 5))))
+    goal = str(steps) if steps is not None else "-"
+    counters = machine.counters
+    with quiet_logs() if quiet else contextlib.nullcontext(), bounded_shrinking(shrink_seconds):
+        while (counters.steps < steps) if steps is not None else (time.perf_counter() - started < (seconds or 0)):
+            examples = TIMED_BATCH
+            if steps is not None:
+                examples = max(1, min(MAX_BATCH, -(-(steps - counters.steps) // (STEPS_PER_EXAMPLE * 4 // 5))))
             run = hypothesis_seed(batches.getrandbits(64))(machine)
             try:
-                _run_machine(run, settings=_settings(examples))
+                _run_machine(run, settings=kit_settings(examples))
             except Exception as exc:  # a violated rule, or an implementation that raised where it must not
-                out.write(_progress(machine, steps, started))
-                first = machine.counters.first_failure_step
+                out.write(_progress(counters, goal, started))
+                first = counters.first_failure_step
                 out.write(f"fuzz: FAILED (seed {seed}) at step {first} (later steps: shrinking): {exc}\n")
                 out.write("".join(traceback.format_exception(exc)))
+                out.write(f"{REPRO_BEGIN}\n{machine.last_reproduction}\n# violated: {exc}\n{REPRO_END}\n")
                 out.flush()
                 return 1
-            out.write(_progress(machine, steps, started))
+            out.write(_progress(counters, goal, started))
             out.flush()
-    out.write(f"fuzz: OK: {machine.counters.line()}\n")
+            if on_progress is not None:
+                on_progress(counters)
+    out.write(f"fuzz: OK: {counters.line()}\n")
     return 0

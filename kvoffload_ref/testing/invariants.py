@@ -1,0 +1,131 @@
+"""The conformance machine's checks: each result, memory against the model, shutdown reports, and the
+invariants run after every step (no misuse seen by the device, the ledger balances).
+
+Run after every step: :meth:`Checks.no_violation` (R3/R10/R12; the release policy's accepted hazards are
+explained in :mod:`kvoffload_ref.testing.machine`) and :meth:`Checks.ledger_balances` (R16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+from hypothesis.stateful import invariant
+
+from kvoffload_ref.backends.base import RESOURCE_KINDS
+from kvoffload_ref.errors import DeviceError
+from kvoffload_ref.testing.adapter import (
+    ReportLike,
+    ResultLike,
+)
+from kvoffload_ref.testing.machine_base import MachineBase
+from kvoffload_ref.testing.model import ModelTransfer
+from kvoffload_ref.testing.shutdown import (
+    Expectations,
+    report_problems,
+)
+
+__all__ = ["Checks"]
+
+
+class Checks(MachineBase):
+    """What the rules check (results, memory, reports) and the invariants."""
+
+    def _check_result(self, result: ResultLike) -> None:
+        model = self.current_model
+        job = result.job_id
+        self._say(f"# -> ({job}, success={result.success})")
+        transfer = model.transfers.get(job)
+        self._check(transfer is not None, "R5", f"reported job {job}, which was never (successfully) submitted")
+        assert transfer is not None
+        self._check(transfer.status == "pending", "R5", f"job {job} reported twice")
+        self._check(transfer.index > model.last_reported[transfer.direction], "R5",
+                    f"{transfer.direction} job {job} reported out of submission order")
+        if result.success:
+            self._check_success(transfer, result)
+        else:
+            cause = transfer.must_fail or self.current_device.lost() or bool(self.current_device.violations())
+            self._check(cause, "R5", f"job {job} reported failed although nothing failed")
+        counters = type(self).counters
+        counters.succeeded += result.success
+        counters.failed += not result.success
+        model.resolve(transfer, result.success)
+
+    def _check_success(self, transfer: ModelTransfer, result: ResultLike) -> None:
+        job = transfer.job_id
+        self._check(not transfer.hung, "R5", f"job {job} reported success although a hang selected it: its "
+                                             "completion can never be proven")
+        self._check(not transfer.blocked, "R4/R5", f"job {job} reported success although it is queued behind a "
+                                                   "hung transfer of its direction")
+        self._check(not transfer.must_fail, "R5", f"job {job} reported success although an injected error fired "
+                                                  "on its end event (or on the one it was queued behind)")
+        self._check(result.transfer_size == transfer.nbytes, "R5",
+                    f"job {job} reported {result.transfer_size} bytes, expected {transfer.nbytes}")
+
+    def _check_memory(self) -> None:
+        """R4/R5: every settled byte (GPU, and the CPU region) holds what the model says it holds."""
+        type(self).counters.data_checks += 1
+        if not self.current_device.lost():
+            try:
+                gpu = self.current_device.read_gpu()
+            except DeviceError:
+                gpu = []
+            for t, actual in enumerate(gpu):
+                self._compare("gpu", t, actual)
+        for t, actual in enumerate(self.current_worker.cpu_snapshot()):
+            self._compare("cpu", t, np.asarray(actual))
+
+    def _compare(self, side_name: str, tensor: int, actual: npt.NDArray[np.uint8]) -> None:
+        side = self.current_model.sides[side_name]
+        where = side.mismatch(tensor, actual)
+        if where is not None:
+            row, col = where
+            self._check(False, "R4/R5", f"{side_name} tensor {tensor} row {row} byte {col} holds "
+                                        f"{int(actual[row, col])}, expected {int(side.value[tensor][row, col])} "
+                                        f"(last written by {self.current_model.writer(side_name, tensor, row, col)})")
+
+    def _check_report(self, report: ReportLike, start: float, expect: Expectations) -> None:
+        counters = type(self).counters
+        counters.shutdowns += 1
+        counters.quarantined += report.region == "quarantined"
+        for rules, message in report_problems(report, model=self.current_model, device=self.current_device,
+                                              policy=self.current_setup.policy,
+                                              elapsed=self.current_device.clock() - start, expect=expect):
+            self._check(False, rules, message)
+
+
+    # -- invariants ---------------------------------------------------------------------------------------------
+    @invariant()
+    def no_violation(self) -> None:
+        """R3/R10/R12: no copy ever touched released memory (the sim's log is empty); see the module docstring
+        for the release policy's accepted hazards."""
+        if self.dev is None or not self.dev.violations():
+            return
+        if self._hazard_accepted():
+            return
+        type(self).counters.violations += 1
+        self._check(False, "R3/R10/R12", f"the simulated device saw misuse: {self.current_device.violations()}")
+
+    def _hazard_accepted(self) -> bool:
+        if self.current_setup.policy.on_unproven != "release" or self.phase not in ("closed", "dropped"):
+            return False
+        if self.report is not None and self.report.device_sync not in ("timeout", "failed"):
+            return False
+        if not self.hazard_counted:
+            self.hazard_counted = True
+            type(self).counters.hazards += 1
+        return True
+
+    @invariant()
+    def ledger_balances(self) -> None:
+        """R16: per kind, acquired == released + live + quarantined + leaked; after shutdown nothing is live."""
+        if self.dev is None:
+            return
+        ledger = self.current_device.ledger
+        acquired, released = ledger.acquired(), ledger.released()
+        live, kept, leaked = ledger.live(), ledger.quarantined(), ledger.leaked()
+        for kind in RESOURCE_KINDS:
+            total = released.get(kind, 0) + live.get(kind, 0) + kept.get(kind, 0) + leaked.get(kind, 0)
+            self._check(acquired.get(kind, 0) == total, "R16", f"ledger does not balance for {kind}")
+        if self.phase in ("closed", "dropped", "refused"):
+            self._check(live == {}, "R16", f"live after shutdown: {live}")
+

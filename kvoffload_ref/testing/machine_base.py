@@ -1,0 +1,211 @@
+"""The conformance machine's state and helpers: counters, the reproduction script, checks that fail the run.
+
+:class:`MachineBase` holds what one run knows (the setup, the kit's device, the worker under test, the model, the
+phase) and the helpers every rule uses; the rules (:mod:`~kvoffload_ref.testing.rules`,
+:mod:`~kvoffload_ref.testing.shutdown_rules`) and the checks (:mod:`~kvoffload_ref.testing.invariants`) build on
+it, and :class:`~kvoffload_ref.testing.machine.OffloadingMachine` puts them together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine
+
+from kvoffload_ref.errors import SimHang
+from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload_ref.testing.adapter import (
+    Capabilities,
+    Firing,
+    ReportLike,
+    Setup,
+    SimDevice,
+    WorkerFactory,
+    WorkerLike,
+    reference_factory,
+)
+from kvoffload_ref.testing.model import Model
+from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS
+from kvoffload_ref.testing.strategies import (
+    InvalidTransfer,
+    setups,
+)
+
+__all__ = ["ConformanceError", "Counters", "MachineBase", "worker_open"]
+
+
+@dataclasses.dataclass
+class Counters:
+    """What a machine class has done, over all its runs (the CI summary and the campaign's progress line)."""
+
+    runs: int = 0
+    workers: int = 0
+    steps: int = 0
+    open_steps: int = 0
+    submitted: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    faults_injected: int = 0
+    faults_fired: int = 0
+    data_checks: int = 0
+    shutdowns: int = 0
+    drops: int = 0
+    interrupts: int = 0
+    quarantined: int = 0
+    hazards: int = 0
+    violations: int = 0
+    first_failure_step: int = 0
+
+    def line(self) -> str:
+        """A one-line summary."""
+        return " ".join(f"{field.name}={getattr(self, field.name)}" for field in dataclasses.fields(self))
+
+
+class ConformanceError(AssertionError):
+    """An observation contradicts a rule; the message names the rule ids."""
+
+
+class MachineBase(RuleBasedStateMachine):
+    """The conformance machine's state and helpers (no rules): see :mod:`kvoffload_ref.testing.machine`.
+
+    Class attributes (set by :func:`make_machine`):
+        worker_factory: builds the implementation under test.
+        factory_name: how the reproduction header names the factory.
+        factory_import: the reproduction's line importing the factory ("" when the kit's imports cover it).
+        shrink_seconds: how long Hypothesis may shrink a failure (see ``settings.bounded_shrinking``).
+        last_reproduction: the reproduction script of the last failing run ("" before any failure).
+        setup_strategy: what setups are drawn.
+        capabilities: optional behaviours of the implementation.
+        counters: totals over every run of this class.
+    """
+
+    worker_factory: ClassVar[tuple[WorkerFactory]] = (reference_factory,)
+    factory_name: ClassVar[str] = "reference_factory"
+    factory_import: ClassVar[str] = ""
+    shrink_seconds: ClassVar[float | None] = DEFAULT_SHRINK_SECONDS
+    last_reproduction: ClassVar[str] = ""
+    setup_strategy: ClassVar[st.SearchStrategy[Setup]] = setups()
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    counters: ClassVar[Counters] = Counters()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setup: Setup | None = None
+        self.dev: SimDevice | None = None
+        self.worker: WorkerLike | None = None
+        self.model: Model | None = None
+        self.report: ReportLike | None = None
+        # Invariant: "new" -> "open" -> "closed" (shutdown) | "dropped" (finalizer); "refused" (construction failed).
+        self.phase = "new"
+        # Invariant: True once a check or a call failed; teardown then only cleans up.
+        self.failed = False
+        self.lifetime = 0
+        self.age = 0
+        self.next_job = 1
+        self.seen_firings = 0
+        self.hazard_counted = False
+        self.specs: st.SearchStrategy[tuple[GPULoadStoreSpec, CPULoadStoreSpec]] = st.nothing()
+        self.invalid: dict[bool, st.SearchStrategy[InvalidTransfer]] = {}
+        # Invariant: the reproduction so far, one Python line per entry; noted once, when the run fails.
+        self.script: list[str] = []
+        self.script_noted = False
+        type(self).counters.runs += 1
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    @property
+    def current_worker(self) -> WorkerLike:
+        """The worker under test (only while one exists: a rule's precondition says so)."""
+        assert self.worker is not None
+        return self.worker
+
+    @property
+    def current_device(self) -> SimDevice:
+        """The kit's device of the current worker."""
+        assert self.dev is not None
+        return self.dev
+
+    @property
+    def current_model(self) -> Model:
+        """The model run beside the current worker."""
+        assert self.model is not None
+        return self.model
+
+    @property
+    def current_setup(self) -> Setup:
+        """The setup the current worker was built from."""
+        assert self.setup is not None
+        return self.setup
+
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[None]:
+        """Count one step; an exception marks the run failed (so teardown does not pile errors on it)."""
+        counters = type(self).counters
+        counters.steps += 1
+        counters.open_steps += self.phase == "open"
+        self.age += 1
+        try:
+            yield
+        except (Exception, SimHang):
+            self._fail()
+            raise
+        except BaseException:  # Hypothesis' own control flow (an example cut short): not a failure
+            self.failed = True
+            raise
+
+    def _say(self, line: str) -> None:
+        """Note a line and append it to the reproduction script."""
+        note(line)
+        self.script.append(line)
+
+    def _raised(self, error: str) -> None:
+        """The call the script's last line makes raised ``error`` as allowed: wrap it so the script runs on."""
+        last = self.script[-1].replace("\n", "\n    ")
+        self.script[-1] = f"try:\n    {last}\nexcept {error}:\n    pass"
+        note(f"# -> {error}")
+
+    def _fail(self) -> None:
+        """Mark the run failed and note the reproduction script (once)."""
+        self.failed = True
+        counters = type(self).counters
+        counters.first_failure_step = counters.first_failure_step or counters.steps
+        if not self.script_noted:
+            self.script_noted = True
+            script = "\n".join(self.script)
+            type(self).last_reproduction = script  # the last failing run: after shrinking, the shrunk one
+            note("# Reproduction (runnable Python):\n" + script)
+
+    def _check(self, ok: bool, rules: str, message: str) -> None:
+        if not ok:
+            self._fail()
+            raise ConformanceError(f"{rules}: {message}")
+
+    def _fresh_job(self) -> int:
+        job, self.next_job = self.next_job, self.next_job + 1
+        return job
+
+    def _new_firings(self) -> list[Firing]:
+        firings = self.current_device.plan.firings[self.seen_firings:]
+        self.seen_firings += len(firings)
+        type(self).counters.faults_fired += len(firings)
+        return firings
+
+    def _absorb(self, firings: Sequence[Firing]) -> None:
+        """Tell the model about errors that fired on transfers' end events (R5: they and those behind fail)."""
+        for firing in firings:
+            if firing.fault.kind == "error" and firing.point in ("event_query", "event_sync") and firing.tag:
+                direction, job_id = firing.tag
+                self.current_model.error_fired(direction, job_id)
+
+    def _stats(self) -> object:
+        return self.current_worker.stats() if self.capabilities.stats else None
+
+
+
+def worker_open(machine: MachineBase) -> bool:
+    """Precondition: a worker is built and not shut down or dropped."""
+    return machine.phase == "open"

@@ -1,0 +1,270 @@
+"""The conformance machine's rules for a live worker: build it, submit valid and invalid transfers, reap, wait,
+and act on the device (the clock, compute writes, faults injected mid-run)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule
+
+from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
+from kvoffload_ref.faults import TRANSFER_HANG_POINTS
+from kvoffload_ref.testing.adapter import (
+    SimDevice,
+    initial_gpu_bytes,
+)
+from kvoffload_ref.testing.invariants import Checks
+from kvoffload_ref.testing.machine_base import worker_open
+from kvoffload_ref.testing.model import Model, ModelTransfer
+from kvoffload_ref.testing.shutdown import (
+    MARGIN,
+    SLACK,
+)
+from kvoffload_ref.testing.strategies import (
+    INVALID_CASES,
+    faults,
+    invalid_transfers,
+    transfer_specs,
+)
+
+__all__ = ["CLOCK_STEPS", "COMPUTE_DELAYS", "FAULT_SLOTS", "WAIT_TIMEOUTS", "TransferRules"]
+
+
+CLOCK_STEPS: Final = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0)
+COMPUTE_DELAYS: Final = (0.0, 1e-6, 1e-4, 1e-3, 0.02, 0.3)
+WAIT_TIMEOUTS: Final = (0.0, 1e-4, 1e-3, 0.05, 0.5)
+#: Faults whose job_id, if any, is a slot (0-7) the machine maps to one of the next or pending jobs.
+FAULT_SLOTS: Final = faults(range(8))
+
+
+class TransferRules(Checks):
+    """Rules: build/restart, submissions, get_finished, wait, the device."""
+
+    # -- initialize ---------------------------------------------------------------------------------------------
+    @initialize(data=st.data())
+    def build(self, data: st.DataObject) -> None:
+        """Draw a setup, build the device and the worker (R1/R2 when construction fails)."""
+        with self._step():
+            self.next_job = data.draw(st.sampled_from((1, 1, 1000)), label="first job id")
+            header = "import gc\nfrom kvoffload_ref import *\nfrom kvoffload_ref.testing import *"
+            self._say(header + (f"\n{self.factory_import}" if self.factory_import else ""))
+            self._start(data)
+
+    @precondition(lambda self: self.phase in ("closed", "dropped", "refused"))
+    @rule(data=st.data())
+    def restart(self, data: st.DataObject) -> None:
+        """The worker is gone (shut down, dropped or never built): build a new one on a new device."""
+        with self._step():
+            self._start(data)
+
+    def _start(self, data: st.DataObject) -> None:
+        setup = self.setup = data.draw(self.setup_strategy, label="setup")
+        self.lifetime = data.draw(st.one_of(st.integers(0, 8), st.integers(0, 60)), label="lifetime")
+        self.age, self.seen_firings, self.hazard_counted = 0, 0, False
+        self.worker, self.model, self.report = None, None, None
+        type(self).counters.workers += 1
+        self._say(f"setup = {setup!r}")
+        self._say(f"dev = SimDevice(setup)\nw = {self.factory_name}(dev.backend, dev.gpu, setup)")
+        self.specs = transfer_specs(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks,
+                                    setup.num_cpu_chunks)
+        self.invalid = {
+            flight: invalid_transfers(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks,
+                                      setup.num_cpu_chunks,
+                                      cases=[c for c in INVALID_CASES if flight or c != "job id in flight"])
+            for flight in (False, True)}
+        self.dev = SimDevice(setup)
+        try:
+            self.worker = self.worker_factory[0](self.current_device.backend, self.current_device.gpu, setup)
+        except DeviceError:
+            self._raised("DeviceError")
+            self._new_firings()
+            self.phase = "refused"
+            live = self.current_device.ledger.live()
+            self._check(live == {}, "R2", f"construction failed but left {live} live")
+            return
+        self._new_firings()
+        self.phase = "open"
+        pages = setup.layout.tensor_page_bytes
+        self.model = Model(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks, setup.num_cpu_chunks,
+                           [initial_gpu_bytes(setup, t)[:, :p] for t, p in enumerate(pages)],
+                           [np.asarray(a) for a in self.current_worker.cpu_snapshot()])
+
+    # -- transfers ----------------------------------------------------------------------------------------------
+    @precondition(worker_open)
+    @rule(data=st.data())
+    def submit_store(self, data: st.DataObject) -> None:
+        """Submit a valid store (R4: ordered after the compute work and the previous store)."""
+        with self._step():
+            self._submit("store", data)
+
+    @precondition(worker_open)
+    @rule(data=st.data())
+    def submit_load(self, data: st.DataObject) -> None:
+        """Submit a valid load (R4: ordered after the compute work and the previous load, not the stores)."""
+        with self._step():
+            self._submit("load", data)
+
+    def _submit(self, direction: str, data: st.DataObject) -> None:
+        gpu, cpu = data.draw(self.specs, label="specs")
+        job = self._fresh_job()
+        src, dst = (gpu, cpu) if direction == "store" else (cpu, gpu)
+        self._say(f"w.submit_{direction}({job}, {src!r}, {dst!r})")
+        live = self.current_device.ledger.live()
+        submit = self.current_worker.submit_store if direction == "store" else self.current_worker.submit_load
+        try:
+            submit(job, src, dst)  # type: ignore[arg-type]
+        except DeviceError:
+            self._raised("DeviceError")
+            firings = self._new_firings()
+            if any(f.fault.kind == "hang" and f.tag == (direction, job) for f in firings):
+                self.current_model.tainted.add(direction)
+            after = self.current_device.ledger.live()
+            self._check(all(n <= live.get(kind, 0) for kind, n in after.items()), "R16",
+                        f"a failed submission left resources live: {live} -> {after}")
+            self._absorb(firings)
+            return
+        firings = self._new_firings()
+        hung = any(f.fault.kind == "hang" and f.point in TRANSFER_HANG_POINTS and f.tag == (direction, job)
+                   for f in firings)
+        self.current_model.submit(direction, job, gpu, cpu, hung=hung)  # type: ignore[arg-type]
+        self._absorb(firings)
+        type(self).counters.submitted += 1
+
+    @precondition(worker_open)
+    @rule(data=st.data())
+    def submit_invalid(self, data: st.DataObject) -> None:
+        """R7: an invalid submission raises InvalidTransferError before any device work and changes nothing."""
+        with self._step():
+            bad = data.draw(self.invalid[bool(self.current_model.pending())], label="invalid")
+            job: object = bad.job
+            if job == "fresh":
+                job = self.next_job
+            elif job == "in_flight":
+                in_flight = [t.job_id for t in self.current_model.pending()]
+                job = data.draw(st.sampled_from(in_flight), label="job in flight")
+            src_text, dst_text = bad.specs_text()
+            self._say(f"w.submit_{bad.direction}({job!r}, {src_text}, {dst_text})  # R7: {bad.case}")
+            self._raised("InvalidTransferError")
+            dev, worker = self.current_device, self.current_worker
+            stats, live, clock, fired = self._stats(), dev.ledger.live(), dev.clock(), len(dev.plan.fired)
+            try:
+                src, dst = bad.build()
+                submit = worker.submit_store if bad.direction == "store" else worker.submit_load
+                submit(job, src, dst)  # type: ignore[arg-type]
+            except InvalidTransferError as exc:
+                self._check(isinstance(exc, ValueError), "R7", "InvalidTransferError must be a ValueError")
+            else:
+                self._check(False, "R7", f"accepted an invalid submission ({bad.case})")
+            self._check(self._stats() == stats and dev.ledger.live() == live and dev.clock() == clock,
+                        "R7", f"a refused submission ({bad.case}) changed the worker or the device")
+            self._check(len(self.current_device.plan.fired) == fired, "R7",
+                        f"a refused submission ({bad.case}) made device calls (a fault fired)")
+
+    @precondition(worker_open)
+    @rule()
+    def get_finished(self) -> None:
+        """R5: each job once, per direction in submission order, success only if proven; never blocks."""
+        with self._step():
+            self._say("print(w.get_finished())")
+            clock = self.current_device.clock()
+            results = list(self.current_worker.get_finished())
+            self._check(self.current_device.clock() == clock, "R5", "get_finished() blocked (the virtual clock moved)")
+            self._absorb(self._new_firings())
+            for result in results:
+                self._check_result(result)
+            reported = {r.job_id for r in results}
+            model = self.current_model
+            missing = {j for j in model.awaited if model.transfers[j].status == "pending"} - reported
+            self._check(not missing, "R6", f"wait() returned for jobs {sorted(missing)} but get_finished() did "
+                                           "not report them")
+            self.current_model.awaited.clear()
+            self._check_memory()
+
+    @precondition(worker_open)
+    @rule(data=st.data())
+    def wait(self, data: st.DataObject) -> None:
+        """R6: wait blocks until the listed jobs are proven or failed; DeadlineExceeded when the time is up."""
+        with self._step():
+            model = self.current_model
+            pending = [t.job_id for t in model.pending()]
+            others = [*(j for j, t in model.transfers.items() if t.status != "pending"), self.next_job + 50]
+            ids = data.draw(st.lists(st.sampled_from(pending + others), max_size=4, unique=True), label="ids")
+            known = model.transfers
+            listed = [known[j] for j in ids if j in known and known[j].status == "pending"]
+            unbounded_ok = all(model.can_finish(t) for t in listed)
+            timeout = data.draw(st.sampled_from(((None,) if unbounded_ok else ()) + WAIT_TIMEOUTS), label="timeout")
+            self._wait(ids, listed, timeout)
+
+    def _wait(self, ids: list[int], listed: list[ModelTransfer], timeout: float | None) -> None:
+        model = self.current_model
+        self._say(f"w.wait({ids!r}, timeout={timeout!r})")
+        start = self.current_device.clock()
+        busy = model.compute_busy_until
+        try:
+            self.current_worker.wait(ids, timeout)
+            expired = False
+        except DeadlineExceeded:
+            self._raised("DeadlineExceeded")
+            expired = True
+        except SimHang:
+            self._check(False, "R6", f"wait({ids}) without a timeout hung on jobs the model says can finish")
+        elapsed = self.current_device.clock() - start
+        self._absorb(self._new_firings())
+        if timeout is not None:
+            self._check(elapsed <= timeout + SLACK, "R6/R11", f"wait(timeout={timeout}) took {elapsed} s")
+        if expired:
+            self._check(timeout is not None and self.current_device.clock() >= start + timeout, "R6",
+                        f"DeadlineExceeded after {elapsed} s with timeout={timeout}")
+            can = all(model.can_finish(t) for t in listed)
+            enough = timeout is not None and timeout >= max(busy - start, 0.0) + MARGIN
+            self._check(not (can and enough), "R6", f"DeadlineExceeded although jobs {ids} could all finish "
+                                                    f"within timeout={timeout}")
+            return
+        # Every query fails now: jobs resolve as failed.
+        resolvable = self.current_device.lost() or bool(self.current_device.violations())
+        for t in listed:
+            if t.status == "pending" and not t.must_fail and not resolvable:
+                self._check(not t.stuck, "R6", f"wait() returned although job {t.job_id} can never be proven")
+        model.awaited.update(t.job_id for t in listed if t.status == "pending")
+
+    # -- the device ---------------------------------------------------------------------------------------------
+    @rule(seconds=st.sampled_from(CLOCK_STEPS))
+    def advance_clock(self, seconds: float) -> None:
+        """Let virtual time pass: queued work runs (never a rule violation by itself)."""
+        with self._step():
+            if self.dev is None:
+                return
+            self._say(f"dev.advance({seconds!r})")
+            self.current_device.advance(seconds)
+
+    @precondition(lambda self: self.phase == "open" and not self.current_device.lost())
+    @rule(data=st.data())
+    def compute_write(self, data: st.DataObject) -> None:
+        """Queue a compute-stream kernel writing whole GPU rows (R4: later transfers wait for it)."""
+        with self._step():
+            setup = self.current_setup
+            tensor = data.draw(st.integers(0, setup.layout.num_tensors - 1), label="tensor")
+            rows = data.draw(st.lists(st.integers(0, setup.num_gpu_blocks - 1), min_size=1, max_size=3, unique=True),
+                             label="rows")
+            value = data.draw(st.integers(0, 255), label="value")
+            delay = data.draw(st.sampled_from(COMPUTE_DELAYS), label="delay")
+            self._say(f"dev.compute_write({tensor}, {rows!r}, {value}, {delay!r})")
+            self.current_model.compute_write(tensor, rows, value, delay, self.current_device.clock())
+            self.current_device.compute_write(tensor, rows, value, delay)
+
+    @precondition(worker_open)
+    @rule(data=st.data())
+    def inject_fault(self, data: st.DataObject) -> None:
+        """Arm one more fault mid-run (aimed at the next jobs or at pending ones)."""
+        with self._step():
+            targets = [self.next_job + k for k in range(4)] + [t.job_id for t in self.current_model.pending()][-4:]
+            fault = data.draw(FAULT_SLOTS, label="fault")
+            if fault.job_id is not None:  # a slot: aim it at one of the next or pending jobs
+                fault = dataclasses.replace(fault, job_id=targets[fault.job_id % len(targets)])
+            self._say(f"dev.plan.add({fault!r})")
+            self.current_device.plan.add(fault)
+            type(self).counters.faults_injected += 1
+

@@ -1,0 +1,122 @@
+"""The conformance kit's Hypothesis settings: what the pytest route, CI and long fuzzing runs use.
+
+A state machine's default ``TestCase`` settings run Hypothesis's *explain* phase after a failure, which on this
+machine can take minutes (it replays the shrunk example many times to explain it); the kit's settings never run
+it. Shrinking stays on (a shrunk reproduction is what a failure is worth) and is bounded: the machines'
+``TestCase`` and the campaign run under :func:`bounded_shrinking`, so Hypothesis reports the smallest failure it
+found within :data:`DEFAULT_SHRINK_SECONDS` (its own bound, 300 s, is too long for CI); ``shrink=False`` skips
+shrinking. The health checks that a stateful machine trips by design (slow examples, large draws, filtered
+draws, a large minimal example) are suppressed; the others stay on.
+
+The kit's own profiles (:func:`register_profiles`): ``kvoffload_ref-dev`` (quick), ``kvoffload_ref-ci``
+(derandomized: every CI run draws the same examples) and ``kvoffload_ref-fuzz`` (long).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Final
+
+from hypothesis import HealthCheck, Phase, settings
+
+__all__ = [
+    "DEFAULT_SHRINK_SECONDS",
+    "PROFILES",
+    "STEPS_PER_EXAMPLE",
+    "SUPPRESSED_HEALTH_CHECKS",
+    "bounded_shrinking",
+    "kit_settings",
+    "register_profiles",
+    "settings_for_ci",
+    "settings_for_dev",
+    "settings_for_fuzz",
+]
+
+#: Seconds a machine lets Hypothesis shrink a failure before it reports the smallest found so far.
+DEFAULT_SHRINK_SECONDS: Final = 30.0
+#: Rule steps per example (one worker's life).
+STEPS_PER_EXAMPLE: Final = 50
+#: Health checks a stateful conformance machine trips by design.
+SUPPRESSED_HEALTH_CHECKS: Final = (HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+                                   HealthCheck.large_base_example)
+#: Hypothesis's engine constant bounding a shrink in seconds.
+_ENGINE_SHRINK_LIMIT: Final = "MAX_SHRINKING_SECONDS"
+#: Profile name -> its settings (registered by :func:`register_profiles`).
+PROFILES: Final = ("kvoffload_ref-dev", "kvoffload_ref-ci", "kvoffload_ref-fuzz")
+
+
+def kit_settings(max_examples: int = 100, *, derandomize: bool = False, shrink: bool = True,
+                 stateful_step_count: int = STEPS_PER_EXAMPLE) -> settings:
+    """Settings for a conformance machine: no explain phase, no deadline, no example database.
+
+    Args:
+        max_examples: examples (worker lives) per run.
+        derandomize: draw the same examples on every run (CI).
+        shrink: shrink a failure (bounded in time by :func:`bounded_shrinking`); False reports it as found.
+        stateful_step_count: most rule steps per example.
+
+    Returns:
+        The settings (pass them to ``run_state_machine_as_test``, or assign them to ``Machine.TestCase.settings``).
+
+    Raises:
+        hypothesis.errors.InvalidArgument: a non-positive ``max_examples`` or ``stateful_step_count``.
+    """
+    phases = [Phase.explicit, Phase.generate, *([Phase.shrink] if shrink else [])]
+    return settings(max_examples=max_examples, stateful_step_count=stateful_step_count, deadline=None,
+                    database=None, derandomize=derandomize, report_multiple_bugs=False, phases=phases,
+                    suppress_health_check=SUPPRESSED_HEALTH_CHECKS)
+
+
+def settings_for_dev() -> settings:
+    """Quick local runs: 50 examples."""
+    return kit_settings(50)
+
+
+def settings_for_ci() -> settings:
+    """CI: 100 examples, derandomized (every run draws the same examples, so CI is deterministic)."""
+    return kit_settings(100, derandomize=True)
+
+
+def settings_for_fuzz() -> settings:
+    """Long runs: 5,000 examples, random."""
+    return kit_settings(5000)
+
+
+def register_profiles() -> None:
+    """Register the kit's profiles (``kvoffload_ref-dev``, ``-ci``, ``-fuzz``) with Hypothesis; load one with
+    ``settings.load_profile(name)`` or ``HYPOTHESIS_PROFILE``-style in a conftest."""
+    for name, make in zip(PROFILES, (settings_for_dev, settings_for_ci, settings_for_fuzz), strict=True):
+        settings.register_profile(name, make())
+
+
+@contextlib.contextmanager
+def bounded_shrinking(seconds: float | None = DEFAULT_SHRINK_SECONDS) -> Iterator[None]:
+    """Let Hypothesis shrink a failure for at most ``seconds`` inside the block (None: Hypothesis's own bound).
+
+    Hypothesis has no setting for this; its engine stops shrinking (and reports the smallest failure so far)
+    after a module-level number of seconds, which this sets for the duration of the block and then restores.
+    On a Hypothesis without that bound the block changes nothing.
+
+    Args:
+        seconds: the shrink budget (positive), or None to leave Hypothesis's bound as it is.
+
+    Yields:
+        Nothing; the bound holds inside the block.
+
+    Raises:
+        ValueError: ``seconds`` is not positive.
+    """
+    if seconds is not None and seconds <= 0:
+        raise ValueError(f"the shrink budget must be positive, got {seconds!r}")
+    engine = importlib.import_module("hypothesis.internal.conjecture.engine")
+    before = getattr(engine, _ENGINE_SHRINK_LIMIT, None)
+    if seconds is None or before is None:
+        yield
+        return
+    setattr(engine, _ENGINE_SHRINK_LIMIT, seconds)
+    try:
+        yield
+    finally:
+        setattr(engine, _ENGINE_SHRINK_LIMIT, before)

@@ -1,0 +1,80 @@
+"""``kvoffload-ref fuzz``: exit 0 (no violation), 1 (a violation, shrunk, with a runnable reproduction), 2 (bad
+usage), and the one-line hint when Hypothesis is missing. Kept fast: tiny step counts, a mutant found quickly."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from kvoffload_ref.cli import main
+from kvoffload_ref.testing.campaign import REPRO_BEGIN, REPRO_END
+
+MUTANT = "kvoffload_ref.testing.mutants:failures_reported_as_success"
+HINT = 'pip install "kvoffload_ref[conformance]"'
+
+
+@pytest.mark.parametrize("argv", [
+    ["--steps", "0"], ["--steps", "-5"], ["--seconds", "0"], ["--jobs", "0"],
+    ["--steps", "10", "--seconds", "1"], ["--without", "nonsense"],
+])
+def test_cli_fuzz_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["fuzz", *argv])
+    assert info.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("factory", ["no_such_module_here:factory", "kvoffload_ref.testing.mutants:nope",
+                                     "kvoffload_ref.testing.mutants", "kvoffload_ref.testing.mutants:__doc__"])
+def test_cli_fuzz_unimportable_factory_exits_2_with_one_line(factory: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fuzz", "--factory", factory, "--steps", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvoffload-ref fuzz: --factory")
+
+
+@pytest.mark.rule("R5")
+def test_cli_fuzz_reference_worker_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fuzz", "--steps", "100", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fuzz: factory reference_factory" in out and "fuzz: OK:" in out
+
+
+@pytest.mark.rule("R5")
+def test_cli_fuzz_wrong_worker_exits_1_with_a_runnable_reproduction(tmp_path: pathlib.Path) -> None:
+    # A fresh interpreter, as a user runs it (what a seed finds can depend on the process's history).
+    done = subprocess.run([sys.executable, "-m", "kvoffload_ref", "fuzz", "--factory", MUTANT, "--steps", "1500",
+                           "--seed", "2", "--shrink-seconds", "1"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    assert "fuzz: FAILED (seed 2) at step " in out and "R5: job" in out
+    script = out.split(REPRO_BEGIN + "\n", 1)[1].split(REPRO_END, 1)[0]
+    assert "from kvoffload_ref.testing.mutants import failures_reported_as_success" in script
+    path = tmp_path / "repro.py"
+    path.write_text(script)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60, check=False,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "success=True" in done.stdout
+
+
+@pytest.mark.rule("R5")
+def test_cli_fuzz_jobs_report_the_first_failure_with_its_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fuzz", "--factory", MUTANT, "--jobs", "2", "--steps", "3000", "--seed", "2",
+                 "--shrink-seconds", "1"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("fuzz: 2 jobs, campaign seed 2 (job seeds 2, ")
+    assert "failed, seed " in out and "repeat it alone: kvoffload-ref fuzz --factory " + MUTANT in out
+    assert REPRO_BEGIN in out
+
+
+def test_cli_fuzz_without_hypothesis_says_how_to_install_it() -> None:
+    code = ("import sys; sys.modules['hypothesis'] = None\n"
+            "from kvoffload_ref.cli import main\n"
+            "sys.exit(main(['fuzz', '--steps', '10']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and HINT in done.stderr and "Traceback" not in done.stderr
