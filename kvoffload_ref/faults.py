@@ -345,6 +345,11 @@ class FaultyBackend:
         self._hook("free_descriptors")
         self.inner.free_descriptors(buf)
 
+    def free_descriptors_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
+        """Delegated; never fails."""
+        self._hook("free_descriptors")
+        self.inner.free_descriptors_many(bufs)
+
     # -- streams and events -----------------------------------------------------------------------------------
 
     def current_stream(self) -> Stream:
@@ -416,6 +421,15 @@ class FaultyBackend:
             self._event_tags.pop(id(event), None)
             self.inner.destroy_event(event)
 
+    def destroy_events(self, events: Sequence[Event]) -> None:
+        """Delegated; forgets the events' tags and hangs. Never fails."""
+        self._hook("destroy_event")
+        with self._lock:
+            for event in events:
+                self._hung_events.discard(id(event))
+                self._event_tags.pop(id(event), None)
+            self.inner.destroy_events(events)
+
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
         """Delegated. The event is hung if the stream is. A transfer is submitted at its start record (see the
         module docstring): that record offers it to ``FaultPlan.select_hang`` (a reused job id is offered again)
@@ -435,6 +449,13 @@ class FaultyBackend:
                 self._hung_events.discard(id(event))
             if self._selects_hang(stream, tag):
                 self._hung_streams.add(id(stream))
+
+    def query_prefix(self, events: Sequence[Event]) -> int:
+        """Delegated when nothing here is instrumented; else 0: every query goes through ``query`` (its faults,
+        hangs and hook keep their per-call meaning)."""
+        if self.on_call is not None or self.plan.faults or self._hung_events:
+            return 0
+        return self.inner.query_prefix(events)
 
     def query(self, event: Event) -> bool:
         """Fault point ``event_query`` (matched on the event's tag); False forever for a hung event.

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -92,6 +93,9 @@ class HandlerReport:
 
 
 _T = TypeVar("_T")
+
+#: The most end events one ``query_prefix`` call is asked about.
+PREFIX_WINDOW = 4096
 
 
 def _detached(exc: DeviceError) -> DeviceError:
@@ -283,8 +287,7 @@ class DirectionHandler:
 
     def get_finished(self) -> list[TransferResult]:
         """Reap what is proven (or failed) without blocking; report each job once, in submission order (R5)."""
-        while self._queue and self._observe_head(self._backend.query):
-            pass
+        self._reap()
         results, self._resolved = self._resolved, []
         self._jobs.difference_update(r.job_id for r in results)
         return results
@@ -296,9 +299,31 @@ class DirectionHandler:
 
     def settle(self, mark: _Transfer) -> bool:
         """Observe the queue's heads without blocking, up to ``mark``; whether ``mark`` is resolved now."""
-        while not mark.resolved and self._observe_head(self._backend.query):
-            pass
+        self._reap(mark)
         return mark.resolved
+
+    def _reap(self, mark: _Transfer | None = None) -> None:
+        """Observe heads without blocking (up to ``mark``, if given) until one is still pending."""
+        while self._queue and (mark is None or not mark.resolved):
+            if not self._prove_prefix(mark) and not self._observe_head(self._backend.query):
+                return
+
+    def _prove_prefix(self, mark: _Transfer | None = None) -> int:
+        """Prove, with one backend call, the run of heads whose own end events are done (R5, R10); the head that
+        is not done, fails, or is instrumented is left for ``_observe_head``. Returns how many were proven."""
+        window = itertools.islice(self._queue, PREFIX_WINDOW)
+        if mark is None:
+            ends = [transfer.events[1] for transfer in window]
+        else:
+            ends = []
+            for transfer in window:
+                ends.append(transfer.end)
+                if transfer is mark:
+                    break
+        count = self._backend.query_prefix(ends)
+        if count:
+            self._heads_proven(count)
+        return count
 
     def _observe_head(self, observe: Callable[[Event], bool]) -> bool:
         """Observe the head's end event once: the head is proven, or failed, or (False) still pending."""
@@ -313,15 +338,23 @@ class DirectionHandler:
         return done
 
     def _head_proven(self) -> None:
+        self._heads_proven(1)
+
+    def _heads_proven(self, count: int) -> None:
+        """The ``count`` oldest transfers were proven by their own end events. HEAD_PROVEN is a self-loop in every
+        state that allows it, so one table step decides for the whole run: report them, or count them drained."""
         action = self._step(HandlerInput.HEAD_PROVEN)
-        head = self._queue.popleft()
-        head.resolved = True
+        queue = self._queue
+        proven = [queue.popleft() for _ in range(count)]
+        for head in proven:
+            head.resolved = True
+        self._events += itertools.chain.from_iterable(head.events for head in proven)
+        self._descriptors += [head.descriptors for head in proven if head.descriptors is not None]
         if action is Action.REPORT:
-            self._resolved.append(TransferResult(head.job_id, True, head.nbytes, self._seconds(head)))
+            self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h)) for h in proven]
         elif action is Action.COUNT_DRAINED:
-            self._counts["drained"] += 1
-        self._recycle(head)
-        self._counts["completed"] += 1
+            self._counts["drained"] += count
+        self._counts["completed"] += count
 
     def _seconds(self, transfer: _Transfer) -> float | None:
         try:
@@ -361,11 +394,6 @@ class DirectionHandler:
         self._unproven.extend(taken)
         return taken
 
-    def _recycle(self, transfer: _Transfer) -> None:
-        self._events.extend(reversed(transfer.events))
-        if transfer.descriptors is not None:
-            self._descriptors.append(transfer.descriptors)
-
     # -- shutdown -------------------------------------------------------------------------------------------------
     def drain(self, deadline: float, *, interrupted: bool = False) -> HandlerReport:
         """Shutdown drain (R10): prove transfers head first within the deadline; stop at the first failure.
@@ -391,6 +419,8 @@ class DirectionHandler:
                 return poll_until(backend, lambda: backend.query(event), deadline)
 
             while self._queue:
+                if self._prove_prefix():
+                    continue
                 head = self._queue[0]
                 if not self._observe_head(observe):
                     self._stop_drain(HandlerInput.DEADLINE, DeadlineExceeded(
@@ -456,9 +486,8 @@ class DirectionHandler:
         quarantined = list(kept)
         steps: list[tuple[str, Callable[[], object]]] = [
             (f"destroy the {self.direction} stream", lambda: _each(backend.destroy_stream, streams)),
-            (f"destroy {len(events)} {self.direction} events", lambda: _each(backend.destroy_event, events)),
-            (f"free {len(freed)} {self.direction} descriptor buffers",
-             lambda: _each(backend.free_descriptors, freed)),
+            (f"destroy {len(events)} {self.direction} events", lambda: backend.destroy_events(events)),
+            (f"free {len(freed)} {self.direction} descriptor buffers", lambda: backend.free_descriptors_many(freed)),
             ("quarantine descriptor buffers",
              lambda: _each(lambda buf: backend.ledger.quarantine("descriptor", id(buf)), quarantined)),
         ]

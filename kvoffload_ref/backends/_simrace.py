@@ -180,9 +180,14 @@ class RaceDetector:
             lane = self._lanes.get(lane_id)
             if lane is None:
                 continue
-            while lane.counts and lane.counts[0] <= count:
-                lane.counts.popleft()
-                lane.live.popleft()
+            counts, live = lane.counts, lane.live
+            if counts and counts[-1] <= count:  # everything the lane holds was observed
+                counts.clear()
+                live.clear()
+            else:
+                for _ in range(bisect.bisect_right(counts, count)):
+                    counts.popleft()
+                    live.popleft()
             if lane.live:
                 host[lane_id] = count
             else:

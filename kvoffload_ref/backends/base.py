@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Final, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.errors import LifecycleError
+from kvoffload_ref.errors import DeviceError, LifecycleError
 from kvoffload_ref.layout import TensorGeometry
 
 __all__ = [
     "RESOURCE_KINDS",
     "CALL_POINTS",
     "Backend",
+    "PerCallBatches",
     "CallHook",
     "DescriptorBuffer",
     "Event",
@@ -57,6 +58,8 @@ FaultPoint = Literal[
 #: ``"event_create"``, ``alloc_descriptors`` -> ``"descriptor_alloc"``, ``host_register``, ``host_unregister``),
 #: else the method's own name.
 CALL_POINTS: Final[dict[str, str]] = {
+    "destroy_events": "destroy_event", "free_descriptors_many": "free_descriptors",
+    "query_prefix": "event_query",
     "copy_batch": "copy", "query": "event_query", "synchronize": "event_sync", "prove_idle": "device_sync",
     "create_stream": "stream_create", "create_event": "event_create", "alloc_descriptors": "descriptor_alloc",
     "host_register": "host_register", "host_unregister": "host_unregister",
@@ -203,6 +206,27 @@ class Ledger:
             states[key] = "released"  # type: ignore[index]  # states is not None: state was found in it
             self._released[kind] += 1
 
+    def release_many(self, kind: ResourceKind, keys: Iterable[Hashable]) -> None:
+        """``release`` for many keys of one kind under one lock (a teardown releases thousands).
+
+        Raises:
+            LifecycleError: a key is neither live nor quarantined (the keys before it are released).
+        """
+        keys = list(keys)
+        with self._lock:
+            states = self._state[kind]
+            current = list(map(states.get, keys))
+            good = current.count("live") + current.count("quarantined")
+            if good != len(keys) or len(set(keys)) != len(keys):
+                for key in keys:  # the slow path, for the error: release up to the first bad key
+                    if states.get(key) not in {"live", "quarantined"}:
+                        raise LifecycleError(f"ledger: cannot mark {kind} {key!r} released: it is "
+                                             f"{states.get(key) or 'unknown'}")
+                    states[key] = "released"
+                    self._released[kind] += 1
+            states.update(dict.fromkeys(keys, "released"))
+            self._released[kind] += len(keys)
+
     def quarantine(self, kind: ResourceKind, key: Hashable) -> None:
         """Record that a live resource is kept alive on purpose until process exit."""
         self._move(kind, key, "quarantined")
@@ -328,6 +352,10 @@ class Backend(Protocol):
         """Free a descriptor buffer. Never fails."""
         ...
 
+    def free_descriptors_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
+        """Free several descriptor buffers in one call (a teardown frees thousands). Never fails."""
+        ...
+
     # -- streams and events -----------------------------------------------------------------------------------
     def current_stream(self) -> Stream:
         """The calling thread's current stream: where its kernels run."""
@@ -366,8 +394,23 @@ class Backend(Protocol):
         """Destroy an event. Never fails."""
         ...
 
+    def destroy_events(self, events: Sequence[Event]) -> None:
+        """Destroy several events in one call (a teardown destroys thousands). Never fails."""
+        ...
+
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
         """Record the event on the stream; the event completes when the work queued before it has run."""
+        ...
+
+    def query_prefix(self, events: Sequence[Event]) -> int:
+        """How many of ``events``, from the first, completed without error: each counts as observed done, exactly
+        as if ``query`` had returned True for it (a drain of thousands of transfers asks once). ``events`` were
+        recorded on one stream, in this order (a handler's queue of end events).
+
+        Stops at the first event that is not done, or whose ``query`` would raise or is instrumented (a fault
+        plan, an ``on_call`` hook): the caller queries that one alone, so errors, injected faults and hooks keep
+        their per-call meaning. Never raises.
+        """
         ...
 
     def query(self, event: Event) -> bool:
@@ -409,6 +452,34 @@ class Backend(Protocol):
             DeviceError: the device failed while proving.
         """
         ...
+
+
+class PerCallBatches:
+    """The batched calls of the protocol for a device that offers nothing cheaper than one call each (CuPy: one
+    CUDA call per event anyway)."""
+
+    def destroy_events(self: Backend, events: Sequence[Event]) -> None:
+        """One ``destroy_event`` per event."""
+        for event in events:
+            self.destroy_event(event)
+
+    def free_descriptors_many(self: Backend, bufs: Sequence[DescriptorBuffer]) -> None:
+        """One ``free_descriptors`` per buffer."""
+        for buf in bufs:
+            self.free_descriptors(buf)
+
+    def query_prefix(self: Backend, events: Sequence[Event]) -> int:
+        """One ``query`` per event, stopping at the first that is not done or raises (not raised here: the caller
+        queries that event alone and sees the error)."""
+        count = 0
+        for event in events:
+            try:
+                if not self.query(event):
+                    break
+            except DeviceError:
+                break
+            count += 1
+        return count
 
 
 def poll_until(backend: Backend, done: Callable[[], bool], deadline: float | None) -> bool:

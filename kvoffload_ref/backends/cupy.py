@@ -37,7 +37,7 @@ from kvoffload_ref.backends._cupy_interop import check_shape, describe, parse_st
 from kvoffload_ref.backends._cupy_kernel import CopyEngine
 from kvoffload_ref.backends._cupy_runtime import CudaCalls, CupyEvent, CupyStream, gpu_usable, status_of, tag_text
 from kvoffload_ref.backends._cupy_tensors import copy_from_host, copy_to_host, view_tensor
-from kvoffload_ref.backends.base import DescriptorBuffer, Event, Ledger, Stream, Tag
+from kvoffload_ref.backends.base import DescriptorBuffer, Event, Ledger, PerCallBatches, Stream, Tag
 from kvoffload_ref.errors import (
     CUDA_ERROR_INVALID_RESOURCE_HANDLE,
     CUDA_ERROR_NOT_READY,
@@ -61,7 +61,7 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 
-class CupyBackend:
+class CupyBackend(PerCallBatches):
     """The Backend protocol (``kvoffload_ref.backends.base.Backend``) on one CUDA device through CuPy.
 
     Construction compiles and loads the copy kernel (``warm_up``; NVRTC, cached on disk by CuPy) unless
