@@ -18,6 +18,7 @@ KEYS = [
     "shutdown_hung_virtual", "shutdown_hung_wall", "shutdown_hung_past_deadline",
     "shutdown_drain_phase", "shutdown_drain_total",
     "fuzz",
+    "racecheck_4k", "racecheck_64k", "locking",
 ]
 FIELDS = {"key", "metric", "value", "unit", "reference", "reference_unit", "reference_label", "ratio", "goal",
           "met", "note"}

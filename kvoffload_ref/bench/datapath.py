@@ -37,7 +37,7 @@ from kvoffload_ref.bench.common import (
 from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import CPUOffloadingWorker, create_worker
 
-__all__ = ["bench_data_path", "figures"]
+__all__ = ["bench_data_path", "data_path_rig", "figures", "round_trip"]
 
 
 
@@ -55,11 +55,13 @@ class _DataPathRig:
     next_job: int = 0
 
 
-def _data_path_rig(page: int, nbytes: int, job_blocks: int, seed: int = 0) -> _DataPathRig:
-    """Build the worker and the jobs of ``job_blocks`` blocks moving ``nbytes`` (at least one job) each way."""
+def data_path_rig(page: int, nbytes: int, job_blocks: int, seed: int = 0, *,
+                  backend: SimBackend | None = None) -> _DataPathRig:
+    """Build the worker (on ``backend``, default a new SimBackend) and the jobs of ``job_blocks`` blocks moving
+    ``nbytes`` (at least one job) each way."""
     rng = np.random.default_rng(seed)
     blocks = max(job_blocks, nbytes // (page * LAYERS) // job_blocks * job_blocks)
-    be = SimBackend()
+    be = backend if backend is not None else SimBackend()
     layout = KVCacheLayout([page] * LAYERS, [[LayerRef(t, page) for t in range(LAYERS)]])
     source = [np.frombuffer(rng.bytes(2 * blocks * page), dtype=np.uint8).reshape(2 * blocks, page)
               for _ in range(LAYERS)]
@@ -77,7 +79,7 @@ def _data_path_rig(page: int, nbytes: int, job_blocks: int, seed: int = 0) -> _D
     return _DataPathRig(worker, gpu, source, stores, loads, store_rows, load_rows)
 
 
-def _round_trip(rig: _DataPathRig) -> float:
+def round_trip(rig: _DataPathRig) -> float:
     """Store every job, wait, load every job back into other rows, wait; returns the real time taken."""
     w, first = rig.worker, rig.next_job
     store_ids = range(first, first + len(rig.stores))
@@ -118,7 +120,7 @@ def _time_data_path(rig: _DataPathRig, repeats: int) -> tuple[float, float]:
     for attempt in range(repeats + 1):  # the first is a warm-up (pools fill, pages fault in)
         for t in sample:
             rig.gpu[t][rig.load_rows] = 0  # the sim is idle: writing its arrays directly races nothing
-        elapsed = _round_trip(rig)
+        elapsed = round_trip(rig)
         _verify_sample(rig, sample)
         start = time.perf_counter()
         np.copyto(dst, src)
@@ -132,7 +134,7 @@ def bench_data_path(sizes: Sizes) -> list[Result]:
     """Store + load bytes/s through a worker on the sim against one contiguous numpy copy of the same bytes."""
     results = []
     for page, goal in ((4 * KiB, 0.4), (64 * KiB, 0.8)):
-        rig = _data_path_rig(page, sizes.datapath_bytes, sizes.job_blocks)
+        rig = data_path_rig(page, sizes.datapath_bytes, sizes.job_blocks)
         try:
             seconds, reference = _time_data_path(rig, sizes.repeats)
         finally:
