@@ -374,7 +374,7 @@ class SimBackend(SimCore):
             destroyed = keys
             if not all(map(operator.is_, popped, events)):  # misuse: find it, release the rest
                 destroyed = []
-                for key, event, found in zip(keys, events, popped):
+                for key, event, found in zip(keys, events, popped, strict=True):
                     if found is not event:
                         if found is not None:
                             live[key] = found
