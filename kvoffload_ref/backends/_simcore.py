@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import operator
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -337,6 +339,72 @@ class SimCore:
 
     def _device_view(self, array: object) -> npt.NDArray[np.uint8]:
         return self._geometry(array)[1]
+
+    # -- batched calls (the SimBackend facade's; here for the facade's size) ---------------------------------
+
+    def free_descriptors_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
+        """Free several descriptor buffers in one call, with ``free_descriptors``'s checks. Never fails."""
+        if self.on_call is not None:
+            self.on_call("free_descriptors", None)
+        with self._lock:
+            self._catch_up()
+            buffers, users, freed = self._buffers, self._buffer_users, []
+            for buf in bufs:
+                key = id(buf)
+                if buffers.get(key) is not buf:
+                    self._violate("invalid_release", f"free_descriptors({buf!r}): not a live buffer of this device")
+                    continue
+                if users.get(key):
+                    self._violate("descriptor_freed_under_dma",
+                                  f"{buf!r} freed while {users[key]} pending copies read it")
+                del buffers[key]
+                freed.append(key)
+            self._ledger.release_many("descriptor", freed)
+
+    def destroy_events(self, events: Sequence[Event]) -> None:
+        """Destroy several events in one call, with ``destroy_event``'s checks. Never fails."""
+        if self.on_call is not None:
+            self.on_call("destroy_event", None)
+        with self._lock:
+            live, keys = self._events, list(map(id, events))
+            popped = list(map(live.pop, keys, itertools.repeat(None)))
+            destroyed = keys
+            if not all(map(operator.is_, popped, events)):  # misuse: find it, release the rest
+                destroyed = []
+                for key, event, found in zip(keys, events, popped, strict=True):
+                    if found is not event:
+                        if found is not None:
+                            live[key] = found
+                        self._violate("invalid_release",
+                                      f"destroy_event({event!r}): not a live event of this device")
+                    else:
+                        destroyed.append(key)
+            for event in events:
+                if isinstance(event, SimEvent):
+                    event.destroyed = True
+            self._ledger.release_many("event", destroyed)
+
+    def query_prefix(self, events: Sequence[Event]) -> int:
+        """How many of ``events``, from the first, completed (each observed as by ``query``). 0 when a fault
+        plan, a lost device or an ``on_call`` hook is present: then every query goes through ``query``."""
+        if self.on_call is not None or self._plan is not None or self._sticky is not None:
+            return 0
+        with self._lock:
+            self._catch_up()
+            count, last = 0, None
+            for event in events:
+                recorded = self._events.get(id(event))
+                if recorded is not event or not isinstance(recorded, SimEvent):
+                    break
+                latest = recorded.latest
+                if latest is not None:
+                    if latest.done_at is None:
+                        break
+                    last = latest
+                count += 1
+            if last is not None and self._race is not None:
+                self._race.observe(last)  # one stream's records: observing the last covers those before it
+            return count
 
 
 def tag_of(event: Event) -> Tag | None:

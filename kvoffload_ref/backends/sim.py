@@ -33,8 +33,6 @@ and every call but the clock, the release calls (``destroy_*``, ``free_descripto
 
 from __future__ import annotations
 
-import itertools
-import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -239,25 +237,6 @@ class SimBackend(SimCore):
             del self._buffers[key]
             self._ledger.release("descriptor", key)
 
-    def free_descriptors_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
-        """Free several descriptor buffers in one call, with ``free_descriptors``'s checks. Never fails."""
-        if self.on_call is not None:
-            self.on_call("free_descriptors", None)
-        with self._lock:
-            self._catch_up()
-            buffers, users, freed = self._buffers, self._buffer_users, []
-            for buf in bufs:
-                key = id(buf)
-                if buffers.get(key) is not buf:
-                    self._violate("invalid_release", f"free_descriptors({buf!r}): not a live buffer of this device")
-                    continue
-                if users.get(key):
-                    self._violate("descriptor_freed_under_dma",
-                                  f"{buf!r} freed while {users[key]} pending copies read it")
-                del buffers[key]
-                freed.append(key)
-            self._ledger.release_many("descriptor", freed)
-
     # -- streams and events ------------------------------------------------------------------------------------
 
     def current_stream(self) -> Stream:
@@ -364,29 +343,6 @@ class SimBackend(SimCore):
             event.destroyed = True
             self._ledger.release("event", key)
 
-    def destroy_events(self, events: Sequence[Event]) -> None:
-        """Destroy several events in one call, with ``destroy_event``'s checks. Never fails."""
-        if self.on_call is not None:
-            self.on_call("destroy_event", None)
-        with self._lock:
-            live, keys = self._events, list(map(id, events))
-            popped = list(map(live.pop, keys, itertools.repeat(None)))
-            destroyed = keys
-            if not all(map(operator.is_, popped, events)):  # misuse: find it, release the rest
-                destroyed = []
-                for key, event, found in zip(keys, events, popped, strict=True):
-                    if found is not event:
-                        if found is not None:
-                            live[key] = found
-                        self._violate("invalid_release",
-                                      f"destroy_event({event!r}): not a live event of this device")
-                    else:
-                        destroyed.append(key)
-            for event in events:
-                if isinstance(event, SimEvent):
-                    event.destroyed = True
-            self._ledger.release_many("event", destroyed)
-
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
         """Start a new generation of the event, completing once the work queued on the stream before it ran.
 
@@ -431,28 +387,6 @@ class SimBackend(SimCore):
             if self._race is not None:
                 self._race.observe(latest)
             return True
-
-    def query_prefix(self, events: Sequence[Event]) -> int:
-        """How many of ``events``, from the first, completed (each observed as by ``query``). 0 when a fault
-        plan, a lost device or an ``on_call`` hook is present: then every query goes through ``query``."""
-        if self.on_call is not None or self._plan is not None or self._sticky is not None:
-            return 0
-        with self._lock:
-            self._catch_up()
-            count, last = 0, None
-            for event in events:
-                recorded = self._events.get(id(event))
-                if recorded is not event or not isinstance(recorded, SimEvent):
-                    break
-                latest = recorded.latest
-                if latest is not None:
-                    if latest.done_at is None:
-                        break
-                    last = latest
-                count += 1
-            if last is not None and self._race is not None:
-                self._race.observe(last)  # one stream's records: observing the last covers those before it
-            return count
 
     def synchronize(self, event: Event) -> None:
         """Advance the clock until the event's latest record completes.
