@@ -113,4 +113,4 @@ def figures(run: BenchRun) -> list[Result]:
     """The overhead figure group: ``racecheck_4k``, ``racecheck_64k``, ``locking``."""
     sizes = run.sizes
     return [*bench_race_check(sizes.datapath_bytes, sizes.job_blocks, sizes.repeats),
-            bench_locking(300 if run.quick else 2000, max(sizes.repeats, 6))]
+            bench_locking(300 if run.quick else 2000, max(sizes.repeats, 10))]
