@@ -12,13 +12,13 @@ import contextlib
 import ctypes
 import dataclasses
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends.base import Backend, Event, Stream, Tag, poll_until
+from kvoffload_ref.backends.base import Tag
 from kvoffload_ref.errors import CUDA_ERROR_MEMORY_ALLOCATION, CUDA_ERROR_UNKNOWN, DeviceError
 
 __all__ = ["CudaCalls", "CupyEvent", "CupyStream", "gpu_usable", "import_cupy"]
@@ -213,31 +213,3 @@ class CudaCalls:
                     self.rt.setDevice(prev)
         except self.errors as exc:
             raise DeviceError(f"{what} failed on cuda:{self.device}{tag_text(tag)}: {exc}", status_of(exc)) from exc
-
-
-def record_and_poll_only(backend: Backend, streams: Sequence[Stream], deadline: float) -> bool:
-    """Record a fresh event on each of ``streams`` (only those) and poll them all strictly until ``deadline``
-    (at least once). The events pass through the ledger and are destroyed before returning.
-
-    Returns:
-        True if all completed, False if the deadline passed first.
-
-    Raises:
-        DeviceError: the device failed while proving.
-    """
-    events: list[Event] = []
-    try:
-        for stream in streams:
-            event = backend.create_event()
-            events.append(event)
-            backend.record(event, stream)
-        pending = list(events)
-
-        def all_done() -> bool:
-            pending[:] = [e for e in pending if not backend.query(e)]
-            return not pending
-
-        return poll_until(backend, all_done, deadline)
-    finally:
-        for event in events:
-            backend.destroy_event(event)

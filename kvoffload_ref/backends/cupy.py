@@ -37,7 +37,7 @@ from kvoffload_ref.backends._cupy_interop import check_shape, describe, parse_st
 from kvoffload_ref.backends._cupy_kernel import CopyEngine
 from kvoffload_ref.backends._cupy_runtime import CudaCalls, CupyEvent, CupyStream, gpu_usable, status_of, tag_text
 from kvoffload_ref.backends._cupy_tensors import copy_from_host, copy_to_host, view_tensor
-from kvoffload_ref.backends.base import DescriptorBuffer, Event, Ledger, PerCallBatches, Stream, Tag
+from kvoffload_ref.backends.base import DescriptorBuffer, Event, Ledger, PerCallBatches, Stream, Tag, record_and_poll
 from kvoffload_ref.errors import (
     CUDA_ERROR_INVALID_RESOURCE_HANDLE,
     CUDA_ERROR_NOT_READY,
@@ -579,7 +579,7 @@ class CupyBackend(PerCallBatches):
         Raises:
             DeviceError: the device failed while proving.
         """
-        return _cuda_rt.record_and_poll_only(self, streams, deadline)
+        return record_and_poll(self, streams, deadline)
 
 
 if TYPE_CHECKING:
