@@ -264,11 +264,13 @@ class Capabilities:
         finalizer: dropping the worker without shutdown() shuts it down (R15).
         stats: ``stats()`` is a snapshot that a refused submission leaves equal (R7).
         interrupts: a KeyboardInterrupt during shutdown is handled as R14 says.
+        threads: every method may be called from several threads at once (R19).
     """
 
     finalizer: bool = True
     stats: bool = True
     interrupts: bool = True
+    threads: bool = True
 
 
 def _tag_of(event: object) -> tuple[str, int] | None:
@@ -313,8 +315,8 @@ class SimDevice:
         self._interrupt_in = 0
         # Invariant: one label per memory op the sim numbered, in its order (Violation.pair indexes it).
         self.op_labels: list[Tag | tuple[str, int] | None] = []
-        # Invariant: observations not yet taken, in order.
-        self._observed: list[tuple[str, int] | None] = []
+        # Invariant: observations not yet taken, in order, each with the number of ops labelled when it was made.
+        self._observed: list[tuple[int, tuple[str, int] | None]] = []
         self._computes = 0
         for t, page in enumerate(setup.layout.tensor_page_bytes):
             full = self.sim.from_host(initial_gpu_bytes(setup, t))
@@ -337,12 +339,12 @@ class SimDevice:
                     raise KeyboardInterrupt
             done = cls.query(sim, event)
             if done:
-                self._observed.append(_tag_of(event))
+                self._observed.append((len(self.op_labels), _tag_of(event)))
             return done
 
         def synchronize(event: Event) -> None:
             cls.synchronize(sim, event)
-            self._observed.append(_tag_of(event))
+            self._observed.append((len(self.op_labels), _tag_of(event)))
 
         def copy_batch(stream: Stream, buf: DescriptorBuffer, count: int, *, tag: Tag | None = None) -> None:
             cls.copy_batch(sim, stream, buf, count, tag=tag)
@@ -375,13 +377,20 @@ class SimDevice:
         """Host copies of the GPU tensors (the clock advances past the compute stream's queued work, which the
         host thereby observes)."""
         copies = [self.sim.to_host(t) for t in self.gpu]
-        self._observed.append(("compute", -1))
+        self._observed.append((len(self.op_labels), ("compute", -1)))
         return copies
 
-    def take_observations(self) -> list[tuple[str, int] | None]:
-        """The completions the host observed since the last call, in order (see the class docstring)."""
-        taken, self._observed = self._observed, []
-        return taken
+    def take_observations(self, before: int | None = None) -> list[tuple[str, int] | None]:
+        """The completions the host observed since the last call, in order (see the class docstring).
+
+        Args:
+            before: only those made before the op ``op_labels[before]`` was labelled (the rest stay); None: all.
+                (A submission racing an observation in another thread is ordered by when each was recorded.)
+        """
+        cut = len(self._observed) if before is None else \
+            next((i for i, (at, _) in enumerate(self._observed) if at > before), len(self._observed))
+        taken, self._observed = self._observed[:cut], self._observed[cut:]
+        return [label for _, label in taken]
 
     def copied(self, tag: Tag) -> bool:
         """Whether a copy carrying ``tag`` was queued."""

@@ -62,6 +62,7 @@ class Counters:
     violations: int = 0
     races: int = 0
     ordered_waits: int = 0
+    concurrent_shutdowns: int = 0
     first_failure_step: int = 0
 
     def line(self) -> str:

@@ -15,7 +15,6 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
 from kvoffload_ref.faults import TRANSFER_HANG_POINTS
 from kvoffload_ref.testing.adapter import (
-    SimDevice,
     initial_gpu_bytes,
 )
 from kvoffload_ref.testing.invariants import Checks
@@ -129,7 +128,7 @@ class TransferRules(Checks):
             firings = self._new_firings()
             if self.current_device.copied((direction, job)):  # failed after its copy was queued: it still runs
                 self.current_race.transfer(direction, job, moves)
-                self.current_model.ghost(moves, direction)
+                self.current_model.ghost(moves, direction)  # type: ignore[arg-type]
             if any(f.fault.kind == "hang" and f.tag == (direction, job) for f in firings):
                 self.current_model.tainted.add(direction)
             after = self.current_device.ledger.live()
