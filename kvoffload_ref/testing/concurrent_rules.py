@@ -53,6 +53,8 @@ class ConcurrentRules(ShutdownRules):
         """R19/R8: shutdown() from a second thread while this thread submits or waits (see the module
         docstring)."""
         with self._step():
+            if interleaving != "wait, then shutdown" and self.current_setup.schedule == "ordered":
+                interleaving = "wait, then shutdown"  # a submission here is not ordered against pending work
             start = self.current_device.clock()
             self.current_race  # noqa: B018  # take the observations made so far
             if interleaving == "wait, then shutdown":
@@ -131,7 +133,7 @@ class ConcurrentRules(ShutdownRules):
                 submitting()
                 pause.release()
                 report = self._joined(shutdown)
-            self._check(isinstance(outcome[0], WorkerClosedError), "R19",
+            self._check(isinstance(outcome[0], WorkerClosedError), "R8/R19",
                         f"a submission after shutdown began was not refused with WorkerClosedError: {outcome[0]!r}")
         self._settle_submission(direction, job, gpu, cpu, outcome[0])
         return report
