@@ -107,7 +107,9 @@ class ConcurrentRules(ShutdownRules):
                 outcome.append(exc)
 
         if interleaving == "submit, then shutdown":
-            self._say(f"# thread A: {call}, paused at its copy; thread B: report = w.shutdown(); A goes on")
+            self._say(f"# thread A: the submission, paused at its copy; thread B: shutdown(); A goes on\n{call}")
+            self._raised("(WorkerClosedError, DeviceError)")
+            self._say("report = w.shutdown()")
             signal = threading.Event()
             at_copy = lambda point, tag: point == "copy" and tag == (direction, job)  # noqa: E731
             with CallPause(sim, at_copy, signal=signal) as pause:
@@ -123,7 +125,9 @@ class ConcurrentRules(ShutdownRules):
             self._check(not (copied and isinstance(outcome[0], WorkerClosedError)), "R19",
                         "a submission was refused with WorkerClosedError although its copy was queued")
         else:
-            self._say(f"# thread B: report = w.shutdown(), paused at its first device call; thread A: {call}")
+            self._say(f"# thread B: shutdown(), paused at its first device call; thread A: the submission\n"
+                      f"report = w.shutdown()\n{call}")
+            self._raised("WorkerClosedError")
             is_b = lambda point, tag: threading.current_thread().name == SHUTDOWN_THREAD  # noqa: E731
             signal = threading.Event()
             with CallPause(sim, is_b, signal=signal) as pause:
@@ -161,8 +165,10 @@ class ConcurrentRules(ShutdownRules):
 
     def _wait_then_shutdown(self) -> ReportLike | None:
         ids = [t.job_id for t in self.current_model.pending()][:4]
-        self._say(f"# thread A: w.wait({ids!r}, timeout=10.0), paused at its first sleep; thread B: "
-                  "report = w.shutdown() runs to its end; A goes on")
+        self._say(f"# thread A: the wait, paused at its first sleep; thread B: shutdown() runs to its end; A goes on\n"
+                  f"w.wait({ids!r}, timeout=10.0)")
+        self._raised("DeadlineExceeded")
+        self._say("report = w.shutdown()")
         worker, sim = self.current_worker, self.current_device.sim
         outcome: list[BaseException | None] = []
 
