@@ -205,7 +205,7 @@ def planner_off_by_one_in_last_chunk(worker: CPUOffloadingWorker, setup: Setup) 
 MUTANTS: dict[str, tuple[Patch, tuple[str, ...]]] = {
     "store handler owns and releases the region": (store_handler_owns_region, ("R3", "R12", "R16")),
     "transfer popped before its sync succeeded": (pop_before_sync, ("R10", "R12", "R16")),
-    "no try/except between the handler shutdowns": (no_try_between_handler_shutdowns, ("R9",)),
+    "no try/except between the handler shutdowns": (no_try_between_handler_shutdowns, ("R9", "R14")),
     "unbounded synchronize() on the shutdown path": (unbounded_sync_on_shutdown, ("R11", "R15")),
     "region released after a failed device sync": (release_after_failed_sync, ("R12",)),
     # Either the false success is seen, or the failed transfer's resources, recycled as if proven, are freed

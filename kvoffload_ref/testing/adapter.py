@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends.base import Backend, Ledger, Tag
+from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Ledger, Stream, Tag
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.faults import Fault, FaultPlan, FaultPoint
 from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
@@ -55,6 +55,9 @@ class Setup:
         faults: the faults armed before the worker is built.
         pin_chunk_bytes: the most bytes pinned per registration.
         seed: seed of the GPU tensors' initial random bytes.
+        schedule: "racy": the machine queues work that conflicts with unobserved work as drawn (R20 races on
+            purpose); "ordered": before such work it waits for the conflicting jobs (the caller's duty, R20), and
+            skips the work if they cannot be observed complete.
     """
 
     layout: KVCacheLayout
@@ -66,6 +69,7 @@ class Setup:
     faults: tuple[Fault, ...] = ()
     pin_chunk_bytes: int = 1 << 30
     seed: int = 0
+    schedule: str = "racy"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,11 +264,19 @@ class Capabilities:
         finalizer: dropping the worker without shutdown() shuts it down (R15).
         stats: ``stats()`` is a snapshot that a refused submission leaves equal (R7).
         interrupts: a KeyboardInterrupt during shutdown is handled as R14 says.
+        threads: every method may be called from several threads at once (R19).
     """
 
     finalizer: bool = True
     stats: bool = True
     interrupts: bool = True
+    threads: bool = True
+
+
+def _tag_of(event: object) -> tuple[str, int] | None:
+    """The tag of a sim event's latest record (None for an untagged one)."""
+    tag = getattr(event, "tag", None)
+    return tag if isinstance(tag, tuple) else None
 
 
 def initial_gpu_bytes(setup: Setup, tensor: int) -> Bytes:
@@ -277,8 +289,14 @@ def initial_gpu_bytes(setup: Setup, tensor: int) -> Bytes:
 class SimDevice:
     """The kit's device: a SimBackend with a RecordingPlan and GPU tensors (strided views when padded).
 
+    The device also records, for the race check (R20), the memory ops queued on it in the order the sim numbers
+    them (``op_labels``: a transfer's tag, or ``("compute", k)`` for the k-th compute write) and the completions
+    the host observed (:meth:`take_observations`): an event query that returned True or a ``synchronize`` that
+    returned (labelled with the event's tag), and ``to_host`` (``("compute", -1)``: the compute writes so far).
+
     Args:
         setup: the run's setup (its ``faults`` are armed from the start).
+        race_check: the sim's R20 detector (off only to check that the machine catches a missing one).
 
     Attributes:
         backend: the simulated device.
@@ -286,19 +304,55 @@ class SimDevice:
         gpu: one device array per layout tensor, as the worker gets them.
     """
 
-    def __init__(self, setup: Setup) -> None:
+    def __init__(self, setup: Setup, *, race_check: bool = True) -> None:
         self.plan = RecordingPlan(setup.faults)
-        self.sim = SimBackend(self.plan)
+        self.sim = SimBackend(self.plan, race_check=race_check)
         self.backend: Backend = self.sim
         self.gpu: list[object] = []
         # Invariant: True once the interrupt armed by interrupt_after() was raised.
         self.interrupted = False
+        # Invariant: event queries left before interrupt_after's KeyboardInterrupt (0: disarmed).
+        self._interrupt_in = 0
+        # Invariant: one label per memory op the sim numbered, in its order (Violation.pair indexes it).
+        self.op_labels: list[Tag | tuple[str, int] | None] = []
+        # Invariant: observations not yet taken, in order, each with the number of ops labelled when it was made.
+        self._observed: list[tuple[int, tuple[str, int] | None]] = []
+        self._computes = 0
         for t, page in enumerate(setup.layout.tensor_page_bytes):
             full = self.sim.from_host(initial_gpu_bytes(setup, t))
             self.gpu.append(full[:, :page] if setup.gpu_row_pad[t] else full)  # type: ignore[index]
+        self._wrap()
 
     def __repr__(self) -> str:
         return f"<SimDevice {self.sim!r}>"
+
+    def _wrap(self) -> None:
+        """Instance wrappers (the worker calls the backend's methods through the instance) that record ops and
+        observations and raise the armed interrupt."""
+        sim, cls = self.sim, type(self.sim)
+
+        def query(event: Event) -> bool:
+            if self._interrupt_in:
+                self._interrupt_in -= 1
+                if self._interrupt_in == 0:
+                    self.interrupted = True
+                    raise KeyboardInterrupt
+            done = cls.query(sim, event)
+            if done:
+                self._observed.append((len(self.op_labels), _tag_of(event)))
+            return done
+
+        def synchronize(event: Event) -> None:
+            cls.synchronize(sim, event)
+            self._observed.append((len(self.op_labels), _tag_of(event)))
+
+        def copy_batch(stream: Stream, buf: DescriptorBuffer, count: int, *, tag: Tag | None = None) -> None:
+            cls.copy_batch(sim, stream, buf, count, tag=tag)
+            self.op_labels.append(tag)
+
+        sim.query = query  # type: ignore[method-assign]
+        sim.synchronize = synchronize  # type: ignore[method-assign]
+        sim.copy_batch = copy_batch  # type: ignore[method-assign]
 
     @property
     def ledger(self) -> Ledger:
@@ -316,34 +370,55 @@ class SimDevice:
     def compute_write(self, tensor: int, rows: Sequence[int], value: int, delay: float) -> None:
         """Queue a compute-stream write of ``value`` into ``rows`` of GPU tensor ``tensor``."""
         self.sim.enqueue_compute_write(self.gpu[tensor], list(rows), value, delay)
+        self.op_labels.append(("compute", self._computes))
+        self._computes += 1
 
     def read_gpu(self) -> list[Bytes]:
-        """Host copies of the GPU tensors (the clock advances past the compute stream's queued work)."""
-        return [self.sim.to_host(t) for t in self.gpu]
+        """Host copies of the GPU tensors (the clock advances past the compute stream's queued work, which the
+        host thereby observes)."""
+        copies = [self.sim.to_host(t) for t in self.gpu]
+        self._observed.append((len(self.op_labels), ("compute", -1)))
+        return copies
+
+    def take_observations(self, before: int | None = None) -> list[tuple[str, int] | None]:
+        """The completions the host observed since the last call, in order (see the class docstring).
+
+        Args:
+            before: only those made before the op ``op_labels[before]`` was labelled (the rest stay); None: all.
+                (A submission racing an observation in another thread is ordered by when each was recorded.)
+        """
+        cut = len(self._observed) if before is None else \
+            next((i for i, (at, _) in enumerate(self._observed) if at > before), len(self._observed))
+        taken, self._observed = self._observed[:cut], self._observed[cut:]
+        return [label for _, label in taken]
+
+    def copied(self, tag: Tag) -> bool:
+        """Whether a copy carrying ``tag`` was queued."""
+        return tag in self.op_labels
 
     def violations(self) -> list[object]:
-        """The sim's violation log, without ``dma_race``: the machine draws racy schedules on purpose (e.g. a
-        compute write into rows a pending load writes) and its model does not know R20 yet."""
+        """The sim's violation log without ``dma_race`` (the misuse that makes copies fail or memory unsafe);
+        races are compared with the model separately (:meth:`races`)."""
         return [v for v in self.sim.violations if v.kind != "dma_race"]
+
+    def races(self) -> set[tuple[object, object]]:
+        """The ``dma_race`` pairs the sim flagged, as (earlier op's label, later op's label)."""
+        labels = self.op_labels
+        return {(labels[v.pair[0]], labels[v.pair[1]]) for v in self.sim.violations
+                if v.kind == "dma_race" and v.pair is not None}
+
+    def race_details(self) -> list[str]:
+        """The details of the ``dma_race`` violations (for messages)."""
+        return [v.detail for v in self.sim.violations if v.kind == "dma_race"]
 
     def interrupt_after(self, queries: int) -> None:
         """Raise KeyboardInterrupt from the ``queries``-th event query from now on (a Ctrl-C during a wait)."""
-        query = type(self.sim).query
-        left = [queries]
         self.interrupted = False
-
-        def interrupting(event: object) -> bool:
-            left[0] -= 1
-            if left[0] == 0:
-                self.disarm()
-                self.interrupted = True
-                raise KeyboardInterrupt
-            return query(self.sim, event)
-        self.sim.query = interrupting  # type: ignore[method-assign]
+        self._interrupt_in = queries
 
     def disarm(self) -> None:
         """Cancel :meth:`interrupt_after`."""
-        self.sim.__dict__.pop("query", None)
+        self._interrupt_in = 0
 
     def lost(self) -> bool:
         """Whether a sticky fault lost the device."""

@@ -58,6 +58,9 @@ class Checks(MachineBase):
                                                    "hung transfer of its direction")
         self._check(not transfer.must_fail, "R5", f"job {job} reported success although an injected error fired "
                                                   "on its end event (or on the one it was queued behind)")
+        self._check(self.current_race.is_observed((transfer.direction, job)), "R5/R20",
+                    f"job {job} reported success although the device never saw its completion observed (no query "
+                    "of its end event returned True)")
         self._check(result.transfer_size == transfer.nbytes, "R5",
                     f"job {job} reported {result.transfer_size} bytes, expected {transfer.nbytes}")
 
@@ -104,6 +107,24 @@ class Checks(MachineBase):
             return
         type(self).counters.violations += 1
         self._check(False, "R3/R10/R12", f"the simulated device saw misuse: {self.current_device.violations()}")
+
+    @invariant()
+    def races_match(self) -> None:
+        """R4/R20: the device flagged ``dma_race`` for exactly the pairs of operations the model says are unordered
+        and overlap (no false positive: the worker ordered what R4 says it orders; no miss: the detector sees every
+        race the rules predict)."""
+        if self.dev is None or self.race is None:
+            return
+        flagged, predicted = self.dev.races(), self.race.races
+        if flagged == predicted:
+            type(self).counters.races += len(predicted) - self.races_seen
+            self.races_seen = len(predicted)
+            return
+        type(self).counters.violations += 1
+        extra, missed = sorted(map(str, flagged - predicted)), sorted(map(str, predicted - flagged))
+        self._check(False, "R4/R20", f"dma_race pairs differ from the model: flagged but ordered by the rules "
+                                     f"{extra}; unordered by the rules but not flagged {missed} "
+                                     f"(details: {self.dev.race_details()})")
 
     def _hazard_accepted(self) -> bool:
         if self.current_setup.policy.on_unproven != "release" or self.phase not in ("closed", "dropped"):

@@ -41,13 +41,13 @@ from kvoffload_ref.testing.adapter import (
     WorkerFactory,
     reference_factory,
 )
+from kvoffload_ref.testing.concurrent_rules import ConcurrentRules
 from kvoffload_ref.testing.machine_base import ConformanceError, Counters
 from kvoffload_ref.testing.settings import bounded_shrinking, kit_settings
 from kvoffload_ref.testing.shutdown import (
     MARGIN,
     SLACK,
 )
-from kvoffload_ref.testing.shutdown_rules import ShutdownRules
 from kvoffload_ref.testing.strategies import (
     setups,
 )
@@ -55,10 +55,11 @@ from kvoffload_ref.testing.strategies import (
 __all__ = ["MARGIN", "SLACK", "ConformanceError", "Counters", "OffloadingMachine", "factory_import", "make_machine"]
 
 
-class OffloadingMachine(ShutdownRules):
+class OffloadingMachine(ConcurrentRules):
     """Drives one worker (built by ``worker_factory``) on the kit's simulated device; see the module docstring.
 
-    The rules are in :mod:`~kvoffload_ref.testing.rules` and :mod:`~kvoffload_ref.testing.shutdown_rules`, the
+    The rules are in :mod:`~kvoffload_ref.testing.rules`, :mod:`~kvoffload_ref.testing.shutdown_rules` and
+    :mod:`~kvoffload_ref.testing.concurrent_rules`, the
     checks and invariants in :mod:`~kvoffload_ref.testing.invariants`, the state and helpers in
     :mod:`~kvoffload_ref.testing.machine_base`.
     """

@@ -30,6 +30,7 @@ from kvoffload_ref.testing.adapter import (
     reference_factory,
 )
 from kvoffload_ref.testing.model import Model
+from kvoffload_ref.testing.races import RaceModel
 from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS
 from kvoffload_ref.testing.strategies import (
     InvalidTransfer,
@@ -59,6 +60,9 @@ class Counters:
     quarantined: int = 0
     hazards: int = 0
     violations: int = 0
+    races: int = 0
+    ordered_waits: int = 0
+    concurrent_shutdowns: int = 0
     first_failure_step: int = 0
 
     def line(self) -> str:
@@ -99,6 +103,10 @@ class MachineBase(RuleBasedStateMachine):
         self.dev: SimDevice | None = None
         self.worker: WorkerLike | None = None
         self.model: Model | None = None
+        # Invariant: the R20 model of the current device's ops (None before a worker is built).
+        self.race: RaceModel | None = None
+        # Invariant: how many of the current race model's races the counters hold.
+        self.races_seen = 0
         self.report: ReportLike | None = None
         # Invariant: "new" -> "open" -> "closed" (shutdown) | "dropped" (finalizer); "refused" (construction failed).
         self.phase = "new"
@@ -134,6 +142,18 @@ class MachineBase(RuleBasedStateMachine):
         """The model run beside the current worker."""
         assert self.model is not None
         return self.model
+
+    @property
+    def current_race(self) -> RaceModel:
+        """The R20 model of the current device, with every observation the device recorded taken into it."""
+        assert self.race is not None
+        for label in self.current_device.take_observations():
+            self.race.observe(label)
+        return self.race
+
+    def _make_device(self, setup: Setup) -> SimDevice:
+        """The kit's device for a setup (a subclass may build it otherwise, e.g. with its race check off)."""
+        return SimDevice(setup)
 
     @property
     def current_setup(self) -> Setup:

@@ -278,6 +278,15 @@ class Model:
         gpu.last[tensor][picked, :] = COMPUTE
         self.compute_busy_until = max(self.compute_busy_until, now) + delay
 
+    def ghost(self, moves: Sequence[Move], direction: Direction) -> None:
+        """A submission failed after its copy was queued: the copy may land at any time (its destination is
+        never known again) and it reads its source unordered with later writes (nothing reported reads it)."""
+        target = self.sides["cpu" if direction == "store" else "gpu"]
+        for move in moves:
+            row, lo, hi = move.at(target.name)
+            target.poison[move.tensor][row, lo:hi] = True
+            target.known[move.tensor][row, lo:hi] = False
+
     def error_fired(self, direction: str, job_id: int) -> None:
         """An injected error fired on a job's end event: it and everything queued behind it must fail (R5)."""
         chain = self.chain[direction]

@@ -4,21 +4,23 @@ and act on the device (the clock, compute writes, faults injected mid-run)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Final
 
 import numpy as np
+from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
 from kvoffload_ref.faults import TRANSFER_HANG_POINTS
 from kvoffload_ref.testing.adapter import (
-    SimDevice,
     initial_gpu_bytes,
 )
 from kvoffload_ref.testing.invariants import Checks
 from kvoffload_ref.testing.machine_base import worker_open
-from kvoffload_ref.testing.model import Model, ModelTransfer
+from kvoffload_ref.testing.model import Model, ModelTransfer, plan_moves
+from kvoffload_ref.testing.races import Label, RaceModel
 from kvoffload_ref.testing.shutdown import (
     MARGIN,
     SLACK,
@@ -75,7 +77,8 @@ class TransferRules(Checks):
                                       setup.num_cpu_chunks,
                                       cases=[c for c in INVALID_CASES if flight or c != "job id in flight"])
             for flight in (False, True)}
-        self.dev = SimDevice(setup)
+        self.dev = self._make_device(setup)
+        self.race, self.races_seen = RaceModel(), 0
         try:
             self.worker = self.worker_factory[0](self.current_device.backend, self.current_device.gpu, setup)
         except DeviceError:
@@ -109,6 +112,10 @@ class TransferRules(Checks):
 
     def _submit(self, direction: str, data: st.DataObject) -> None:
         gpu, cpu = data.draw(self.specs, label="specs")
+        setup = self.current_setup
+        moves = plan_moves(setup.layout, setup.blocks_per_chunk, gpu, cpu)
+        if not self._ordered(lambda: self.current_race.partners_of_transfer(direction, moves)):
+            return
         job = self._fresh_job()
         src, dst = (gpu, cpu) if direction == "store" else (cpu, gpu)
         self._say(f"w.submit_{direction}({job}, {src!r}, {dst!r})")
@@ -119,6 +126,9 @@ class TransferRules(Checks):
         except DeviceError:
             self._raised("DeviceError")
             firings = self._new_firings()
+            if self.current_device.copied((direction, job)):  # failed after its copy was queued: it still runs
+                self.current_race.transfer(direction, job, moves)
+                self.current_model.ghost(moves, direction)  # type: ignore[arg-type]
             if any(f.fault.kind == "hang" and f.tag == (direction, job) for f in firings):
                 self.current_model.tainted.add(direction)
             after = self.current_device.ledger.live()
@@ -130,6 +140,7 @@ class TransferRules(Checks):
         hung = any(f.fault.kind == "hang" and f.point in TRANSFER_HANG_POINTS and f.tag == (direction, job)
                    for f in firings)
         self.current_model.submit(direction, job, gpu, cpu, hung=hung)  # type: ignore[arg-type]
+        self.current_race.transfer(direction, job, moves)
         self._absorb(firings)
         type(self).counters.submitted += 1
 
@@ -230,6 +241,26 @@ class TransferRules(Checks):
                 self._check(not t.stuck, "R6", f"wait() returned although job {t.job_id} can never be proven")
         model.awaited.update(t.job_id for t in listed if t.status == "pending")
 
+    def _ordered(self, partners: Callable[[], list[Label]]) -> bool:
+        """R20, the caller's duty: under an "ordered" schedule, before work that would race with unobserved jobs,
+        wait for them (when they can all be proven) and go on only if nothing races any more. Returns whether
+        the work may be queued (always, under a "racy" schedule)."""
+        if self.current_setup.schedule != "ordered":
+            return True
+        racing = partners()
+        if not racing:
+            return True
+        model = self.current_model
+        listed = [model.transfers.get(job) for _, job in racing]
+        if all(t is not None and t.status == "pending" and model.can_finish(t) and not t.must_fail
+               for t in listed):
+            type(self).counters.ordered_waits += 1
+            self._wait(sorted({job for _, job in racing}), [t for t in listed if t is not None], None)
+            racing = partners()
+        if racing:
+            note(f"# skipped: would race with {racing} (schedule 'ordered')")
+        return not racing
+
     # -- the device ---------------------------------------------------------------------------------------------
     @rule(seconds=st.sampled_from(CLOCK_STEPS))
     def advance_clock(self, seconds: float) -> None:
@@ -247,13 +278,21 @@ class TransferRules(Checks):
         with self._step():
             setup = self.current_setup
             tensor = data.draw(st.integers(0, setup.layout.num_tensors - 1), label="tensor")
-            rows = data.draw(st.lists(st.integers(0, setup.num_gpu_blocks - 1), min_size=1, max_size=3, unique=True),
-                             label="rows")
+            aimed = sorted({m.gpu_row for t in self.current_model.pending() for m in t.moves if m.tensor == tensor})
+            if setup.schedule == "racy" and aimed and data.draw(st.booleans(), label="aim at pending"):
+                rows = data.draw(st.lists(st.sampled_from(aimed), min_size=1, max_size=3, unique=True), label="rows")
+            else:
+                rows = data.draw(st.lists(st.integers(0, setup.num_gpu_blocks - 1), min_size=1, max_size=3,
+                                          unique=True), label="rows")
             value = data.draw(st.integers(0, 255), label="value")
             delay = data.draw(st.sampled_from(COMPUTE_DELAYS), label="delay")
+            page = setup.layout.tensor_page_bytes[tensor]
+            if not self._ordered(lambda: self.current_race.partners_of_compute(tensor, rows, page)):
+                return
             self._say(f"dev.compute_write({tensor}, {rows!r}, {value}, {delay!r})")
             self.current_model.compute_write(tensor, rows, value, delay, self.current_device.clock())
             self.current_device.compute_write(tensor, rows, value, delay)
+            self.current_race.compute(tensor, rows, page)
 
     @precondition(worker_open)
     @rule(data=st.data())

@@ -99,8 +99,9 @@ def fault_plans(job_ids: Sequence[int] = (), *, max_faults: int = 3) -> st.Searc
 @st.composite
 def setups(draw: st.DrawFn, *, policy: st.SearchStrategy[ShutdownPolicy] | None = None,
            plans: st.SearchStrategy[tuple[Fault, ...]] | None = None, max_tensors: int = 3,
-           max_groups: int = 3) -> Setup:
-    """Whole run setups: a layout, chunking, small tensors (padded GPU strides included), a policy, faults."""
+           max_groups: int = 3, schedules: Sequence[str] = ("racy", "ordered")) -> Setup:
+    """Whole run setups: a layout, chunking, small tensors (padded GPU strides included), a policy, faults, and
+    whether the machine draws racy or ordered schedules (``schedules``, see ``Setup.schedule``)."""
     layout = draw(layouts(max_tensors=max_tensors, max_groups=max_groups))
     return Setup(
         layout=layout,
@@ -111,7 +112,9 @@ def setups(draw: st.DrawFn, *, policy: st.SearchStrategy[ShutdownPolicy] | None 
         policy=draw(policy if policy is not None else policies()),
         faults=draw(plans if plans is not None else fault_plans(range(1, 7))),
         pin_chunk_bytes=draw(st.sampled_from((4096, 1 << 30))),
-        seed=draw(st.integers(0, 2**16)),
+        seed=(seed := draw(st.integers(0, 2**16))),
+        # Chosen from the seed, not drawn: the choices made so far keep meaning what they meant.
+        schedule=tuple(schedules)[seed % len(schedules)],
     )
 
 

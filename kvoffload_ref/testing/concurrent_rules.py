@@ -1,0 +1,196 @@
+"""The conformance machine's concurrent-shutdown rule (R19, R8): ``shutdown()`` from a second thread while the
+machine's thread is inside a submission or a wait, interleaved deterministically at a chosen backend call.
+
+Three interleavings are drawn; each pauses one thread at a backend call through the sim's ``on_call`` hook
+(:class:`~kvoffload_ref.testing.threads.CallPause`) and lets the other act meanwhile, with no sleep:
+
+* ``submit, then shutdown``: the machine's thread is paused at its submission's copy (a copy once queued cannot
+  be taken back, so the submission is under way); a second thread calls ``shutdown()``; the pause is released.
+  R19: the submission was queued whole before shutdown began (it returns, and is drained like any other) or
+  was refused with WorkerClosedError.
+* ``shutdown, then submit``: the second thread's shutdown is paused at its first backend call (shutdown has
+  begun); the machine's thread submits: R19 allows only WorkerClosedError (nothing queued).
+* ``wait, then shutdown``: the machine's thread waits for pending jobs and is paused at its first sleep (R19: no
+  library lock is held there); the second thread's shutdown must finish meanwhile; then the wait must return,
+  reporting nothing, without raising.
+
+Afterwards the machine's thread calls ``shutdown()`` itself: it must return the same report (R8/R19). The
+report, the ledger and the quarantine are checked as after any shutdown (R9-R16), except for the model's
+predictions of the region's fate (which need the clock at shutdown's start, and a wait paused mid-poll moves
+it): the policy's consistency, the drain counts and the ledger are checked.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from kvoffload_ref.errors import DeviceError, WorkerClosedError
+from kvoffload_ref.testing.adapter import ReportLike
+from kvoffload_ref.testing.model import plan_moves
+from kvoffload_ref.testing.shutdown import Expectations, report_problems
+from kvoffload_ref.testing.shutdown_rules import ShutdownRules
+from kvoffload_ref.testing.threads import CallPause, Runner, paused_or_done
+
+__all__ = ["INTERLEAVINGS", "ConcurrentRules"]
+
+#: The interleavings the rule draws (see the module docstring).
+INTERLEAVINGS = ("submit, then shutdown", "shutdown, then submit", "wait, then shutdown")
+SHUTDOWN_THREAD = "kit-shutdown"
+#: No prediction of the region's fate (see the module docstring).
+_NO_PREDICTION = Expectations(must_release=False, must_quarantine=False, clean=False, unclean=False)
+
+
+class ConcurrentRules(ShutdownRules):
+    """Rule: concurrent_shutdown."""
+
+    @precondition(lambda self: self.phase == "open" and self.age >= self.lifetime and self.capabilities.threads)
+    @rule(data=st.data(), interleaving=st.sampled_from(INTERLEAVINGS))
+    def concurrent_shutdown(self, data: st.DataObject, interleaving: str) -> None:
+        """R19/R8: shutdown() from a second thread while this thread submits or waits (see the module
+        docstring)."""
+        with self._step():
+            if interleaving != "wait, then shutdown" and self.current_setup.schedule == "ordered":
+                interleaving = "wait, then shutdown"  # a submission here is not ordered against pending work
+            start = self.current_device.clock()
+            self.current_race  # noqa: B018  # take the observations made so far
+            if interleaving == "wait, then shutdown":
+                report = self._wait_then_shutdown()
+            else:
+                report = self._submit_and_shutdown(data, interleaving)
+            if report is None:
+                return
+            self._absorb(self._new_firings())
+            self._say("assert w.shutdown() == report  # R8/R19: the same report")
+            again = self._call_shutdown()
+            self._check(again == report, "R8/R19", "shutdown() after a concurrent shutdown returned another report")
+            self.report, self.phase = report, "closed"
+            type(self).counters.shutdowns += 1
+            type(self).counters.concurrent_shutdowns += 1
+            for rules, message in report_problems(report, model=self.current_model, device=self.current_device,
+                                                  policy=self.current_setup.policy,
+                                                  elapsed=self.current_device.clock() - start,
+                                                  expect=_NO_PREDICTION):
+                if not rules.startswith("R11"):  # a wait paused mid-poll moves the clock too
+                    self._check(False, rules, message)
+
+    # -- the interleavings ------------------------------------------------------------------------------------
+    def _shutdown_thread(self) -> Runner[ReportLike]:
+        return Runner(self.current_worker.shutdown, SHUTDOWN_THREAD)
+
+    def _joined(self, runner: Runner[ReportLike]) -> ReportLike | None:
+        self._check(runner.join(), "R19", "the concurrent shutdown() did not return (deadlock?)")
+        if runner.exception is not None:
+            self._fail()
+            raise AssertionError(f"R9/R19: the concurrent shutdown() raised {runner.exception!r}") \
+                from runner.exception
+        return runner.result
+
+    def _submit_and_shutdown(self, data: st.DataObject, interleaving: str) -> ReportLike | None:
+        direction = data.draw(st.sampled_from(("store", "load")), label="direction")
+        gpu, cpu = data.draw(self.specs, label="specs")
+        job = self._fresh_job()
+        src, dst = (gpu, cpu) if direction == "store" else (cpu, gpu)
+        worker, sim = self.current_worker, self.current_device.sim
+        submit = worker.submit_store if direction == "store" else worker.submit_load
+        call = f"w.submit_{direction}({job}, {src!r}, {dst!r})"
+        outcome: list[BaseException | None] = []
+
+        def submitting() -> None:
+            try:
+                submit(job, src, dst)  # type: ignore[arg-type]
+                outcome.append(None)
+            except (WorkerClosedError, DeviceError) as exc:
+                outcome.append(exc)
+
+        if interleaving == "submit, then shutdown":
+            self._say(f"# thread A: the submission, paused at its copy; thread B: shutdown(); A goes on\n{call}")
+            self._raised("(WorkerClosedError, DeviceError)")
+            self._say("report = w.shutdown()")
+            signal = threading.Event()
+            at_copy = lambda point, tag: point == "copy" and tag == (direction, job)  # noqa: E731
+            with CallPause(sim, at_copy, signal=signal) as pause:
+                runner = Runner(submitting, "kit-submit", signal=signal)
+                self._check(paused_or_done(signal), "R19", "a submission neither reached its copy nor returned")
+                if not pause.reached.is_set():  # no copy (no bytes, or it failed first): nothing to race with
+                    note("# (the submission made no copy: no pause)")
+                shutdown = self._shutdown_thread()
+                pause.release()
+                self._check(runner.join(), "R19", "a submission paused at its copy never returned")
+                report = self._joined(shutdown)
+            copied = self.current_device.copied((direction, job))
+            self._check(not (copied and isinstance(outcome[0], WorkerClosedError)), "R19",
+                        "a submission was refused with WorkerClosedError although its copy was queued")
+        else:
+            self._say(f"# thread B: shutdown(), paused at its first device call; thread A: the submission\n"
+                      f"report = w.shutdown()\n{call}")
+            self._raised("WorkerClosedError")
+            is_b = lambda point, tag: threading.current_thread().name == SHUTDOWN_THREAD  # noqa: E731
+            signal = threading.Event()
+            with CallPause(sim, is_b, signal=signal) as pause:
+                shutdown = Runner(self.current_worker.shutdown, SHUTDOWN_THREAD, signal=signal)
+                self._check(paused_or_done(signal), "R19", "the shutdown thread neither made a device call nor "
+                                                           "returned")
+                submitting()
+                pause.release()
+                report = self._joined(shutdown)
+            self._check(isinstance(outcome[0], WorkerClosedError), "R8/R19",
+                        f"a submission after shutdown began was not refused with WorkerClosedError: {outcome[0]!r}")
+        self._settle_submission(direction, job, gpu, cpu, outcome[0])
+        return report
+
+    def _settle_submission(self, direction: str, job: int, gpu: object, cpu: object,
+                           error: BaseException | None) -> None:
+        """Tell the models what the concurrent submission did."""
+        setup, dev = self.current_setup, self.current_device
+        moves = plan_moves(setup.layout, setup.blocks_per_chunk, gpu, cpu)  # type: ignore[arg-type]
+        note(f"# -> {error!r}")
+        queued = dev.copied((direction, job)) or error is None
+        if error is None:
+            firings = dev.plan.firings[self.seen_firings:]
+            hung = any(f.fault.kind == "hang" and f.tag == (direction, job) for f in firings)
+            self.current_model.submit(direction, job, gpu, cpu, hung=hung)  # type: ignore[arg-type]
+            type(self).counters.submitted += 1
+        elif queued:
+            self.current_model.ghost(moves, direction)  # type: ignore[arg-type]
+        if queued:
+            assert self.race is not None
+            index = dev.op_labels.index((direction, job)) if dev.copied((direction, job)) else None
+            for label in dev.take_observations(before=index):
+                self.race.observe(label)
+            self.race.transfer(direction, job, moves)
+
+    def _wait_then_shutdown(self) -> ReportLike | None:
+        ids = [t.job_id for t in self.current_model.pending()][:4]
+        self._say(f"# thread A: the wait, paused at its first sleep; thread B: shutdown() runs to its end; A goes on\n"
+                  f"w.wait({ids!r}, timeout=10.0)")
+        self._raised("DeadlineExceeded")
+        self._say("report = w.shutdown()")
+        worker, sim = self.current_worker, self.current_device.sim
+        outcome: list[BaseException | None] = []
+
+        def waiting() -> None:
+            try:
+                worker.wait(ids, 10.0)
+                outcome.append(None)
+            except BaseException as exc:  # any exception is the finding
+                outcome.append(exc)
+
+        waiter_name = "kit-wait"
+        in_a = lambda point, tag: point == "sleep" and threading.current_thread().name == waiter_name  # noqa: E731
+        signal = threading.Event()
+        with CallPause(sim, in_a, signal=signal) as pause:
+            waiter = Runner(waiting, waiter_name, signal=signal)
+            self._check(paused_or_done(signal), "R6", "a wait() neither slept nor returned")
+            if not pause.reached.is_set():  # the wait returned without sleeping: shut down after it
+                self._check(waiter.join(), "R6", "wait() did not return")
+                note("# (the wait never slept: no pause)")
+            report = self._joined(self._shutdown_thread())
+            pause.release()
+            self._check(waiter.join(), "R19", "a wait() blocked while another thread shut down never returned")
+        self._check(outcome[0] is None, "R19", f"a wait() blocked while another thread shut down raised "
+                                               f"{outcome[0]!r}; it must return, reporting nothing")
+        return report
