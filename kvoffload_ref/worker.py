@@ -283,6 +283,9 @@ def _poll(core: WorkerCore, settle: Callable[[], bool], started: float, deadline
     """
     backend = core.backend
     horizon = getattr(backend, "hang_horizon", None) if deadline is None else None
+    # A simulated clock (one with a hang horizon) sleeps for free: back off without a cap, so that an unbounded
+    # wait reaches the horizon in a few dozen polls; a real clock keeps polling at least every POLL_MAX_SLEEP.
+    longest = POLL_MAX_SLEEP if horizon is None else max(POLL_MAX_SLEEP, horizon / 64)
     pause = POLL_FIRST_SLEEP
     while True:
         with core.lock:
@@ -294,7 +297,7 @@ def _poll(core: WorkerCore, settle: Callable[[], bool], started: float, deadline
         if horizon is not None and now - started >= horizon:
             raise SimHang(f"wait() without a timeout: {what} did not complete within {horizon} s")
         backend.sleep(pause if deadline is None else max(min(pause, deadline - now), 0.0))
-        pause = min(pause * 2, POLL_MAX_SLEEP)
+        pause = min(pause * 2, longest)
 
 
 def create_worker(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheLayout, *,
