@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends._cupy_runtime import HOST_ALLOC_FLAGS, host_words, loaded
-from kvoffload_ref.backends.base import Stream
+from kvoffload_ref.backends.base import Event, Stream, poll_until
 from kvoffload_ref.backends.cupy import CupyBackend
 
 SPIN_KERNEL: Final = "kvoffload_spin"
@@ -124,3 +124,15 @@ def warm_spin(backend: CupyBackend) -> None:
     backend.destroy_event(end)
     backend.destroy_stream(stream)
     free_spin_flag(backend, flag)
+
+
+def assert_quarantined_while_spinning(backend: CupyBackend, report: Any, flag: SpinFlag, spin_done: Event,
+                                      deadline: float) -> None:
+    """A shutdown under a spin that still runs: it timed out and quarantined, and the spin was really running
+    (then it is released and must end within ``deadline`` seconds)."""
+    assert report.region == "quarantined"
+    assert report.device_sync == "timeout"
+    assert backend.query(spin_done) is False, "the spin ended early: the test proved nothing"
+    flag.release()
+    assert poll_until(backend, lambda: backend.query(spin_done), backend.monotonic() + deadline)
+    assert flag.state == 1, "the spin kernel timed out instead of being released"

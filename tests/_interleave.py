@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from kvoffload_ref.backends.base import CALL_POINTS, Tag
+from kvoffload_ref.testing.threads import SAFETY_TIMEOUT, CallPause, Runner
+
+__all__ = ["SAFETY_TIMEOUT", "Handle", "Pause", "run_in_thread"]
 
 T = TypeVar("T")
 
-#: Longest a helper blocks (seconds): a safety net against a hung test, not a timing assumption.
-SAFETY_TIMEOUT = 10.0
 
-
-class Pause:
+class Pause(CallPause):
     """Blocks the ``nth`` call at ``point`` matching ``direction``/``job_id`` (in any thread) until released.
+
+    The conformance kit's :class:`~kvoffload_ref.testing.threads.CallPause` with a matcher by point, tag and count.
 
     Args:
         backend: a SimBackend or FaultyBackend (anything with an ``on_call`` attribute).
@@ -41,35 +42,19 @@ class Pause:
     Attributes:
         reached: set once a thread is paused at the call.
         calls: the matching calls seen so far.
+        paused_thread: the thread paused (None until one is).
     """
 
     def __init__(self, backend: Any, point: str, *, direction: str | None = None, job_id: int | None = None,
                  nth: int = 1) -> None:
         if nth < 1:
             raise ValueError("nth is 1-based")
-        self._backend = backend
+        super().__init__(backend, self._counts)
         self.point = CALL_POINTS.get(point, point)
         self._direction, self._job_id, self._nth = direction, job_id, nth
-        self.reached = threading.Event()
-        self._go = threading.Event()
-        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self.calls = 0
-        self._previous: Callable[[str, Tag | None], None] | None = None
         self.paused_thread: threading.Thread | None = None
-
-    def __enter__(self) -> Pause:
-        self._previous = self._backend.on_call
-        self._backend.on_call = self._hook
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.release()
-        self._backend.on_call = self._previous
-
-    def release(self) -> None:
-        """Let the paused thread (and any later one) go on."""
-        self._go.set()
 
     def _matches(self, point: str, tag: Tag | None) -> bool:
         if point != self.point:
@@ -80,47 +65,39 @@ class Pause:
             return False
         return (self._direction in (None, tag[0])) and (self._job_id in (None, tag[1]))
 
-    def _hook(self, point: str, tag: Tag | None) -> None:
-        if self._previous is not None:
-            self._previous(point, tag)
+    def _counts(self, point: str, tag: Tag | None) -> bool:
+        """The matcher: True for the nth matching call only (it runs in the calling thread)."""
         if not self._matches(point, tag):
-            return
-        with self._lock:
+            return False
+        with self._count_lock:
             self.calls += 1
             mine = self.calls == self._nth
         if mine:
             self.paused_thread = threading.current_thread()
-            self.reached.set()
-            if not self._go.wait(SAFETY_TIMEOUT):
-                raise TimeoutError(f"Pause at {self.point}: never released")
+        return mine
 
 
 class Handle(Generic[T]):
-    """A function running in its own thread: join it, then read its result or exception."""
+    """A function running in its own thread (the kit's :class:`~kvoffload_ref.testing.threads.Runner`): join it,
+    then read its result or exception."""
 
     def __init__(self, fn: Callable[[], T]) -> None:
-        self._fn = fn
-        self._result: T | None = None
-        # Invariant: what fn raised (BaseException included), or None.
-        self.exception: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._runner: Runner[T] = Runner(fn, "test-thread")
 
-    def _run(self) -> None:
-        try:
-            self._result = self._fn()
-        except BaseException as exc:
-            self.exception = exc
+    @property
+    def exception(self) -> BaseException | None:
+        """What the function raised (BaseException included), or None."""
+        return self._runner.exception
 
     def join(self, timeout: float = SAFETY_TIMEOUT) -> bool:
         """Wait (bounded) for the thread; True if it finished."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        self._runner.thread.join(timeout)
+        return not self._runner.thread.is_alive()
 
     @property
     def done(self) -> bool:
-        """Whether the thread finished."""
-        return not self._thread.is_alive()
+        """Whether the function returned or raised."""
+        return self._runner.done.is_set()
 
     def result(self) -> T:
         """The function's return value; re-raises what it raised.
@@ -128,11 +105,11 @@ class Handle(Generic[T]):
         Raises:
             RuntimeError: the thread has not finished.
         """
-        if self._thread.is_alive():
+        if not self._runner.done.is_set():
             raise RuntimeError("the thread is still running")
-        if self.exception is not None:
-            raise self.exception
-        return self._result  # type: ignore[return-value]
+        if self._runner.exception is not None:
+            raise self._runner.exception
+        return self._runner.result  # type: ignore[return-value]
 
 
 def run_in_thread(fn: Callable[[], T]) -> Handle[T]:
