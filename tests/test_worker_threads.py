@@ -22,6 +22,7 @@ from _support import cspec, gspec, make_worker, patterned_gpu, small_layout
 import kvoffload_ref as kv
 from kvoffload_ref.backends.base import Tag
 from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.handler import DirectionHandler
 
 TIMEOUT = 1.0
 SLACK = 0.05
@@ -211,6 +212,10 @@ def test_threads_transfer_after_a_failed_one_waits_for_its_end() -> None:
 # -- 10. the two test holes -------------------------------------------------------------------------------------------
 @pytest.mark.rule("R5")
 def test_threads_reported_job_id_can_be_reused() -> None:
+    _reuse_a_reported_job_id()
+
+
+def _reuse_a_reported_job_id() -> None:
     be, w, _ = make_worker(timeout=TIMEOUT)
     for _ in range(3):
         w.submit_store(7, gspec([1]), cspec([1]))
@@ -219,9 +224,43 @@ def test_threads_reported_job_id_can_be_reused() -> None:
     w.shutdown()
 
 
+def _keeps_reported_ids(self: DirectionHandler) -> list[Any]:
+    """A handler that forgets to drop a job id once it was reported."""
+    self._reap()
+    results, self._resolved = self._resolved, []
+    return results
+
+
+def _gives_back_queued_descriptors(original: Callable[..., None]) -> Callable[..., None]:
+    """A handler whose rollback treats a submission whose copy was queued as one that never reached the device."""
+    def undo(self: DirectionHandler, taken: Any) -> None:
+        taken.copy_queued = False
+        original(self, taken)
+    return undo
+
+
+@pytest.mark.rule("R5")
+@pytest.mark.rule("R16")
+@pytest.mark.parametrize("mutant", ["keeps reported ids", "gives back queued descriptors"])
+def test_threads_the_two_hole_tests_catch_their_bug(mutant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two tests above fail on a handler with the bug each is written for (a deliberate mutant)."""
+    if mutant == "keeps reported ids":
+        monkeypatch.setattr(DirectionHandler, "get_finished", _keeps_reported_ids)
+        with pytest.raises(kv.InvalidTransferError, match="already in flight"):
+            _reuse_a_reported_job_id()
+    else:
+        monkeypatch.setattr(DirectionHandler, "_undo", _gives_back_queued_descriptors(DirectionHandler._undo))
+        with pytest.raises(AssertionError):
+            _fail_after_the_copy_was_queued()
+
+
 @pytest.mark.rule("R13")
 @pytest.mark.rule("R16")
 def test_threads_submission_failing_after_its_copy_never_reuses_its_descriptors() -> None:
+    _fail_after_the_copy_was_queued()
+
+
+def _fail_after_the_copy_was_queued() -> None:
     be, w, _ = make_worker(timeout=TIMEOUT)
     w.submit_store(1, gspec([1]), cspec([1]))
     w.wait({1})
