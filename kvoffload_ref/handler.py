@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -146,6 +147,10 @@ class _Transfer:
     @property
     def end(self) -> Event:
         return self.events[1]
+
+
+_EVENTS = operator.attrgetter("events")
+_DESCRIPTORS = operator.attrgetter("descriptors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,8 +353,8 @@ class DirectionHandler:
         proven = [queue.popleft() for _ in range(count)]
         for head in proven:
             head.resolved = True
-        self._events += itertools.chain.from_iterable(head.events for head in proven)
-        self._descriptors += [head.descriptors for head in proven if head.descriptors is not None]
+        self._events += itertools.chain.from_iterable(map(_EVENTS, proven))
+        self._descriptors += filter(None, map(_DESCRIPTORS, proven))  # None: a zero-op transfer
         if action is Action.REPORT:
             self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h)) for h in proven]
         elif action is Action.COUNT_DRAINED:

@@ -15,6 +15,7 @@ import itertools
 import operator
 import threading
 from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -318,8 +319,8 @@ class SimCore:
         raise DeviceError(f"{stream!r} is not a live stream of this device", CUDA_ERROR_INVALID_RESOURCE_HANDLE)
 
     def _own_event(self, event: Event) -> SimEvent:
-        if isinstance(event, SimEvent) and event.owner is self and not event.destroyed:
-            return event
+        if self._events.get(id(event)) is event:  # only this device's live events are in its table
+            return cast(SimEvent, event)
         raise DeviceError(f"{event!r} is not a live event of this device", CUDA_ERROR_INVALID_RESOURCE_HANDLE)
 
     def _geometry(self, array: object) -> tuple[TensorGeometry, npt.NDArray[np.uint8]]:
@@ -348,17 +349,15 @@ class SimCore:
             self.on_call("free_descriptors", None)
         with self._lock:
             self._catch_up()
-            buffers, users, freed = self._buffers, self._buffer_users, []
-            for buf in bufs:
-                key = id(buf)
-                if buffers.get(key) is not buf:
-                    self._violate("invalid_release", f"free_descriptors({buf!r}): not a live buffer of this device")
-                    continue
-                if users.get(key):
-                    self._violate("descriptor_freed_under_dma",
-                                  f"{buf!r} freed while {users[key]} pending copies read it")
-                del buffers[key]
-                freed.append(key)
+            keys = list(map(id, bufs))
+            freed = self._pop_live(self._buffers, keys, bufs, "free_descriptors", "buffer")
+            users = self._buffer_users
+            if users and any(map(users.get, freed)):
+                released = set(freed)
+                for buf in bufs:
+                    if id(buf) in released and users.get(id(buf)):
+                        self._violate("descriptor_freed_under_dma",
+                                      f"{buf!r} freed while {users[id(buf)]} pending copies read it")
             self._ledger.release_many("descriptor", freed)
 
     def destroy_events(self, events: Sequence[Event]) -> None:
@@ -366,23 +365,25 @@ class SimCore:
         if self.on_call is not None:
             self.on_call("destroy_event", None)
         with self._lock:
-            live, keys = self._events, list(map(id, events))
-            popped = list(map(live.pop, keys, itertools.repeat(None)))
-            destroyed = keys
-            if not all(map(operator.is_, popped, events)):  # misuse: find it, release the rest
-                destroyed = []
-                for key, event, found in zip(keys, events, popped, strict=True):
-                    if found is not event:
-                        if found is not None:
-                            live[key] = found
-                        self._violate("invalid_release",
-                                      f"destroy_event({event!r}): not a live event of this device")
-                    else:
-                        destroyed.append(key)
-            for event in events:
-                if isinstance(event, SimEvent):
-                    event.destroyed = True
-            self._ledger.release_many("event", destroyed)
+            keys = list(map(id, events))
+            self._ledger.release_many("event", self._pop_live(self._events, keys, events, "destroy_event", "event"))
+
+    def _pop_live(self, live: dict[int, Any], keys: list[int], handles: Sequence[object], call: str,
+                  what: str) -> list[int]:
+        """Remove ``handles`` (keys ``keys``) from the ``live`` table; returns the keys removed. A handle that is
+        not live there (or named twice) is recorded as ``invalid_release`` and left as it was."""
+        popped = list(map(live.pop, keys, itertools.repeat(None)))
+        if all(map(operator.is_, popped, handles)):
+            return keys
+        removed = []  # misuse: put back what was popped by mistake, record each handle that was not live
+        for key, handle, found in zip(keys, handles, popped, strict=True):
+            if found is handle:
+                removed.append(key)
+                continue
+            if found is not None:
+                live[key] = found
+            self._violate("invalid_release", f"{call}({handle!r}): not a live {what} of this device")
+        return removed
 
     def query_prefix(self, events: Sequence[Event]) -> int:
         """How many of ``events``, from the first, completed (each observed as by ``query``). 0 when a fault
@@ -391,20 +392,19 @@ class SimCore:
             return 0
         with self._lock:
             self._catch_up()
-            count, last = 0, None
-            for event in events:
-                recorded = self._events.get(id(event))
-                if recorded is not event or not isinstance(recorded, SimEvent):
-                    break
-                latest = recorded.latest
-                if latest is not None:
-                    if latest.done_at is None:
-                        break
-                    last = latest
-                count += 1
+            live = list(map(self._events.get, map(id, events)))
+            if not all(map(operator.is_, live, events)):  # a handle that is not live: stop before it
+                live = live[:next(i for i, (a, b) in enumerate(zip(live, events, strict=True)) if a is not b)]
+            latest: list[Record | None] = list(map(_LATEST, live))
+            pending = [r is not None and r.done_at is None for r in latest]
+            count = pending.index(True) if True in pending else len(pending)
+            last = next((r for r in reversed(latest[:count]) if r is not None), None)
             if last is not None and self._race is not None:
                 self._race.observe(last)  # one stream's records: observing the last covers those before it
             return count
+
+
+_LATEST = operator.attrgetter("latest")
 
 
 def tag_of(event: Event) -> Tag | None:

@@ -79,27 +79,49 @@ class Violation:
 
 
 class Access:
-    """The byte ranges one op reads and writes, with the sorted views the overlap test needs (built lazily)."""
+    """The byte ranges one op reads and writes, with the sorted views the overlap test needs (built lazily).
 
-    __slots__ = ("_sorted", "reads", "writes")
+    One array per op (the detector may hold thousands of ops until the host observes them complete).
+    """
 
-    def __init__(self, reads: tuple[I64, I64], writes: tuple[I64, I64]) -> None:
-        # Invariant: (lo, hi) int64 arrays of equal length, every hi > lo (empty ranges dropped).
-        self.reads, self.writes = reads, writes
-        # Invariant: per kind ("r", "w", "rw"): (lo sorted, running max of hi in that order, hi in that order).
-        self._sorted: dict[str, tuple[I64, I64, I64]] = {}
+    __slots__ = ("_sorted", "ranges", "split")
+
+    def __init__(self, ranges: I64, split: int) -> None:
+        # Invariant: a (2, n) int64 array, row 0 the starts and row 1 the ends of n ranges (every end > start);
+        # columns [:split] are read, [split:] written.
+        self.ranges, self.split = ranges, split
+        # Invariant: None until a view is asked for; then per kind ("r", "w", "rw"): (lo sorted, running max of
+        # hi in that order, hi in that order).
+        self._sorted: dict[str, tuple[I64, I64, I64]] | None = None
+
+    @property
+    def reads(self) -> tuple[I64, I64]:
+        """(starts, ends) of the ranges read."""
+        return self.ranges[0, :self.split], self.ranges[1, :self.split]
+
+    @property
+    def writes(self) -> tuple[I64, I64]:
+        """(starts, ends) of the ranges written."""
+        return self.ranges[0, self.split:], self.ranges[1, self.split:]
+
+    @property
+    def touches(self) -> bool:
+        """Whether the op touches any byte."""
+        return bool(self.ranges.shape[1])
 
     def view(self, which: str) -> tuple[I64, I64, I64]:
         """The ranges of ``which`` ("r", "w" or "rw") sorted by start, with the running maximum of their ends."""
-        found = self._sorted.get(which)
+        cache = self._sorted
+        if cache is None:
+            cache = self._sorted = {}
+        found = cache.get(which)
         if found is None:
-            parts = [self.reads] if which == "r" else [self.writes] if which == "w" else [self.reads, self.writes]
-            lo = np.concatenate([p[0] for p in parts])
-            hi = np.concatenate([p[1] for p in parts])
+            part = slice(None, self.split) if which == "r" else slice(self.split, None) if which == "w" else slice(None)
+            lo, hi = self.ranges[0, part], self.ranges[1, part]
             order = np.argsort(lo, kind="stable")
             lo, hi = lo[order], hi[order]
             found = (lo, np.maximum.accumulate(hi) if hi.size else hi, hi)
-            self._sorted[which] = found
+            cache[which] = found
         return found
 
 
@@ -215,9 +237,10 @@ class RaceDetector:
         clock[lane_id] = lane.head
         stream.clock = clock
         op = _LiveOp(next(self._seq), lane.head, name, tag, access)
-        if access.reads[0].size or access.writes[0].size:
+        if access.touches:
+            reads, writes = access.reads, access.writes
             for other in self._unordered(clock, lane_id):
-                found = self._conflict(other, op)
+                found = self._conflict(other, op, reads, writes)
                 if found is not None:
                     yield found
             lane.live.append(op)
@@ -237,11 +260,13 @@ class RaceDetector:
             start = bisect.bisect_right(lane.counts, known) if known else 0
             yield from itertools.islice(lane.live, start, None)
 
-    def _conflict(self, a: _LiveOp, b: _LiveOp) -> tuple[str, Tag | None, tuple[int, int]] | None:
-        """The race between live op ``a`` and new op ``b``, if their ranges conflict."""
-        for b_ranges, b_verb, which, a_verb in ((b.access.writes, "writes", "w", "writes"),
-                                                (b.access.writes, "writes", "r", "reads"),
-                                                (b.access.reads, "reads", "w", "writes")):
+    def _conflict(self, a: _LiveOp, b: _LiveOp, reads: tuple[I64, I64],
+                  writes: tuple[I64, I64]) -> tuple[str, Tag | None, tuple[int, int]] | None:
+        """The race between live op ``a`` and new op ``b`` (which reads ``reads`` and writes ``writes``), if their
+        ranges conflict."""
+        for b_ranges, b_verb, which, a_verb in ((writes, "writes", "w", "writes"),
+                                                (writes, "writes", "r", "reads"),
+                                                (reads, "reads", "w", "writes")):
             hull = overlap(b_ranges, a.access.view(which))
             if hull is not None:
                 where = self._name_range(*hull)
@@ -289,13 +314,14 @@ def copy_access(buf: DescriptorBuffer, count: int) -> Access:
         src, dst = buf.src[:count], buf.dst[:count]
     else:
         src, dst, sizes = buf.src[:count][live], buf.dst[:count][live], sizes[live]
-    return Access((src.copy(), src + sizes), (dst.copy(), dst + sizes))
+    n = int(sizes.shape[0])
+    ranges = np.empty((2, 2 * n), dtype=np.int64)
+    ranges[0, :n], ranges[0, n:] = src, dst
+    np.add(ranges[0].reshape(2, n), sizes, out=ranges[1].reshape(2, n))
+    return Access(ranges, n)
 
 
 def rows_access(target: npt.NDArray[np.uint8], rows: I64) -> Access:
     """The ranges a compute write of ``rows`` of the 2-D array ``target`` writes."""
     lo = address(target) + rows * int(target.strides[0])
-    return Access((_NONE, _NONE), (lo, lo + int(target.shape[1])))
-
-
-_NONE: I64 = np.empty(0, dtype=np.int64)
+    return Access(np.stack((lo, lo + int(target.shape[1]))), 0)

@@ -89,16 +89,16 @@ class SimStream:
 class SimEvent:
     """An event handle of one SimBackend."""
 
-    __slots__ = ("destroyed", "label", "latest", "owner", "tag")
+    __slots__ = ("label", "latest", "owner", "tag")
 
     def __init__(self, owner: object, label: str) -> None:
+        # Invariant: the device that created it; the event is live while that device's event table holds it.
         self.owner = owner
         self.label = label
         # Invariant: the current generation; None while never recorded (such an event counts as complete).
         self.latest: Record | None = None
         # Invariant: the tag of the latest record (fault selectors match it).
         self.tag: Tag | None = None
-        self.destroyed = False
 
     def __repr__(self) -> str:
         return f"<SimEvent {self.label} tag={self.tag}>"

@@ -213,18 +213,21 @@ class Ledger:
             LifecycleError: a key is neither live nor quarantined (the keys before it are released).
         """
         keys = list(keys)
+        released = dict.fromkeys(keys, "released")  # also finds a key named twice
         with self._lock:
             states = self._state[kind]
             current = list(map(states.get, keys))
-            good = current.count("live") + current.count("quarantined")
-            if good != len(keys) or len(set(keys)) != len(keys):
+            good = current.count("live")
+            if good != len(keys):
+                good += current.count("quarantined")
+            if good != len(keys) or len(released) != len(keys):
                 for key in keys:  # the slow path, for the error: release up to the first bad key
                     if states.get(key) not in {"live", "quarantined"}:
                         raise LifecycleError(f"ledger: cannot mark {kind} {key!r} released: it is "
                                              f"{states.get(key) or 'unknown'}")
                     states[key] = "released"
                     self._released[kind] += 1
-            states.update(dict.fromkeys(keys, "released"))
+            states.update(released)
             self._released[kind] += len(keys)
 
     def quarantine(self, kind: ResourceKind, key: Hashable) -> None:

@@ -210,7 +210,7 @@ class SimBackend(SimCore):
             self._fault("descriptor_alloc", tag)
             if capacity < 0:
                 raise InvalidTransferError(f"descriptor capacity must be >= 0, got {capacity}")
-            src, dst, sizes = (np.zeros(capacity, dtype=np.int64) for _ in range(3))
+            src, dst, sizes = np.zeros((3, capacity), dtype=np.int64)  # one allocation, three rows
             buf = DescriptorBuffer(src, dst, sizes, handle=f"sim-descriptors-{next(self._labels)}")
             self._buffers[id(buf)] = buf
             self._ledger.acquire("descriptor", id(buf))
@@ -340,7 +340,6 @@ class SimBackend(SimCore):
             if self._events.pop(key, None) is not event or not isinstance(event, SimEvent):
                 self._violate("invalid_release", f"destroy_event({event!r}): not a live event of this device")
                 return
-            event.destroyed = True
             self._ledger.release("event", key)
 
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
