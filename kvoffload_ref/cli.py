@@ -126,11 +126,13 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvoffload-ref", description="kvoffload_ref: a reference KV-cache offloading worker (GPU <-> pinned CPU)")
     parser.add_argument("--version", action="version", version=f"kvoffload-ref {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _command(sub, "demo", "round trips, a hung shutdown and the release-policy hazard, on the simulated device",
-             "Three acts on the simulated device, each explained before it runs, every check printed: round trips "
-             "with every byte verified, a never-completing load shut down within its timeout (quarantine), and "
-             "the same under the vLLM #51622 'release' policy (the use-after-free it allows). Exit 1 if a check "
-             "fails.")
+    _command(sub, "demo", "round trips, a hung shutdown, the release-policy hazard and a caught DMA race, on the "
+             "simulated device",
+             "Four acts on the simulated device, each explained before it runs, every check printed: round trips "
+             "with every byte verified, a never-completing load shut down within its timeout (quarantine), the "
+             "same under the vLLM #51622 'release' policy (the use-after-free it allows), and a racy offload "
+             "schedule (a load into GPU blocks a pending store reads) flagged by the race detector, clean with a "
+             "wait() in between. Exit 1 if a check fails.")
     _command(sub, "diagram", "print the lifecycle state machines as Mermaid text",
              "Print the worker's, the handler's and the region's state machines (generated from "
              "kvoffload_ref/lifecycle.py) as Mermaid stateDiagram-v2 text.")

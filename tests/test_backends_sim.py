@@ -628,6 +628,47 @@ def test_sim_releasing_what_is_not_live_is_recorded_not_raised(rig: Rig) -> None
     assert [v.kind for v in be.violations] == ["invalid_release"] * 4
 
 
+
+# -- batched calls -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.rule("R10")
+def test_sim_query_prefix_counts_the_completed_events_from_the_first(rig: Rig) -> None:
+    be = rig.be
+    fast, slow = be.create_stream(), be.create_stream()
+    done = [rig.end_event(fast) for _ in range(2)]
+    rig.copy(slow, [(rig.dev_addr(0), rig.host_addr(0))])
+    pending = rig.end_event(slow)
+    never = be.create_event()                          # never recorded: counts as complete, as in query()
+    be.sleep(1.0)
+    rig.copy(slow, [(rig.dev_addr(1), rig.host_addr(1))])
+    later = rig.end_event(slow)                        # its copy has not run yet
+    assert be.query_prefix([*done, never]) == 3
+    assert be.query_prefix([*done, later, *done]) == 2, "stops at the first event not yet complete"
+    assert be.query_prefix([pending, later]) == 1
+    be.destroy_event(done[1])
+    assert be.query_prefix(done) == 1, "stops before a handle that is not live"
+    be.on_call = lambda point, tag: None
+    assert be.query_prefix([done[0]]) == 0, "an on_call hook sends every query through query()"
+    assert not be.violations
+
+
+def test_sim_batched_releases_check_each_handle_like_the_single_calls(rig: Rig) -> None:
+    be = rig.be
+    events = [be.create_event() for _ in range(3)]
+    be.destroy_events([events[0], events[1], events[0], SimBackend().create_event()])
+    assert [v.kind for v in be.violations] == ["invalid_release"] * 2, "named twice, and another device's event"
+    assert be.ledger.live()["event"] == 1 and be.ledger.state_of("event", id(events[1])) == "released"
+    stream = be.create_stream()
+    busy = rig.copy(stream, [(rig.dev_addr(4), rig.host_addr(0))])
+    idle = be.alloc_descriptors(1)
+    be.free_descriptors_many([idle, busy, idle])
+    assert [v.kind for v in be.violations[2:]] == ["invalid_release", "descriptor_freed_under_dma"]
+    assert "descriptor" not in be.ledger.live()
+    be.synchronize(rig.end_event(stream))
+    assert (rig.host[:PAGE] == 5).all(), "the copy still ran with what it read"
+
+
 # -- ledger ------------------------------------------------------------------------------------------------------
 
 
@@ -682,6 +723,24 @@ def test_ledger_transitions_tallies_and_misuse() -> None:
     for kind in ("mapping", "event", "stream"):       # the conservation law, per kind
         assert ledger.acquired().get(kind, 0) == sum(tally().get(kind, 0) for tally in (
             ledger.released, ledger.live, ledger.quarantined, ledger.leaked))
+
+
+
+@pytest.mark.rule("R16")
+def test_ledger_release_many_is_release_for_each_key() -> None:
+    ledger = Ledger()
+    for key in range(6):
+        ledger.acquire("event", key)
+    ledger.quarantine("event", 5)
+    ledger.release_many("event", [0, 5])               # live and quarantined alike
+    assert ledger.live() == {"event": 4} and ledger.quarantined() == {} and ledger.released() == {"event": 2}
+    with pytest.raises(LifecycleError, match=r"^ledger: cannot mark event 1 released: it is released$"):
+        ledger.release_many("event", [1, 2, 1, 3])     # named twice: the keys before the second 1 are released
+    assert [ledger.state_of("event", k) for k in range(5)] == ["released", "released", "released", "live", "live"]
+    with pytest.raises(LifecycleError, match=r"^ledger: cannot mark event 9 released: it is unknown$"):
+        ledger.release_many("event", [3, 9, 4])
+    assert ledger.state_of("event", 3) == "released" and ledger.state_of("event", 4) == "live"
+    assert ledger.acquired() == {"event": 6} and ledger.released() == {"event": 5} and ledger.live() == {"event": 1}
 
 
 # -- scale and speed ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import kvoffload_ref
 from kvoffload_ref import cli
 
 SUBCOMMANDS = {
-    "demo": "Three acts on the simulated device",
+    "demo": "Four acts on the simulated device",
     "diagram": "state machines",
     "spec": "every rule in docs/spec.md is cited by a test",
     "failure-modes": "Run every failure scenario",

@@ -396,15 +396,21 @@ class SimCore:
             if not all(map(operator.is_, live, events)):  # a handle that is not live: stop before it
                 live = live[:next(i for i, (a, b) in enumerate(zip(live, events, strict=True)) if a is not b)]
             latest: list[Record | None] = list(map(_LATEST, live))
-            pending = [r is not None and r.done_at is None for r in latest]
-            count = pending.index(True) if True in pending else len(pending)
-            last = next((r for r in reversed(latest[:count]) if r is not None), None)
+            if None in latest:  # a never-recorded event counts as complete
+                pending = [r is not None and r.done_at is None for r in latest]
+                count = pending.index(True) if True in pending else len(pending)
+                last = next((r for r in reversed(latest[:count]) if r is not None), None)
+            else:
+                done_at = list(map(_DONE_AT, latest))
+                count = done_at.index(None) if None in done_at else len(done_at)
+                last = latest[count - 1] if count else None
             if last is not None and self._race is not None:
                 self._race.observe(last)  # one stream's records: observing the last covers those before it
             return count
 
 
 _LATEST = operator.attrgetter("latest")
+_DONE_AT = operator.attrgetter("done_at")
 
 
 def tag_of(event: Event) -> Tag | None:

@@ -172,13 +172,16 @@ class Ledger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # Invariant: per kind, each key ever acquired -> its current fate: "live", "released", "quarantined" or
-        # "leaked". A released key may be acquired again (addresses get reused). One dict per kind, so that a
-        # transition is one lookup keyed by the key itself (no (kind, key) tuple to build and hash).
-        self._state: dict[ResourceKind, dict[Hashable, str]] = {kind: {} for kind in RESOURCE_KINDS}
-        # Invariant: per kind, each key ever acquired -> when it was first acquired (a global sequence number), so
-        # that the tallies list kinds in the order their resources first appeared.
-        self._born: dict[ResourceKind, dict[Hashable, int]] = {kind: {} for kind in RESOURCE_KINDS}
+        # Invariant: per kind, each key ever acquired -> when it was first acquired (a global sequence number), in
+        # that order; a key that is in none of the fate tables below is "released" (addresses get reused: a
+        # released key may be acquired again).
+        self._seen: dict[ResourceKind, dict[Hashable, int]] = {kind: {} for kind in RESOURCE_KINDS}
+        # Invariant: per fate, per kind, the keys in that fate -> their first acquisition; a key is in at most one
+        # fate table. One dict per (fate, kind), so that a transition is a pop and an insert keyed by the key
+        # itself, and a batch of releases is two C-level passes.
+        self._fates: dict[str, dict[ResourceKind, dict[Hashable, int]]] = {
+            fate: {kind: {} for kind in RESOURCE_KINDS} for fate in ("live", "quarantined", "leaked")}
+        self._live = self._fates["live"]
         self._sequence = itertools.count()
         # Invariant: running totals; acquired == released + (live + quarantined + leaked now), per kind.
         self._acquired: dict[ResourceKind, int] = dict.fromkeys(RESOURCE_KINDS, 0)
@@ -187,48 +190,49 @@ class Ledger:
     def acquire(self, kind: ResourceKind, key: Hashable) -> None:
         """Record a new live resource. Raises LifecycleError if the key is already live."""
         with self._lock:
-            states = self._state[kind]
-            state = states.get(key)
-            if state in {"live", "quarantined"}:
+            live = self._live[kind]
+            if key in live or key in self._fates["quarantined"][kind]:
                 raise LifecycleError(f"ledger: {kind} {key!r} acquired twice")
-            if state is None:
-                self._born[kind][key] = next(self._sequence)
-            states[key] = "live"
+            seen = self._seen[kind]
+            born = seen.get(key)
+            if born is None:
+                born = seen[key] = next(self._sequence)
+            else:
+                self._fates["leaked"][kind].pop(key, None)
+            live[key] = born
             self._acquired[kind] += 1
 
     def release(self, kind: ResourceKind, key: Hashable) -> None:
         """Record that a live (or quarantined) resource was released. Raises LifecycleError otherwise."""
-        with self._lock:   # the hot path (every destroy/free): inlined rather than through _move
-            states = self._state.get(kind)
-            state = None if states is None else states.get(key)
-            if state not in {"live", "quarantined"}:
-                raise LifecycleError(f"ledger: cannot mark {kind} {key!r} released: it is {state or 'unknown'}")
-            states[key] = "released"  # type: ignore[index]  # states is not None: state was found in it
+        with self._lock:
+            if self._live[kind].pop(key, None) is None and self._fates["quarantined"][kind].pop(key, None) is None:
+                raise LifecycleError(f"ledger: cannot mark {kind} {key!r} released: it is "
+                                     f"{self._state(kind, key) or 'unknown'}")
             self._released[kind] += 1
 
     def release_many(self, kind: ResourceKind, keys: Iterable[Hashable]) -> None:
         """``release`` for many keys of one kind under one lock (a teardown releases thousands).
 
         Raises:
-            LifecycleError: a key is neither live nor quarantined (the keys before it are released).
+            LifecycleError: a key is neither live nor quarantined, or is named twice (the keys before it are
+                released).
         """
         keys = list(keys)
-        released = dict.fromkeys(keys, "released")  # also finds a key named twice
         with self._lock:
-            states = self._state[kind]
-            current = list(map(states.get, keys))
-            good = current.count("live")
-            if good != len(keys):
-                good += current.count("quarantined")
-            if good != len(keys) or len(released) != len(keys):
-                for key in keys:  # the slow path, for the error: release up to the first bad key
-                    if states.get(key) not in {"live", "quarantined"}:
-                        raise LifecycleError(f"ledger: cannot mark {kind} {key!r} released: it is "
-                                             f"{states.get(key) or 'unknown'}")
-                    states[key] = "released"
-                    self._released[kind] += 1
-            states.update(released)
-            self._released[kind] += len(keys)
+            live = self._live[kind]
+            if all(map(live.__contains__, keys)):
+                popped = list(map(live.pop, keys, itertools.repeat(None)))
+                if None not in popped:  # the common case: every key live, none named twice
+                    self._released[kind] += len(keys)
+                    return
+                for key, born in zip(keys, popped, strict=True):  # a key named twice: undo, then go one by one
+                    if born is not None:
+                        live[key] = born
+            for key in keys:  # the slow path: one by one, up to the first bad key
+                if live.pop(key, None) is None and self._fates["quarantined"][kind].pop(key, None) is None:
+                    raise LifecycleError(f"ledger: cannot mark {kind} {key!r} released: it is "
+                                         f"{self._state(kind, key) or 'unknown'}")
+                self._released[kind] += 1
 
     def quarantine(self, kind: ResourceKind, key: Hashable) -> None:
         """Record that a live resource is kept alive on purpose until process exit."""
@@ -241,17 +245,23 @@ class Ledger:
     def _move(self, kind: ResourceKind, key: Hashable, target: str) -> None:
         """A live resource's transition to ``target``."""
         with self._lock:
-            states = self._state.get(kind)
-            state = None if states is None else states.get(key)
-            if state != "live":
-                raise LifecycleError(f"ledger: cannot mark {kind} {key!r} {target}: it is {state or 'unknown'}")
-            states[key] = target  # type: ignore[index]  # states is not None: state was found in it
+            born = self._live[kind].pop(key, None)
+            if born is None:
+                raise LifecycleError(f"ledger: cannot mark {kind} {key!r} {target}: it is "
+                                     f"{self._state(kind, key) or 'unknown'}")
+            self._fates[target][kind][key] = born
+
+    def _state(self, kind: ResourceKind, key: Hashable) -> str | None:
+        """The fate of one key (the caller holds the lock)."""
+        for fate, tables in self._fates.items():
+            if key in tables.get(kind, {}):
+                return fate
+        return "released" if key in self._seen.get(kind, {}) else None
 
     def state_of(self, kind: ResourceKind, key: Hashable) -> str | None:
         """The fate of one resource: "live", "released", "quarantined", "leaked", or None if never seen."""
         with self._lock:
-            states = self._state.get(kind)
-            return None if states is None else states.get(key)
+            return self._state(kind, key)
 
     def live(self) -> dict[ResourceKind, int]:
         """Live resources by kind (kinds with none are omitted)."""
@@ -274,13 +284,9 @@ class Ledger:
         return self._nonzero(self._released)
 
     def _tally(self, wanted: str) -> dict[ResourceKind, int]:
-        """Resources in state ``wanted`` by kind; kinds ordered by their first such resource's acquisition."""
+        """Resources in fate ``wanted`` by kind; kinds ordered by their first such resource's acquisition."""
         with self._lock:
-            found: list[tuple[int, ResourceKind, int]] = []
-            for kind, states in self._state.items():
-                keys = [key for key, state in states.items() if state == wanted]
-                if keys:   # per kind, keys are in first-acquisition order
-                    found.append((self._born[kind][keys[0]], kind, len(keys)))
+            found = [(min(table.values()), kind, len(table)) for kind, table in self._fates[wanted].items() if table]
             return {kind: count for _, kind, count in sorted(found)}
 
     def _nonzero(self, counts: dict[ResourceKind, int]) -> dict[ResourceKind, int]:
@@ -288,9 +294,13 @@ class Ledger:
             return {k: v for k, v in counts.items() if v}
 
     def keys(self, kind: ResourceKind, state: str = "live") -> Iterator[Hashable]:
-        """The keys of one kind in one state (a snapshot)."""
+        """The keys of one kind in one state (a snapshot), in the order of their first acquisition."""
         with self._lock:
-            return iter([k for k, s in self._state.get(kind, {}).items() if s == state])
+            seen = self._seen.get(kind, {})
+            if state == "released":
+                return iter([k for k in seen if self._state(kind, k) == "released"])
+            table = self._fates.get(state, {}).get(kind, {})
+            return iter(sorted(table, key=table.__getitem__))
 
 
 @runtime_checkable
