@@ -35,6 +35,26 @@ def test_cli_fuzz_unimportable_factory_exits_2_with_one_line(factory: str, capsy
     assert err.count("\n") == 1 and err.startswith("kvoffload-ref fuzz: --factory")
 
 
+@pytest.mark.parametrize("body", ["raise RuntimeError('boom')", "raise ValueError('bad\\nconfig')",
+                                  "def __getattr__(name):\n    raise RuntimeError('boom')"])
+def test_cli_fuzz_factory_whose_module_raises_exits_2_with_one_line(
+        body: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A module that raises something other than ImportError while imported (or while its factory is looked up)
+    is a bad factory (2), not a violation found (1), and is reported in one line, not with a traceback."""
+    module = f"kvref_raising_factory_{abs(hash(body))}"
+    (tmp_path / f"{module}.py").write_text(body + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert main(["fuzz", "--factory", f"{module}:make_worker", "--steps", "10"]) == 2
+    finally:
+        sys.modules.pop(module, None)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"kvoffload-ref fuzz: --factory '{module}:make_worker'")
+    assert "RuntimeError: boom" in err or "ValueError: bad config" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.rule("R5")
 def test_cli_fuzz_reference_worker_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fuzz", "--steps", "100", "--seed", "1"]) == 0

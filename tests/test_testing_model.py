@@ -95,6 +95,8 @@ def test_testing_model_hang_blocks_its_direction_only() -> None:
     other = m.submit("store", 3, _g(2), _c(2), hung=False)
     assert hung.stuck and behind.blocked and not other.stuck
     assert not m.can_finish(behind) and m.can_finish(other)
-    m.error_fired("load", 1)  # the hung transfer fails: later loads no longer wait behind it
+    m.error_fired("load", 1)  # the hung transfer fails, and so does job 2 behind it (R5) ...
+    assert hung.must_fail and behind.must_fail and not other.must_fail
     fresh = m.submit("load", 4, _g(3), _c(0), hung=False)
-    assert not fresh.blocked and m.any_hung
+    assert fresh.blocked and m.any_hung, "... but its work still blocks the handler's stream: R4 keeps the chain"
+    assert not m.submit("store", 5, _g(3), _c(1), hung=False).stuck

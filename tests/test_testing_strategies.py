@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvoffload_ref as kv
@@ -24,6 +24,7 @@ from kvoffload_ref.testing import (
     setups,
     transfer_specs,
 )
+from kvoffload_ref.testing.strategies import COMPLETION_POINTS, SUBMIT_POINTS, completion_faults
 
 GPU_BLOCKS, CPU_CHUNKS = 12, 6
 
@@ -105,6 +106,38 @@ def test_testing_strategies_faults_are_well_formed(fault: kv.Fault) -> None:
 def test_testing_strategies_plans_and_policies(plan: tuple[kv.Fault, ...], policy: kv.ShutdownPolicy) -> None:
     assert len(plan) <= 3 and all(isinstance(f, kv.Fault) for f in plan)
     assert policy.on_unproven in ("quarantine", "release") and policy.timeout >= 0
+
+
+@pytest.mark.rule("R5")
+@given(completion_faults(range(1, 5)), completion_faults())
+def test_testing_strategies_completion_faults_fail_a_transfer(aimed: kv.Fault, anywhere: kv.Fault) -> None:
+    for fault in (aimed, anywhere):
+        assert fault.point in COMPLETION_POINTS and fault.kind == "error" and not fault.sticky
+        assert eval(repr(fault), vars(kv)) == fault
+    assert aimed.job_id in (1, 2, 3, 4) and aimed.direction is None
+    assert anywhere.job_id is None
+
+
+@pytest.mark.rule("R5")
+def test_testing_strategies_plans_often_fail_a_transfer_and_keep_every_other_fault() -> None:
+    """Half the plans or more arm an error at a transfer's completion (what a worker reporting failures as
+    successes gets wrong); the others still bring hangs, submission faults, device_sync, host_unregister and
+    sticky errors, and some plans are empty."""
+    plans: list[tuple[kv.Fault, ...]] = []
+
+    @settings(max_examples=400, database=None, derandomize=True)
+    @given(fault_plans(range(1, 7)))
+    def look(plan: tuple[kv.Fault, ...]) -> None:
+        plans.append(plan)
+
+    look()
+    drawn = [f for plan in plans for f in plan]
+    failing = sum(any(f.point in COMPLETION_POINTS and f.kind == "error" for f in plan) for plan in plans)
+    assert failing >= len(plans) // 2, (failing, len(plans))
+    assert any(not plan for plan in plans)
+    assert any(f.kind == "hang" for f in drawn) and any(f.sticky for f in drawn)
+    assert {"device_sync", "host_unregister"} <= {f.point for f in drawn}
+    assert any(f.point in SUBMIT_POINTS and f.kind == "error" for f in drawn)
 
 
 @pytest.mark.rule("R7")

@@ -42,7 +42,8 @@ def load_factory(reference: str) -> WorkerFactory:
         The callable.
 
     Raises:
-        FactoryError: a malformed reference, a module that cannot be imported, or a missing or non-callable name.
+        FactoryError: a malformed reference, a module that cannot be imported (or raises any exception while
+            being imported), or a missing or non-callable name.
     """
     module_name, sep, attribute = reference.partition(":")
     if not sep or not module_name or not attribute:
@@ -50,14 +51,26 @@ def load_factory(reference: str) -> WorkerFactory:
     try:
         target: object = importlib.import_module(module_name)
     except ImportError as exc:
-        raise FactoryError(f"--factory {reference!r}: cannot import {module_name!r} ({exc})") from None
+        raise FactoryError(f"--factory {reference!r}: cannot import {module_name!r} ({_one_line(exc)})") from None
+    except Exception as exc:  # the module itself raised while being imported: still a bad factory, not a finding
+        raise FactoryError(f"--factory {reference!r}: importing {module_name!r} raised "
+                           f"{type(exc).__name__}: {_one_line(exc)}") from None
     for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise FactoryError(f"--factory {reference!r}: {module_name!r} has no {attribute!r}")
-        target = getattr(target, part)
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise FactoryError(f"--factory {reference!r}: {module_name!r} has no {attribute!r}") from None
+        except Exception as exc:  # e.g. a module-level __getattr__ or a property that raises
+            raise FactoryError(f"--factory {reference!r}: looking up {attribute!r} raised "
+                               f"{type(exc).__name__}: {_one_line(exc)}") from None
     if not callable(target):
         raise FactoryError(f"--factory {reference!r}: {attribute!r} is not callable")
     return cast(WorkerFactory, target)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (the CLI prints a bad factory as one line)."""
+    return " ".join(str(exc).split()) or "no message"
 
 
 def derive_seed(seed: int, job: int) -> int:

@@ -224,6 +224,10 @@ class Model:
         # Invariant: a hang fired inside a submission that then failed; its stream may be reused, so any later
         # transfer of that direction may hang without being selected (no liveness is predicted for it).
         self.tainted: set[str] = set()
+        # Invariant: directions where a transfer that can never complete (hung, or blocked behind one) was failed
+        # out of the chain by an error on its end event: its work still sits on the handler's one stream, and
+        # every later transfer of that direction is queued behind it (R4 keeps the chain after a failure).
+        self.wedged: set[str] = set()
         self.any_hung = False
         self.any_failed = False
         self._next_index = 0
@@ -254,7 +258,7 @@ class Model:
         captured = [source.capture(m) for m in moves]
         transfer = ModelTransfer(job_id, direction, self._next_index, moves, sum(m.size for m in moves),
                                  [d for d, _ in captured], [c for _, c in captured], hung=hung,
-                                 blocked=any(t.stuck for t in self.chain[direction]))
+                                 blocked=direction in self.wedged or any(t.stuck for t in self.chain[direction]))
         self._next_index += 1
         self.any_hung |= hung
         target = self.sides[transfer.writes]
@@ -288,12 +292,15 @@ class Model:
             target.known[move.tensor][row, lo:hi] = False
 
     def error_fired(self, direction: str, job_id: int) -> None:
-        """An injected error fired on a job's end event: it and everything queued behind it must fail (R5)."""
+        """An injected error fired on a job's end event: it and everything queued behind it must fail (R5). If one
+        of them can never complete, later transfers of the direction still wait behind it (R4)."""
         chain = self.chain[direction]
         for i, transfer in enumerate(chain):
             if transfer.job_id == job_id:
                 for failed in chain[i:]:
                     failed.must_fail = True
+                    if failed.stuck:
+                        self.wedged.add(direction)
                 del chain[i:]
                 return
 

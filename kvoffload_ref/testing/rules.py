@@ -27,19 +27,23 @@ from kvoffload_ref.testing.shutdown import (
 )
 from kvoffload_ref.testing.strategies import (
     INVALID_CASES,
+    completion_faults,
     faults,
     invalid_transfers,
     transfer_specs,
 )
 
-__all__ = ["CLOCK_STEPS", "COMPUTE_DELAYS", "FAULT_SLOTS", "WAIT_TIMEOUTS", "TransferRules"]
+__all__ = ["CLOCK_STEPS", "COMPLETION_SLOTS", "COMPUTE_DELAYS", "FAULT_SLOTS", "WAIT_TIMEOUTS", "TransferRules"]
 
 
 CLOCK_STEPS: Final = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0)
 COMPUTE_DELAYS: Final = (0.0, 1e-6, 1e-4, 1e-3, 0.02, 0.3)
 WAIT_TIMEOUTS: Final = (0.0, 1e-4, 1e-3, 0.05, 0.5)
-#: Faults whose job_id, if any, is a slot (0-7) the machine maps to one of the next or pending jobs.
+#: Any fault; its job_id, if any, is a slot (0-7) the machine maps to one of the next or pending jobs.
 FAULT_SLOTS: Final = faults(range(8))
+#: An error at a transfer's completion (its end event's query or sync); its job_id, if any, is a slot (0-7) the
+#: machine maps to a pending job first (to one of the next jobs when none is pending).
+COMPLETION_SLOTS: Final = completion_faults(range(8))
 
 
 class TransferRules(Checks):
@@ -297,13 +301,17 @@ class TransferRules(Checks):
     @precondition(worker_open)
     @rule(data=st.data())
     def inject_fault(self, data: st.DataObject) -> None:
-        """Arm one more fault mid-run (aimed at the next jobs or at pending ones)."""
+        """Arm one more fault mid-run (aimed at the next jobs or at pending ones): half the time any fault
+        (:data:`FAULT_SLOTS`), half the time an error at a transfer's completion (:data:`COMPLETION_SLOTS`), the
+        path on which a worker must report ``success=False``, which uniform faults rarely reach."""
         with self._step():
-            targets = [self.next_job + k for k in range(4)] + [t.job_id for t in self.current_model.pending()][-4:]
-            fault = data.draw(FAULT_SLOTS, label="fault")
+            pending = [t.job_id for t in self.current_model.pending()]
+            upcoming = [self.next_job + k for k in range(4)]
+            completion = data.draw(st.booleans(), label="at a completion")
+            fault = data.draw(COMPLETION_SLOTS if completion else FAULT_SLOTS, label="fault")
             if fault.job_id is not None:  # a slot: aim it at one of the next or pending jobs
+                targets = (pending or upcoming) if completion else upcoming + pending[-4:]
                 fault = dataclasses.replace(fault, job_id=targets[fault.job_id % len(targets)])
             self._say(f"dev.plan.add({fault!r})")
             self.current_device.plan.add(fault)
             type(self).counters.faults_injected += 1
-

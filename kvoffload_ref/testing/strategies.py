@@ -20,6 +20,7 @@ from kvoffload_ref.worker import ShutdownPolicy
 __all__ = [
     "INVALID_CASES",
     "InvalidTransfer",
+    "completion_faults",
     "fault_plans",
     "faults",
     "invalid_transfers",
@@ -36,6 +37,8 @@ SpecPair = tuple[GPULoadStoreSpec, CPULoadStoreSpec]
 TIMEOUTS: Final = (0.0, 1e-3, 0.05, 0.5, 2.0)
 #: Points a fault that only makes a submission fail can be armed at.
 SUBMIT_POINTS: Final[tuple[FaultPoint, ...]] = ("copy", "stream_create", "event_create", "descriptor_alloc")
+#: Points where an error makes a queued transfer fail: querying (or synchronizing) its end event.
+COMPLETION_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_query", "event_query", "event_sync")
 
 
 @st.composite
@@ -83,8 +86,26 @@ def faults(job_ids: Sequence[int] = (), *, points: Sequence[FaultPoint] = POINTS
     return _faults(tuple(job_ids), tuple(points), sticky)
 
 
+def completion_faults(job_ids: Sequence[int] = ()) -> st.SearchStrategy[Fault]:
+    """Errors at a transfer's completion: querying (mostly) or synchronizing an end event raises, so the transfer
+    and those queued behind it must be reported ``success=False`` (R5) -- the path a worker that turns failures
+    into successes gets wrong. Of uniform :func:`faults`, about one in nine is one (2 of 9 points, half of
+    those hangs), and fewer are aimed where they fire; every draw here is one.
+
+    Args:
+        job_ids: ids the fault may be aimed at (it is aimed at one of them when any are given; else it selects by
+            direction and ``nth`` only, e.g. the second end-event query of any store).
+    """
+    job = st.sampled_from(tuple(job_ids)) if job_ids else st.none()
+    return st.builds(Fault, st.sampled_from(COMPLETION_POINTS), st.just("error"),
+                     direction=st.sampled_from((None, None, "store", "load")) if not job_ids else st.none(),
+                     job_id=job, nth=st.sampled_from((1, 1, 1, 2, None)))
+
+
 def fault_plans(job_ids: Sequence[int] = (), *, max_faults: int = 3) -> st.SearchStrategy[tuple[Fault, ...]]:
-    """The faults armed before a worker is built: mostly none, else a few aimed at transfers.
+    """The faults armed before a worker is built: a quarter of plans none; half start with an error at a
+    transfer's completion (:func:`completion_faults`, the failure path R5 is about) and may add others; the
+    rest are a few faults aimed at transfers (any point and kind, completion errors among them).
 
     Faults that are not aimed at a transfer (no direction or job id) are drawn at the transfer points only, so a
     plan rarely breaks the worker's construction (prewarmed streams and events are untagged).
@@ -92,8 +113,11 @@ def fault_plans(job_ids: Sequence[int] = (), *, max_faults: int = 3) -> st.Searc
     aimed = faults(job_ids)
     untargeted = faults((), points=("event_query", "copy", "device_sync", "host_unregister")).map(
         lambda f: dataclasses.replace(f, direction=None, job_id=None))
-    some = st.lists(st.one_of(aimed, aimed, untargeted), min_size=1, max_size=max_faults).map(tuple)
-    return st.one_of(st.just(()), st.just(()), some)
+    completion = st.one_of(completion_faults(), completion_faults(job_ids)) if job_ids else completion_faults()
+    some = st.lists(st.one_of(aimed, aimed, untargeted, completion), min_size=1, max_size=max_faults).map(tuple)
+    failing = st.tuples(completion, st.lists(st.one_of(aimed, completion, untargeted), max_size=max_faults - 1)).map(
+        lambda first: (first[0], *first[1]))
+    return st.one_of(st.just(()), some, failing, failing)
 
 
 @st.composite
