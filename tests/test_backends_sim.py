@@ -653,6 +653,7 @@ def test_sim_query_prefix_counts_the_completed_events_from_the_first(rig: Rig) -
     assert not be.violations
 
 
+@pytest.mark.rule("R16")
 def test_sim_batched_releases_check_each_handle_like_the_single_calls(rig: Rig) -> None:
     be = rig.be
     events = [be.create_event() for _ in range(3)]
