@@ -218,6 +218,7 @@ class RegionInput(_IdentityHash, enum.Enum):
     CALLER_RELEASE = "caller_release"  # region.release() by its caller
     WORKER_RELEASE = "worker_release"  # the owning worker's shutdown proved it idle (or policy "release")
     WORKER_QUARANTINE = "worker_quarantine"  # the owning worker could not prove it idle
+    DROPPED = "dropped"  # the region object was collected without release() (its finalizer)
 
 
 _R, _RI = RegionState, RegionInput
@@ -230,18 +231,22 @@ REGION_TABLE: Final[Table] = {
     (_R.CALLER_OWNED, _RI.CALLER_RELEASE): Transition(_R.RELEASED, Action.RELEASE),
     (_R.CALLER_OWNED, _RI.WORKER_RELEASE): _NOT_WORKERS,
     (_R.CALLER_OWNED, _RI.WORKER_QUARANTINE): _NOT_WORKERS,
+    (_R.CALLER_OWNED, _RI.DROPPED): Transition(_R.RELEASED, Action.RELEASE),  # the caller forgot release() (R3)
     (_R.WORKER_OWNED, _RI.ADOPT): Refusal(OwnershipError, "the region is already owned by a worker (R1)"),
     (_R.WORKER_OWNED, _RI.CALLER_RELEASE): _WORKER_OWNS,
     (_R.WORKER_OWNED, _RI.WORKER_RELEASE): Transition(_R.RELEASED, Action.RELEASE),
     (_R.WORKER_OWNED, _RI.WORKER_QUARANTINE): Transition(_R.QUARANTINED, Action.QUARANTINE),
+    (_R.WORKER_OWNED, _RI.DROPPED): Transition(_R.WORKER_OWNED, Action.NOTHING),  # its worker's to release (R1)
     (_R.RELEASED, _RI.ADOPT): _GONE,
     (_R.RELEASED, _RI.CALLER_RELEASE): Transition(_R.RELEASED, Action.NOTHING),  # idempotent (R3)
     (_R.RELEASED, _RI.WORKER_RELEASE): Transition(_R.RELEASED, Action.NOTHING),
     (_R.RELEASED, _RI.WORKER_QUARANTINE): Transition(_R.RELEASED, Action.NOTHING),
+    (_R.RELEASED, _RI.DROPPED): Transition(_R.RELEASED, Action.NOTHING),
     (_R.QUARANTINED, _RI.ADOPT): _GONE,
     (_R.QUARANTINED, _RI.CALLER_RELEASE): Transition(_R.QUARANTINED, Action.NOTHING),
     (_R.QUARANTINED, _RI.WORKER_RELEASE): Transition(_R.QUARANTINED, Action.NOTHING),
     (_R.QUARANTINED, _RI.WORKER_QUARANTINE): Transition(_R.QUARANTINED, Action.NOTHING),
+    (_R.QUARANTINED, _RI.DROPPED): Transition(_R.QUARANTINED, Action.NOTHING),  # held until exit (R12)
 }
 
 

@@ -206,12 +206,11 @@ class _Held:
         Only a caller-owned region is released here: a worker-owned one is its worker's to release (the worker
         holds it), a quarantined one is held by the quarantine registry until exit, a released one is done.
         """
-        if self.state is not RegionState.CALLER_OWNED:
+        if self.step(RegionInput.DROPPED) is not Action.RELEASE:
             return
         logger.warning("%s of %d bytes at %#x was dropped without release(); releasing it now (R3)",
                        kind, self.nbytes, self.ptr)
-        if self.step(RegionInput.CALLER_RELEASE) is Action.RELEASE:
-            self.release_steps(list)
+        self.release_steps(list)
 
 
 class HostRegion:
