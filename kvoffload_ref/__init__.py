@@ -18,6 +18,7 @@ from kvoffload_ref.errors import (
     LifecycleError,
     OffloadError,
     OwnershipError,
+    ShutdownDeferred,
     SimHang,
     WorkerClosedError,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "QuarantinedItem",
     "SharedRegion",
     "SimBackend",
+    "ShutdownDeferred",
     "SimHang",
     "ShutdownPolicy",
     "ShutdownReport",

@@ -1,4 +1,5 @@
-"""The ``kvoffload-ref`` command line: ``demo``, ``bench``, ``fuzz``, ``diagram``, ``spec``, ``failure-modes``.
+"""The ``kvoffload-ref`` command line: ``demo``, ``bench``, ``fuzz``, ``explore``, ``diagram``, ``spec``,
+``failure-modes``.
 
 Exit status: 0 success; 1 a check failed (a demo check, a missed bench goal under ``--check``, a conformance
 violation, out-of-date docs); 2 bad usage (bad arguments, an unimportable ``--factory``, Hypothesis missing for
@@ -107,6 +108,37 @@ def _fuzz(args: argparse.Namespace) -> int:
                         seconds=args.seconds, quiet=not args.verbose, shrink_seconds=shrink)
 
 
+def _explore(args: argparse.Namespace) -> int:
+    """``kvoffload-ref explore``: 2 for bad usage, 1 when a case breaks a rule, else 0."""
+    try:
+        from kvoffload_ref.testing.explorer import explore  # noqa: PLC0415  (the kit needs Hypothesis)
+        from kvoffload_ref.testing.jobs import FactoryError, load_factory  # noqa: PLC0415
+    except ModuleNotFoundError as exc:
+        if exc.name != "hypothesis":
+            raise
+        print(f"kvoffload-ref explore: {exc}", file=sys.stderr)
+        return 2
+    try:
+        factory = load_factory(args.factory)
+    except FactoryError as exc:
+        print(f"kvoffload-ref explore: {exc}", file=sys.stderr)
+        return 2
+    if not args.verbose:
+        logging.disable(logging.CRITICAL)  # thousands of interrupted shutdowns log as designed
+    try:
+        result = explore(factory, name=args.factory, configs=args.config or EXPLORE_CONFIGS,
+                         methods=args.method or EXPLORE_METHODS, injections=args.injection or EXPLORE_INJECTIONS,
+                         points=args.point, progress=print)
+    finally:
+        logging.disable(logging.NOTSET)
+    print(result.table())
+    for failure in result.failures[:args.show]:
+        print(failure)
+    if len(result.failures) > args.show:
+        print(f"... and {len(result.failures) - args.show} more (--show N prints more)")
+    return 1 if result.failures else 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -160,6 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     bench.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
     _fuzz_parser(sub)
+    _explore_parser(sub)
     return parser
 
 
@@ -192,6 +225,32 @@ def _fuzz_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     fuzz.add_argument("--verbose", action="store_true", help="show the library's logs (quiet by default)")
 
 
+#: What ``explore`` may be asked for (the explorer's own lists; kept here so that --help needs no Hypothesis).
+EXPLORE_CONFIGS = ("clean", "failed", "hung", "hung-release", "failed-release", "shared")
+EXPLORE_METHODS = ("construct", "submit_store", "submit_load", "get_finished", "wait", "shutdown", "finalizer")
+EXPLORE_INJECTIONS = ("KeyboardInterrupt", "SystemExit", "double", "SIGINT", "handler_shutdown",
+                      "handler_shutdown_exit")
+
+
+def _explore_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    explore = _command(sub, "explore", "interrupt every backend call of every public method (needs Hypothesis)",
+                       "The call-point explorer: for each configuration, public method and backend call the method "
+                       "makes, build a fresh worker, interrupt it there (a KeyboardInterrupt, a SystemExit, two "
+                       "interrupts, a real SIGINT, a signal handler calling shutdown()) and check R5, R8, R12, R14, "
+                       "R16 and R19. Prints the call points per method and configuration. Exit 0: no rule broken; "
+                       "1: a failure (each printed with the command that reruns it); 2: bad usage.")
+    explore.add_argument("--factory", default=REFERENCE_FACTORY, metavar="MODULE:CALLABLE",
+                         help="the worker factory, as for fuzz (default: kvoffload_ref's own worker)")
+    explore.add_argument("--config", action="append", choices=EXPLORE_CONFIGS, help="only this configuration "
+                         "(repeatable; default: all)")
+    explore.add_argument("--method", action="append", choices=EXPLORE_METHODS, help="only this method (repeatable)")
+    explore.add_argument("--injection", action="append", choices=EXPLORE_INJECTIONS,
+                         help="only this injection (repeatable)")
+    explore.add_argument("--point", action="append", type=int, help="only this call point (repeatable)")
+    explore.add_argument("--show", type=int, default=20, help="failures to print in full (default 20)")
+    explore.add_argument("--verbose", action="store_true", help="show the library's logs (quiet by default)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvoffload-ref``.
 
@@ -206,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args.json, args.quick, args.check)
     if args.command == "fuzz":
         return _fuzz(args)
+    if args.command == "explore":
+        return _explore(args)
     if args.command == "failure-modes":
         return _failure_modes(args.check, args.write, args.root)
     if args.command == "demo":

@@ -44,8 +44,9 @@ from typing import Any, Final, Literal
 
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, ResourceKind, Stream
-from kvoffload_ref.errors import DeviceError, InvalidTransferError, WorkerClosedError
-from kvoffload_ref.handler import DirectionHandler, HandlerReport
+from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError, ShutdownDeferred
+from kvoffload_ref.handler import DirectionHandler, HandlerReport, JobOutcome
+from kvoffload_ref.layout import check_seconds
 from kvoffload_ref.lifecycle import (
     Action,
     Fate,
@@ -56,6 +57,7 @@ from kvoffload_ref.lifecycle import (
     WorkerInput,
     WorkerState,
 )
+from kvoffload_ref.process import ProcessOwner
 from kvoffload_ref.region import HostRegion, QuarantinedItem, quarantine
 from kvoffload_ref.shield import Shield, finish_all
 
@@ -76,16 +78,17 @@ class ShutdownPolicy:
             R12) or "release" (vLLM #51622: release it after a best-effort proof).
 
     Raises:
-        InvalidTransferError: a negative or non-finite timeout, or an unknown on_unproven.
+        InvalidTransferError: a timeout that is not a finite number of seconds >= 0 (a bool, a string, NaN, an
+            infinity and an int too large for a float, e.g. ``10**400``, are refused: see
+            :func:`~kvoffload_ref.specs.check_seconds`), or an unknown on_unproven.
     """
 
     timeout: float = DEFAULT_TIMEOUT
     on_unproven: str = "quarantine"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.timeout, (int, float)) or not 0 <= self.timeout < float("inf"):
-            raise InvalidTransferError(f"timeout must be a finite number >= 0, got {self.timeout!r}")
-        if self.on_unproven not in {p.value for p in Policy}:
+        object.__setattr__(self, "timeout", check_seconds("timeout", self.timeout))
+        if not isinstance(self.on_unproven, str) or self.on_unproven not in {p.value for p in Policy}:
             raise InvalidTransferError(
                 f"on_unproven must be 'quarantine' or 'release', got {self.on_unproven!r}")
 
@@ -112,6 +115,9 @@ class ShutdownReport:
         errors: every failure of the teardown, as text (R9).
         elapsed: seconds on the backend clock (R11).
         interrupted: a BaseException cut the shutdown short (R14).
+        unreported: every job the caller was never handed by ``get_finished()``, store's first, each with how it
+            ended (``store.jobs`` then ``load.jobs``): with ``get_finished()`` they account for every accepted job
+            exactly once (R8, R14).
     """
 
     store: HandlerReport
@@ -123,6 +129,10 @@ class ShutdownReport:
     errors: tuple[str, ...]
     elapsed: float
     interrupted: bool
+
+    @property
+    def unreported(self) -> tuple[JobOutcome, ...]:
+        return (*self.store.jobs, *self.load.jobs)
 
 
 class WorkerCore:
@@ -145,8 +155,16 @@ class WorkerCore:
         self.report: ShutdownReport | None = None
         # Invariant: the thread running the shutdown sequence (None before it begins).
         self.shutdown_thread: int | None = None
-        self.lock = threading.Lock()
+        # Invariant: reentrant, so that a signal handler's shutdown() on a thread inside a worker call finds the
+        # lock owned by its own thread (``_is_owned``) instead of deadlocking on it (R19).
+        self.lock = threading.RLock()
         self.done = threading.Condition(self.lock)
+        # Invariant: set by a shutdown() that a signal handler called on a thread inside a worker call; carried
+        # out as that call leaves the lock (``Call.__exit__``), R19.
+        self.shutdown_requested = False
+        # Invariant: the process that built the worker; in any other (a forked child) the worker is inert (R21).
+        self.owner = ProcessOwner()
+        self.call = Call(self)
 
     def transition(self, event: WorkerInput) -> Action:
         """One step of the worker's machine; the caller holds ``lock``."""
@@ -155,48 +173,95 @@ class WorkerCore:
 
     # -- the shutdown sequence ------------------------------------------------------------------------------------
     def shutdown(self) -> ShutdownReport:
-        with self.lock:
-            action = self.transition(WorkerInput.SHUTDOWN)
-            if action is Action.AWAIT_REPORT:
-                return self._await_report()
-            if action is Action.RETURN_REPORT:
-                assert self.report is not None  # Invariant: CLOSED implies a report
-                return self.report
-            self.shutdown_thread = threading.get_ident()
-        return self._run_shutdown()
+        """The shutdown sequence (R8-R14, R19); see the module docstring.
+
+        Raises:
+            ShutdownDeferred: called on a thread that is inside a call of this worker (a signal handler): the
+                shutdown runs as that call returns (R19).
+            WorkerClosedError: called in a forked child (R21).
+            BaseException: the interrupt that cut the sequence short, once everything is finished (R14).
+        """
+        self.owner.check("this worker")
+        me = threading.get_ident()
+        if self.lock._is_owned() or (self.shutdown_thread == me and self.report is None):  # type: ignore[attr-defined]
+            return self._defer()
+        run = ShutdownRun()
+        try:
+            with self.lock:
+                action = self._begin(me)
+                if action is Action.AWAIT_REPORT:
+                    return self._await_report()
+                if action is Action.RETURN_REPORT:
+                    assert self.report is not None  # Invariant: CLOSED implies a report
+                    return self.report
+            run.started = self.backend.monotonic()
+            deadline = run.started + self.policy.timeout
+            self._drain_both(deadline, run)
+            self._prove(deadline, run)
+        except BaseException as exc:  # R14: an interrupt anywhere before the release (e.g. reading the clock)
+            if self.shutdown_thread != me or self.report is not None:
+                raise  # not this thread's sequence (it was never begun here)
+            run.interrupt = run.interrupt or exc
+        return self._finish(run)
+
+    def _begin(self, me: int) -> Action:
+        """SHUTDOWN through the table; the state and the running thread change together (no call between them),
+        so an interrupt after this returns always finds the sequence begun (R14)."""
+        state, action = lifecycle.step(lifecycle.WORKER_TABLE, "worker", self.state, WorkerInput.SHUTDOWN)
+        self.state, self.shutdown_thread = state, me if action is Action.RUN_SHUTDOWN else self.shutdown_thread
+        return action
+
+    def _defer(self) -> ShutdownReport:
+        """R19: a signal handler's shutdown() on a thread inside a worker call: recorded, carried out as the call
+        returns (or, inside the running shutdown, moot)."""
+        self.shutdown_requested = self.shutdown_thread is None
+        raise ShutdownDeferred("shutdown() was called on a thread that is inside a call of this worker (a signal "
+                               "handler interrupted it); the worker shuts down as that call returns, and a later "
+                               "shutdown() returns the report")
 
     def _await_report(self) -> ShutdownReport:
         """R8/R19: a second shutdown waits for the running one (bounded by its timeout, R11)."""
-        if self.shutdown_thread == threading.get_ident():
-            raise WorkerClosedError("shutdown() re-entered from the thread that is running it (e.g. a signal "
-                                    "handler); it returns the report once the running shutdown ends")
         while self.report is None:
             self.done.wait()
         return self.report
 
-    def _run_shutdown(self) -> ShutdownReport:
-        backend = self.backend
-        started = backend.monotonic()
-        deadline = started + self.policy.timeout
-        run = ShutdownRun()
+    def _finish(self, run: ShutdownRun) -> ShutdownReport:
+        """Release or quarantine everything, store the report and close, whatever is raised meanwhile (R14): a
+        real Ctrl-C waits until the release is done, then counts as an interrupt like any other."""
+        shield = Shield()
         try:
-            self._drain_both(deadline, run)
-            self._prove(deadline, run)
-        except BaseException as exc:  # R14: an interrupt outside a drain (e.g. reading the clock)
+            if run.interrupt is not None:
+                self._stop_waiting(run, shield)
+            with _sigint_deferred() as deferred:
+                failed, _ = finish_all([("release the worker's resources", lambda: self._release(run, shield))],
+                                       shield)
+                run.errors.extend(failed)
+            run.interrupt = run.interrupt or shield.interrupt or deferred.interrupt
+        except BaseException as exc:  # a second interrupt after the release (restoring the SIGINT handler)
             run.interrupt = run.interrupt or exc
-        with _sigint_deferred() as deferred:  # R14: a real Ctrl-C waits until everything is finished
-            self._finish(run, backend.monotonic() - started)
-        interrupt = run.interrupt or deferred.interrupt
-        if interrupt is not None:
-            raise interrupt
-        assert self.report is not None  # Invariant: _finish stored it
+        finally:
+            self._close(run, shield)
+        if run.interrupt is not None:
+            raise run.interrupt
+        assert self.report is not None  # Invariant: _close stored it
         return self.report
 
-    def _finish(self, run: ShutdownRun, elapsed: float) -> None:
-        """Release or quarantine everything, store the report and close, whatever is raised meanwhile (R14)."""
-        shield = Shield()
-        failed, _ = finish_all([("release the worker's resources", lambda: self._release(run, shield))], shield)
-        run.errors.extend(failed)
+    def _stop_waiting(self, run: ShutdownRun, shield: Shield) -> None:
+        """R14: the interrupt may have come before a drain began (or before the proof was decided): a handler
+        whose drain never began abandons everything now, without a wait, and the proof is decided as skipped
+        unless the clean path held."""
+        finish_all([(f"abandon the {h.direction} handler", h.abandon_undrained) for h in (self.store, self.load)],
+                   shield)
+        run.clean = run.clean and self.store.clean and self.load.clean
+        if run.proof is ProofOutcome.NOT_NEEDED:
+            run.proof = ProofOutcome(lifecycle.decide_proof(run.clean, True).value)
+
+    def _close(self, run: ShutdownRun, shield: Shield) -> None:
+        """Store the report and close (no backend call but the clock, retried through interrupts)."""
+        try:
+            elapsed = shield.run(self.backend.monotonic) - run.started
+        except BaseException as exc:
+            run.interrupt, elapsed = run.interrupt or exc, self.policy.timeout
         run.interrupt = run.interrupt or shield.interrupt
         with self.lock:
             self.report = run.report(self, elapsed)
@@ -264,6 +329,31 @@ class WorkerCore:
             run.add("leaked" if fate is Fate.RELEASE else "quarantined", kind, count)
 
 
+class Call:
+    """The worker's lock around one public call (R19, R21): refused in a forked child; refused (but for
+    ``shutdown()``, which is deferred) on a thread already inside a call of this worker, i.e. from a signal handler
+    that interrupted it; and on the way out, the shutdown such a handler asked for is carried out."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: WorkerCore) -> None:
+        self._core = core
+
+    def __enter__(self) -> None:
+        core = self._core
+        core.owner.check("this worker")
+        if core.lock._is_owned():  # type: ignore[attr-defined]
+            raise LifecycleError("a worker method was called from a signal handler on a thread that is inside "
+                                 "another call of the same worker; only shutdown() may be called there (R19)")
+        core.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        core = self._core
+        core.lock.release()
+        if core.shutdown_requested and core.state is WorkerState.OPEN:
+            core.shutdown()  # R19: the shutdown a signal handler asked for while this call held the lock
+
+
 class _Deferred:
     """What ``_sigint_deferred`` held back."""
 
@@ -301,6 +391,8 @@ class ShutdownRun:
     """Scratch state of one shutdown sequence, turned into the report at the end."""
 
     def __init__(self) -> None:
+        # Invariant: the backend clock when the sequence began (0.0 until read).
+        self.started = 0.0
         self.clean = True
         self.proof = ProofOutcome.NOT_NEEDED
         self.interrupt: BaseException | None = None
@@ -347,14 +439,14 @@ def finalize(core: WorkerCore) -> None:
     soon as the lock is released, instead of deadlocking. The worker's own lock cannot be held here: a thread
     holding it is inside one of the worker's methods, so the worker is alive (R19).
     """
-    if core.state is not WorkerState.OPEN:
-        return
+    if core.owner.inherited() or core.state is not WorkerState.OPEN:
+        return  # R21: a forked child's copy touches nothing of the parent's, and takes no lock the fork copied
     if not _GC_RUNNING:
         _finalize_now(core)
         return
     thread = threading.Thread(target=_finalize_now, args=(core,), name="kvoffload_ref-finalizer")
     thread.start()
-    thread.join(core.policy.timeout + 1.0)
+    thread.join(min(core.policy.timeout + 1.0, threading.TIMEOUT_MAX))  # join() refuses more (OverflowError)
 
 
 def _finalize_now(core: WorkerCore) -> None:

@@ -12,6 +12,9 @@
 * :class:`SimHang` -- a blocking wait met hung work and gave up after a hang horizon (simulated device, or an
   injected hang under ``FaultyBackend``). A :class:`BaseException`, not an :class:`OffloadError`, so that no
   ``except Exception`` swallows it.
+* :class:`ShutdownDeferred` -- ``shutdown()`` was called on a thread that is itself inside a worker call (a signal
+  handler interrupted it): the shutdown runs as that call returns (R19). A :class:`BaseException`, like trio's
+  ``Cancelled``: if the handler lets it escape, it unwinds the interrupted call as an interrupt would (R14).
 
 The ``CUDA_*`` constants are the CUDA runtime status codes the library names (``DeviceError.status``).
 """
@@ -27,6 +30,7 @@ __all__ = [
     "LifecycleError",
     "OffloadError",
     "OwnershipError",
+    "ShutdownDeferred",
     "SimHang",
     "WorkerClosedError",
 ]
@@ -82,6 +86,19 @@ class SimHang(BaseException):
     ``FaultyBackend`` (on any device) when a blocking ``synchronize`` meets an injected hang.
 
     Derives from BaseException on purpose: no ``except Exception`` can swallow an unbounded wait (R11).
+    """
+
+
+class ShutdownDeferred(BaseException):
+    """``shutdown()`` was called on a thread that is already inside a call of the same worker -- a signal handler
+    that interrupted a submission, a ``get_finished()``, a poll of ``wait()``, or the shutdown itself (R19).
+
+    The worker cannot shut down underneath the interrupted call (it would half-queue a submission or deadlock on
+    its own lock), so the request is recorded and carried out, under the usual rules, as the interrupted call
+    returns; a later ``shutdown()`` returns the report. A handler that only wants the worker shut down catches
+    this; one that lets it escape unwinds the interrupted call like a ``KeyboardInterrupt`` (R14), and the
+    interrupted call's caller sees it once the shutdown ran. A BaseException on purpose (as trio's
+    ``Cancelled``): no ``except Exception`` in the interrupted code may swallow it.
     """
 
 

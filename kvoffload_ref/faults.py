@@ -53,7 +53,14 @@ from kvoffload_ref.backends.base import (
     poll_until,
     record_and_poll,
 )
-from kvoffload_ref.errors import CUDA_ERROR_LAUNCH_FAILED, CUDA_ERROR_NOT_READY, DeviceError, SimHang
+from kvoffload_ref.errors import (
+    CUDA_ERROR_LAUNCH_FAILED,
+    CUDA_ERROR_NOT_READY,
+    DeviceError,
+    InvalidTransferError,
+    SimHang,
+)
+from kvoffload_ref.specs import check_int, check_positive
 
 __all__ = ["HANG_POINTS", "POINTS", "Fault", "FaultKind", "FaultPlan", "FaultPoint", "FaultyBackend"]
 
@@ -72,8 +79,21 @@ TRANSFER_HANG_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_syn
 class Fault:
     """One injected failure. See the module docstring for the selection rules.
 
+    Attributes:
+        point: where (one of :data:`POINTS`).
+        kind: ``"error"`` or ``"hang"``.
+        direction: None (any), ``"store"`` or ``"load"``.
+        job_id: None (any) or an int (numpy ints are stored as Python ints; any size: it is only compared).
+        nth: None (every match) or an int >= 1.
+        sticky: a bool: the device is lost once this error fires.
+        status: the ``DeviceError`` status, an int >= 0.
+
     Raises:
-        ValueError: an unknown point or kind, a hang at a point that cannot hang, or ``nth < 1``.
+        InvalidTransferError: (a ValueError) an unknown point or kind, a hang at a point that cannot hang, a
+            sticky hang, a direction other than None, "store" or "load", a ``job_id`` that is not None or an int,
+            an ``nth`` that is not None or an int >= 1, a ``sticky`` that is not a bool, or a ``status`` that is
+            not an int >= 0 (a bool, a float or a string is refused: ``job_id=True`` would select job 1, and
+            ``nth=1.5`` would never fire) (R7).
     """
 
     point: FaultPoint
@@ -85,16 +105,26 @@ class Fault:
     status: int = CUDA_ERROR_LAUNCH_FAILED
 
     def __post_init__(self) -> None:
-        if self.point not in POINTS:
-            raise ValueError(f"unknown fault point {self.point!r}; expected one of {POINTS}")
-        if self.kind not in ("error", "hang"):
-            raise ValueError(f"unknown fault kind {self.kind!r}; expected 'error' or 'hang'")
+        if not isinstance(self.point, str) or self.point not in POINTS:
+            raise InvalidTransferError(f"unknown fault point {self.point!r}; expected one of {POINTS}")
+        if not isinstance(self.kind, str) or self.kind not in ("error", "hang"):
+            raise InvalidTransferError(f"unknown fault kind {self.kind!r}; expected 'error' or 'hang'")
+        if self.direction is not None and (not isinstance(self.direction, str)
+                                           or self.direction not in ("store", "load")):
+            raise InvalidTransferError(f"direction must be None, 'store' or 'load', got {self.direction!r}")
+        if not isinstance(self.sticky, bool):
+            raise InvalidTransferError(f"sticky must be a bool, got {type(self.sticky).__name__} {self.sticky!r}")
         if self.kind == "hang" and self.point not in HANG_POINTS:
-            raise ValueError(f"a hang cannot be injected at {self.point!r}; only at {HANG_POINTS}")
+            raise InvalidTransferError(f"a hang cannot be injected at {self.point!r}; only at {HANG_POINTS}")
         if self.kind == "hang" and self.sticky:
-            raise ValueError("sticky applies to errors only")
-        if self.nth is not None and self.nth < 1:
-            raise ValueError(f"nth is 1-based; got {self.nth}")
+            raise InvalidTransferError("sticky applies to errors only")
+        if self.job_id is not None:
+            object.__setattr__(self, "job_id", check_int("Fault.job_id", self.job_id))
+        if self.nth is not None:
+            if isinstance(self.nth, (int, np.integer)) and not isinstance(self.nth, bool) and self.nth < 1:
+                raise InvalidTransferError(f"Fault.nth is 1-based: expected None or an int >= 1, got {self.nth}")
+            object.__setattr__(self, "nth", check_int("Fault.nth", self.nth, minimum=1))
+        object.__setattr__(self, "status", check_int("Fault.status", self.status, minimum=0))
 
     def matches(self, tag: Tag | None) -> bool:
         """Whether a call carrying ``tag`` is selected by this fault's direction/job_id selectors."""
@@ -230,7 +260,11 @@ class FaultyBackend:
         inner: the backend to wrap.
         plan: the faults to inject.
         hang_horizon: seconds (on the inner clock) a blocking ``synchronize`` of hung work waits before it
-            raises ``SimHang``.
+            raises ``SimHang``: a finite number > 0.
+
+    Raises:
+        InvalidTransferError: (a ValueError) ``hang_horizon`` is not a finite number > 0 (a bool, a string, NaN,
+            an infinity and an int too large for a float included) (R7).
 
     Attributes:
         inner: the wrapped backend.
@@ -240,12 +274,11 @@ class FaultyBackend:
     """
 
     def __init__(self, inner: Backend, plan: FaultPlan, *, hang_horizon: float = 3600.0) -> None:
-        if hang_horizon <= 0:
-            raise ValueError("hang_horizon must be > 0")
+        horizon = check_positive("hang_horizon", hang_horizon, unit="seconds")
         self.inner = inner
         self.plan = plan
         self.name: str = f"faulty({inner.name})"
-        self._horizon = hang_horizon
+        self._horizon = horizon
         self.on_call: CallHook | None = None
         # Invariant: guards the fields below and makes each non-blocking call (bookkeeping plus the forwarded
         # inner call) atomic; never held across a blocking wait or the on_call hook. Reentrant: record_and_poll.

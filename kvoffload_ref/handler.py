@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import operator
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, TypeVar
 
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag, poll_until
@@ -54,7 +55,7 @@ from kvoffload_ref.layout import (
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
 from kvoffload_ref.shield import Shield, finish_all
 
-__all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "TransferResult"]
+__all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "JobOutcome", "TransferResult"]
 
 logger = logging.getLogger("kvoffload_ref.handler")
 
@@ -86,11 +87,33 @@ class HandlerReport:
         abandoned: transfers left with unknown completion.
         error: the first failure of the drain (a DeviceError, DeadlineExceeded, or the interrupting
             BaseException), or None.
+        jobs: every job of this direction the caller was never handed, in submission order, with how it ended:
+            with ``get_finished()`` it accounts for every accepted job exactly once (R8, R14).
     """
 
     drained: int = 0
     abandoned: int = 0
     error: BaseException | None = None
+    jobs: tuple[JobOutcome, ...] = ()
+
+
+Ended = Literal["unreaped", "drained", "abandoned"]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOutcome:
+    """A job the caller was never handed by ``get_finished()``, as the shutdown report lists it (R8, R14).
+
+    Attributes:
+        result: its result: for "unreaped" the one ``get_finished()`` would have returned; for "drained" a
+            success (``transfer_time`` None: the drain does not read timings); for "abandoned" a failure whose
+            error says why the drain stopped.
+        ended: "unreaped" (its completion was known before shutdown began, nobody reaped it), "drained" (proven
+            by the shutdown drain) or "abandoned" (completion unknown, R10).
+    """
+
+    result: TransferResult
+    ended: Ended
 
 
 _T = TypeVar("_T")
@@ -123,6 +146,11 @@ class _Taken:
         self.items: list[tuple[list[Any], Any, bool]] = []
         # Invariant: True once copy_batch accepted the copy (the device may read the descriptors from then on).
         self.copy_queued = False
+        # Invariant: the transfer being built and its marker event, once its events are taken.
+        self.transfer: Any = None
+        self.marker: Any = None
+        # Invariant: True from just before the copy is queued (its end event is recorded after it).
+        self.end_pending = False
 
     def take(self, pool: list[_T], create: Callable[[], _T]) -> _T:
         """Pop an idle item from the pool, or create one."""
@@ -139,6 +167,9 @@ class _Transfer:
     nbytes: int
     # Invariant: True once the transfer left the queue (proven, failed or abandoned).
     resolved: bool = False
+    # Invariant: why its end event could not be recorded after the device took its copy (it can never be proven
+    # by that event, so it fails when it reaches the head); None normally.
+    broken: DeviceError | None = None
 
     @property
     def start(self) -> Event:
@@ -206,6 +237,11 @@ class DirectionHandler:
         self._events: list[Event] = []
         self._descriptors: list[DescriptorBuffer] = []
         self._counts = collections.Counter[str]()
+        # Invariant: the jobs the shutdown drain took over without reporting them (results dropped at its start,
+        # proven by it, abandoned by it), in submission order: the report lists them (R8, R14).
+        self._outcomes: list[JobOutcome] = []
+        # Invariant: True while some queued transfer is broken (its end event unrecorded): prefixes stop there.
+        self._broken = False
         # Invariant: the first failure of the shutdown drain (None before it or if there was none).
         self._drain_error: BaseException | None = None
         # Invariant: changed only through lifecycle.step(HANDLER_TABLE, ...), in _step.
@@ -227,20 +263,31 @@ class DirectionHandler:
         Raises:
             InvalidTransferError: the specs do not fit the layout (nothing changed, R7).
             WorkerClosedError: the handler is draining or closed (R8).
-            DeviceError: a device call failed; nothing was queued and what was taken for it is given back.
+            DeviceError: a device call failed before the device took the copy; nothing was queued and what was
+                taken for it is given back. (Once the device took the copy the job is queued whatever happens: a
+                failure to record its end event is reported as its failure, R5.)
+            BaseException: an interrupt (R14): raised before the device took the copy, nothing is left of the
+                submission; after, the job is queued whole first.
         """
         if self._step(HandlerInput.SUBMIT) is not Action.ENQUEUE:  # every other pair is refused
             return
         plan = self._planner.prepare(self.direction, src, dst)  # R7: every check happens here, before any take
-        taken = _Taken()
+        taken, shield = _Taken(), Shield()
         try:
             transfer = self._enqueue(job_id, plan, taken)
-        except BaseException:
-            self._undo(taken)
-            raise
+        except BaseException as exc:
+            if not taken.copy_queued:
+                self._undo(taken)  # R14: no copy on the device: no trace, the id stays free
+                raise
+            transfer, shield.interrupt = taken.transfer, exc  # raised once the job is queued
+        # R14: the device took the copy (or there is none): the job is queued, whatever is raised from here on.
+        if taken.end_pending:
+            self._record_end(transfer, shield)
+        self._events.append(taken.marker)  # reusable at once: the stream's wait captured the record it needs
         self._queue.append(transfer)
         self._jobs.add(job_id)
         self._counts["submitted"] += 1
+        shield.reraise()
 
     def _enqueue(self, job_id: int, plan: PreparedPlan, taken: _Taken) -> _Transfer:
         backend, tag, stream = self._backend, (self.direction, job_id), self._stream
@@ -253,12 +300,29 @@ class DirectionHandler:
         backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
         backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
-        if descriptors is not None:
-            backend.copy_batch(stream, descriptors, plan.num_ops, tag=tag)
-            taken.copy_queued = True
-        backend.record(end, stream, tag=tag)
-        self._events.append(marker)  # reusable at once: the stream's wait captured the record it needs
-        return _Transfer(job_id, (start, end), descriptors, plan.nbytes)
+        transfer = taken.transfer = _Transfer(job_id, (start, end), descriptors, plan.nbytes)
+        taken.marker = marker
+        if descriptors is None:
+            backend.record(end, stream, tag=tag)  # no copy: until this returns, an interrupt leaves no trace
+            return transfer
+        taken.end_pending = True
+        backend.copy_batch(stream, descriptors, plan.num_ops, tag=tag)
+        taken.copy_queued = True  # the device took the copy: the submission carries through (R14)
+        return transfer
+
+    def _record_end(self, transfer: _Transfer, shield: Shield) -> None:
+        """Record the end event of a transfer whose copy the device already took, retried through interrupts;
+        if it cannot be recorded, the transfer can never be proven by it and fails at the head (R5)."""
+        tag = (self.direction, transfer.job_id)
+        try:
+            shield.run(functools.partial(self._backend.record, transfer.end, self._stream, tag=tag))
+        except Exception as exc:
+            transfer.broken = _detached(DeviceError(f"recording the end event of {self.direction} job "
+                                                    f"{transfer.job_id} failed: {exc!r}"))
+        except BaseException:
+            transfer.broken = DeviceError(f"interrupted while recording the end event of {self.direction} job "
+                                          f"{transfer.job_id}")
+        self._broken = self._broken or transfer.broken is not None
 
     def _take_descriptors(self, count: int, tag: Tag, taken: _Taken) -> DescriptorBuffer:
         while self._descriptors and self._descriptors[-1].capacity < count:
@@ -266,24 +330,16 @@ class DirectionHandler:
         return taken.take(self._descriptors, lambda: self._backend.alloc_descriptors(count, tag=tag))
 
     def _undo(self, taken: _Taken) -> None:
-        """Give back what a failed submission took (newest first). Once its copy is queued, the device may still
-        read its descriptors: then its events and descriptors are never reused and wait for the device-level
-        proof (R13) like a failed transfer's."""
-        if taken.copy_queued:
-            marker, start, end = (item for pool, item, _ in taken.items if pool is self._events)
-            descriptors = next(item for pool, item, _ in taken.items if pool is self._descriptors)
-            self._unproven.append(_Transfer(-1, (start, end), descriptors, 0, resolved=True))
-            self._events.append(marker)
-            return
-        release: dict[int, Callable[[Any], None]] = {
-            id(self._events): self._backend.destroy_event,
-            id(self._descriptors): self._backend.free_descriptors,
-        }
+        """Give back what a submission took before its copy was queued (newest first); a second interrupt meanwhile
+        does not stop it (R14: the first one propagates once everything is back)."""
+        shield = Shield()
         for pool, item, created in reversed(taken.items):
-            if created:
-                release[id(pool)](item)
-            else:
+            if not created:
                 pool.append(item)
+                continue
+            release = self._backend.destroy_event if pool is self._events else self._backend.free_descriptors
+            finish_all([(f"release a {self.direction} {type(item).__name__}", functools.partial(release, item))],
+                        shield)
 
     # -- completion -----------------------------------------------------------------------------------------------
     def knows(self, job_id: int) -> bool:
@@ -292,9 +348,17 @@ class DirectionHandler:
 
     def get_finished(self) -> list[TransferResult]:
         """Reap what is proven (or failed) without blocking; report each job once, in submission order (R5)."""
+        self.reap()
+        return self.take_results()
+
+    def reap(self) -> None:
+        """Observe the heads without blocking; what is proven or failed waits in the results (R5)."""
         self._reap()
+
+    def take_results(self) -> list[TransferResult]:
+        """Hand over the waiting results; no backend call, so no interrupt at a call splits it (R14)."""
         results, self._resolved = self._resolved, []
-        self._jobs.difference_update(r.job_id for r in results)
+        self._jobs.difference_update([r.job_id for r in results])
         return results
 
     def last_of(self, job_ids: set[int]) -> _Transfer | None:
@@ -316,7 +380,9 @@ class DirectionHandler:
     def _prove_prefix(self, mark: _Transfer | None = None) -> int:
         """Prove, with one backend call, the run of heads whose own end events are done (R5, R10); the head that
         is not done, fails, or is instrumented is left for ``_observe_head``. Returns how many were proven."""
-        window = itertools.islice(self._queue, PREFIX_WINDOW)
+        window: Iterable[_Transfer] = itertools.islice(self._queue, PREFIX_WINDOW)
+        if self._broken:
+            window = itertools.takewhile(lambda t: t.broken is None, window)
         if mark is None:
             ends = [transfer.events[1] for transfer in window]
         else:
@@ -334,6 +400,8 @@ class DirectionHandler:
         """Observe the head's end event once: the head is proven, or failed, or (False) still pending."""
         head = self._queue[0]
         try:
+            if head.broken is not None:
+                raise head.broken
             done = observe(head.end)
         except DeviceError as exc:
             self._head_failed(exc)
@@ -350,15 +418,22 @@ class DirectionHandler:
         state that allows it, so one table step decides for the whole run: report them, or count them drained."""
         action = self._step(HandlerInput.HEAD_PROVEN)
         queue = self._queue
-        proven = [queue.popleft() for _ in range(count)]
-        for head in proven:
-            head.resolved = True
+        proven = list(itertools.islice(queue, count))
+        # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
+        # here on no backend call is made, so the heads move from the queue to the results as one step.
+        if action is Action.REPORT:
+            results = [TransferResult(h.job_id, True, h.nbytes, self._seconds(h)) for h in proven]
+        else:
+            results = [TransferResult(h.job_id, True, h.nbytes) for h in proven]
+        for _ in range(count):
+            queue.popleft().resolved = True
         self._events += itertools.chain.from_iterable(map(_EVENTS, proven))
         self._descriptors += filter(None, map(_DESCRIPTORS, proven))  # None: a zero-op transfer
         if action is Action.REPORT:
-            self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h)) for h in proven]
+            self._resolved += results
         elif action is Action.COUNT_DRAINED:
             self._counts["drained"] += count
+            self._outcomes += [JobOutcome(r, "drained") for r in results]
         self._counts["completed"] += count
 
     def _seconds(self, transfer: _Transfer) -> float | None:
@@ -413,8 +488,8 @@ class DirectionHandler:
             :meth:`report` then still says what was drained before it.
         """
         self._step(HandlerInput.BEGIN_DRAIN)  # DROP_RESULTS: nothing is reported after shutdown began (R8)
-        self._resolved.clear()
-        self._jobs.clear()
+        self._outcomes += [JobOutcome(r, "unreaped") for r in self._resolved]  # ... but the report lists them
+        self._resolved, self._jobs = [], set()
         try:
             if interrupted and self._queue:
                 self._stop_drain(HandlerInput.INTERRUPT, None)
@@ -437,6 +512,12 @@ class DirectionHandler:
             self._step(HandlerInput.QUEUE_EMPTY)
         return self.report()
 
+    def abandon_undrained(self) -> None:
+        """R14: an interrupt arrived before this handler's drain began: begin it now and abandon everything, without
+        a wait (the table says whether the drain can still begin)."""
+        if isinstance(lifecycle.HANDLER_TABLE[(self.state, HandlerInput.BEGIN_DRAIN)], lifecycle.Transition):
+            self.drain(0.0, interrupted=True)
+
     def _stop_drain(self, event: HandlerInput, error: BaseException | None) -> None:
         if self._step(event) is Action.ABANDON:
             self._abandon(error)
@@ -446,13 +527,15 @@ class DirectionHandler:
         remaining = self._take_queue()
         self._counts["abandoned"] += len(remaining)
         self._drain_error = self._drain_error or error
+        self._outcomes += [JobOutcome(TransferResult(t.job_id, False, error=error), "abandoned") for t in remaining]
         if error is not None and remaining:
             logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
                          len(remaining) - 1, exc_info=error)
 
     def report(self) -> HandlerReport:
         """What the shutdown drain established so far (also after an interrupt)."""
-        return HandlerReport(self._counts["drained"], self._counts["abandoned"], self._drain_error)
+        return HandlerReport(self._counts["drained"], self._counts["abandoned"], self._drain_error,
+                             tuple(self._outcomes))
 
     @property
     def clean(self) -> bool:
@@ -500,12 +583,16 @@ class DirectionHandler:
         return kept, failed
 
     def discard(self) -> None:
-        """Construction rollback (R2): destroy what the constructor created; nothing was ever submitted."""
-        for event in self._events:
-            self._backend.destroy_event(event)
-        if self._stream is not None:
-            self._backend.destroy_stream(self._stream)
+        """Construction rollback (R2): destroy what the constructor created; nothing was ever submitted. An
+        interrupt meanwhile does not stop it (R14); it propagates once everything is destroyed."""
+        events, streams = self._events, [] if self._stream is None else [self._stream]
         self._stream, self._events = None, []
+        backend = self._backend
+        _, interrupt = finish_all([(f"destroy {self.direction} events", lambda: _each(backend.destroy_event, events)),
+                                   (f"destroy the {self.direction} stream",
+                                    lambda: _each(backend.destroy_stream, streams))])
+        if interrupt is not None:
+            raise interrupt
 
     # -- snapshots and helpers ------------------------------------------------------------------------------------
     def stats(self) -> HandlerStats:

@@ -4,7 +4,8 @@ This module re-exports the two halves so that ``from kvoffload_ref.layout import
 
 * :mod:`kvoffload_ref.specs` -- what a caller describes, validated when built (R7): :class:`KVCacheLayout`,
   :class:`LayerRef`, :class:`TensorGeometry`, :class:`GPULoadStoreSpec`, :class:`CPULoadStoreSpec`,
-  :func:`check_geometry`, and :func:`check_int`, the package's one integer validator;
+  :func:`check_geometry`, :func:`check_int`, the package's one integer validator, and its real-number
+  counterparts :func:`check_seconds`, :func:`check_positive` and :func:`check_timeout`;
 * :mod:`kvoffload_ref.planner` -- what a transfer means in bytes: :class:`Planner`, :class:`PreparedPlan`,
   :func:`plan_copies` and the :class:`CopyPlan` they produce.
 
@@ -24,6 +25,8 @@ from kvoffload_ref.specs import (
     check_geometry,
     check_int,
     check_job_ids,
+    check_positive,
+    check_seconds,
     check_timeout,
 )
 
@@ -40,6 +43,8 @@ __all__ = [
     "check_geometry",
     "check_int",
     "check_job_ids",
+    "check_positive",
+    "check_seconds",
     "check_timeout",
     "plan_copies",
 ]

@@ -21,6 +21,10 @@ object, so that a finalizer can hold it without holding the region. A *caller-ow
 ``release()`` is released from that finalizer (R3's steps, with a warning); a worker-owned region is the worker's
 to release, and a quarantined one is kept alive by the quarantine registry, so their finalizers do nothing.
 
+A region belongs to the process that built it (R21): in a forked child its copy answers queries, refuses what
+would use its memory or device (``snapshot``, ``pin``, ``adopt``, ``check_backend``: ``WorkerClosedError`` naming
+the owner) and gives nothing up (``release``, ``unpin``, ``*_by_owner``, the finalizer return at once, lock-free).
+
 Subclasses (``shared_region.SharedRegion``) keep all of this and override two steps: ``_release_backing`` (R3's
 last steps: unlink the file if this process is to unlink it, then close the descriptor) and
 ``_quarantine_backing`` (R18: give up the file name, keep the mapping and the pins).
@@ -32,6 +36,7 @@ import dataclasses
 import functools
 import logging
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -45,7 +50,9 @@ from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipError
 from kvoffload_ref.layout import KVCacheLayout, TensorGeometry, check_int
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
+from kvoffload_ref.process import ProcessOwner
 from kvoffload_ref.shield import Shield
+from kvoffload_ref.specs import INT64_MAX
 
 __all__ = ["DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine", "quarantined"]
 
@@ -75,7 +82,17 @@ class QuarantinedItem:
 
 # Invariant: only ever appended to; entries live until the interpreter exits.
 _QUARANTINE: list[QuarantinedItem] = []
+# Invariant: guards _QUARANTINE; a fresh one in every forked child (the fork may have copied it held, R21).
 _QUARANTINE_LOCK = threading.Lock()
+
+
+def _fresh_lock_in_child() -> None:  # a child's own regions may be quarantined too
+    global _QUARANTINE_LOCK  # noqa: PLW0603  # one registry lock for the process
+    _QUARANTINE_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def quarantine(item: QuarantinedItem) -> None:
@@ -101,10 +118,56 @@ def check_sizes(blocks_per_chunk: object, num_cpu_chunks: object) -> tuple[int, 
         ``(blocks_per_chunk, num_cpu_chunks)`` as Python ints.
 
     Raises:
-        InvalidTransferError: ``blocks_per_chunk`` or ``num_cpu_chunks`` is not an int >= 1 (see ``check_int``).
+        InvalidTransferError: ``blocks_per_chunk`` or ``num_cpu_chunks`` is not an int in [1, 2**63 - 1] (see
+            ``check_int``).
     """
-    return (check_int("blocks_per_chunk", blocks_per_chunk, minimum=1),
-            check_int("num_cpu_chunks", num_cpu_chunks, minimum=1))
+    return (check_int("blocks_per_chunk", blocks_per_chunk, minimum=1, maximum=INT64_MAX),
+            check_int("num_cpu_chunks", num_cpu_chunks, minimum=1, maximum=INT64_MAX))
+
+
+def _int_list(name: str, values: object, minimum: int) -> list[int]:
+    """``values`` as a list of ints in [``minimum``, 2**63 - 1] (R7)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidTransferError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    return [check_int(f"{name}[{i}]", v, minimum=minimum, maximum=INT64_MAX) for i, v in enumerate(values)]
+
+
+def check_views(nbytes: int, offsets: object, row_bytes: object, num_cpu_chunks: object,
+                row_strides: object) -> tuple[list[int], list[int], int, list[int]]:
+    """Check that the CPU tensors a region is asked to make lie inside its mapping of ``nbytes`` bytes (R7).
+
+    A view that ran past the mapping would be a window onto memory the region does not own, so this runs before
+    any view is made.
+
+    Args:
+        nbytes: the mapping's size.
+        offsets: per tensor, the byte offset of row 0 (ints >= 0).
+        row_bytes: per tensor, the bytes of one row (ints >= 1).
+        num_cpu_chunks: rows per tensor (an int >= 1).
+        row_strides: per tensor, the bytes between rows (ints >= that tensor's row bytes), or None (contiguous).
+
+    Returns:
+        ``(offsets, row_bytes, num_cpu_chunks, row_strides)`` as Python ints.
+
+    Raises:
+        InvalidTransferError: a value that is not an int in range, lists of different lengths, a stride smaller
+            than its row, or a tensor whose last row ends beyond the mapping.
+    """
+    rows = check_int("num_cpu_chunks", num_cpu_chunks, minimum=1, maximum=INT64_MAX)
+    offs = _int_list("offsets", offsets, 0)
+    sizes = _int_list("row_bytes", row_bytes, 1)
+    strides = list(sizes) if row_strides is None else _int_list("row_strides", row_strides, 1)
+    if not len(offs) == len(sizes) == len(strides):
+        raise InvalidTransferError(f"offsets, row_bytes and row_strides must be as long as one another (one entry "
+                                   f"per tensor), got {len(offs)}, {len(sizes)} and {len(strides)}")
+    for t, (off, size, stride) in enumerate(zip(offs, sizes, strides, strict=True)):
+        if stride < size:
+            raise InvalidTransferError(f"row_strides[{t}] = {stride} is smaller than its row: expected >= "
+                                       f"row_bytes[{t}] = {size}")
+        end = off + (rows - 1) * stride + size
+        if end > nbytes:
+            raise InvalidTransferError(f"tensor {t} ends at byte {end}, beyond the mapping of {nbytes} bytes")
+    return offs, sizes, rows, strides
 
 
 def _view(base: npt.NDArray[np.uint8], offset: int, rows: int, row_bytes: int,
@@ -137,6 +200,8 @@ class _Held:
         # Invariant: what release could not release, by ledger kind (filled by release; zeros omitted by users).
         self.leaked: dict[ResourceKind, int] = {}
         self.log_rank = log_rank
+        # Invariant: the process that built the region; in any other (a forked child) nothing here is released.
+        self.owner = ProcessOwner()
         self.lock = threading.Lock()
 
     def step(self, event: RegionInput) -> Action:
@@ -146,7 +211,10 @@ class _Held:
 
     def unpin(self, shield: Shield | None = None) -> list[DeviceError]:
         """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned.
-        With a ``shield``, an interrupt does not stop it (R14): the call is retried, the interrupt kept there."""
+        With a ``shield``, an interrupt does not stop it (R14): the call is retried, the interrupt kept there.
+        Nothing in a forked child (R21): the pins are the parent's."""
+        if self.owner.inherited():
+            return []
         failures: list[DeviceError] = []
         run = (shield or Shield()).run
         for ptr in reversed(list(self.pinned)):
@@ -204,8 +272,11 @@ class _Held:
         """The finalizer: release a region its caller dropped without ``release()`` (R3); nothing otherwise.
 
         Only a caller-owned region is released here: a worker-owned one is its worker's to release (the worker
-        holds it), a quarantined one is held by the quarantine registry until exit, a released one is done.
+        holds it), a quarantined one is held by the quarantine registry until exit, a released one is done. Nothing
+        in a forked child (R21), before the lock: the fork may have copied it held, and the region is the parent's.
         """
+        if self.owner.inherited():
+            return
         if self.step(RegionInput.DROPPED) is not Action.RELEASE:
             return
         logger.warning("%s of %d bytes at %#x was dropped without release(); releasing it now (R3)",
@@ -228,8 +299,12 @@ class HostRegion:
             row_bytes: bytes of one row of each CPU tensor.
             num_cpu_chunks: rows per CPU tensor.
             row_strides: bytes between consecutive rows of each tensor (default: ``row_bytes``, contiguous).
+
+        Raises:
+            InvalidTransferError: the tensors do not lie inside the mapping (see :func:`check_views`; R7).
         """
-        strides = list(row_bytes) if row_strides is None else list(row_strides)
+        offsets, row_bytes, num_cpu_chunks, strides = check_views(len(mapping), offsets, row_bytes, num_cpu_chunks,
+                                                                  row_strides)
         # Invariant: what the region holds; shared with the finalizer, which never holds the region itself.
         base = np.frombuffer(mapping, dtype=np.uint8)
         self._held = held = _Held(backend, mapping, base, self.log_rank)
@@ -264,7 +339,9 @@ class HostRegion:
             A caller-owned HostRegion.
 
         Raises:
-            InvalidTransferError: non-positive sizes.
+            InvalidTransferError: sizes that are not ints in [1, 2**63 - 1], or a region of more bytes than an
+                address spans (2**63 - 1).
+            OSError: the system cannot map that much memory (ENOMEM).
         """
         blocks_per_chunk, num_cpu_chunks = check_sizes(blocks_per_chunk, num_cpu_chunks)
         row_bytes = [layout.cpu_row_bytes(t, blocks_per_chunk) for t in range(layout.num_tensors)]
@@ -272,6 +349,9 @@ class HostRegion:
         for rb in row_bytes:
             offsets.append(total)
             total = _round_up(total + rb * num_cpu_chunks, PAGE)
+        if total > INT64_MAX:
+            raise InvalidTransferError(f"a region of {num_cpu_chunks} chunks of {blocks_per_chunk} blocks would be "
+                                       f"{total} bytes: expected at most {INT64_MAX}")
         mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
         return cls(backend, mapping, offsets, row_bytes, num_cpu_chunks)
@@ -314,6 +394,17 @@ class HostRegion:
     def _pinned(self) -> list[int]:
         return self._held.pinned
 
+    @property
+    def owner(self) -> ProcessOwner:
+        """The process that built the region; in any other (a forked child) the region is inert (R21)."""
+        return self._held.owner
+
+    def _describe(self) -> str:  # the region, for a forked child's WorkerClosedError (R21)
+        return f"this {type(self).__name__} ({self.nbytes} bytes at {self.ptr:#x})"
+
+    def _check_owner(self) -> None:  # R21: refuse, in a forked child, a call using the memory or the device
+        self._held.owner.check(self._describe())
+
     # -- queries --------------------------------------------------------------------------------------------------
     def geometries(self) -> tuple[TensorGeometry, ...]:
         """Address and stride of each CPU tensor (what handlers get instead of the region, R1)."""
@@ -335,7 +426,9 @@ class HostRegion:
 
         Raises:
             InvalidTransferError: ``backend`` is another device (every copy would fail as an illegal address).
+            WorkerClosedError: this is a forked child's copy of the region (R21): it serves no worker there.
         """
+        self._check_owner()
         mine = self._held.backend
         if backend is mine or backend.ledger is mine.ledger:
             return
@@ -359,7 +452,9 @@ class HostRegion:
 
         Raises:
             OwnershipError: the region was released or quarantined.
+            WorkerClosedError: this is a forked child's copy of the region (R21).
         """
+        self._check_owner()
         if self.state not in (RegionState.CALLER_OWNED, RegionState.WORKER_OWNED):
             raise OwnershipError(f"the region is {self.state.value}; its memory is no longer readable")
         return [view.copy() for view in self._views]
@@ -374,7 +469,9 @@ class HostRegion:
         Raises:
             DeviceError: a registration failed (after the rollback).
             InvalidTransferError: ``chunk_bytes`` is not an int >= 1.
+            WorkerClosedError: this is a forked child's copy of the region (R21).
         """
+        self._check_owner()
         chunk_bytes = check_int("pin_chunk_bytes", chunk_bytes, minimum=1)
         step = max(PAGE, chunk_bytes // PAGE * PAGE)
         try:
@@ -386,16 +483,24 @@ class HostRegion:
             raise
 
     def unpin(self) -> list[DeviceError]:
-        """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned."""
+        """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned; in a
+        forked child nothing is unregistered and [] returned (R21: the pins are the parent's)."""
         return self._held.unpin()
 
     # -- ownership and fate (R1, R3, R12) -------------------------------------------------------------------------
     def adopt(self) -> None:
-        """A worker takes ownership (its constructor succeeded). Raises OwnershipError if not caller-owned."""
+        """A worker takes ownership (its constructor succeeded).
+
+        Raises:
+            OwnershipError: the region is not caller-owned.
+            WorkerClosedError: this is a forked child's copy of the region (R21).
+        """
+        self._check_owner()
         self._step(RegionInput.ADOPT)
 
     def release(self) -> list[str]:
-        """The caller gives up a region no worker took (R3); idempotent.
+        """The caller gives up a region no worker took (R3); idempotent. In a forked child it does nothing and
+        returns [] (R21): the memory, pins and file are the parent's.
 
         Returns:
             Descriptions of release steps that failed (each also logged).
@@ -406,19 +511,29 @@ class HostRegion:
         return self._finish(RegionInput.CALLER_RELEASE)
 
     def release_by_owner(self, shield: Shield | None = None) -> list[str]:
-        """The owning worker releases the region after proving it idle (or under policy "release").
+        """The owning worker releases the region after proving it idle (or under policy "release"). Nothing in a
+        forked child (R21).
 
         Args:
             shield: collects interrupts arriving meanwhile; every step still runs (R14). None: re-raised at the end.
+
+        Returns:
+            Descriptions of release steps that failed (each also logged).
         """
         return self._finish(RegionInput.WORKER_RELEASE, shield)
 
     def quarantine_by_owner(self, reason: str) -> list[str]:
-        """The owning worker keeps the region mapped and pinned until process exit (R12).
+        """The owning worker keeps the region mapped and pinned until process exit (R12). Nothing in a forked
+        child (R21).
+
+        Args:
+            reason: why, for the quarantine registry and the log.
 
         Returns:
             Descriptions of quarantine steps that failed (each also logged), e.g. a file region's unlink (R18).
         """
+        if self._held.owner.inherited():
+            return []
         self._quarantine_reason = reason
         return self._finish(RegionInput.WORKER_QUARANTINE)
 
@@ -426,6 +541,8 @@ class HostRegion:
         return self._held.step(event)
 
     def _finish(self, event: RegionInput, shield: Shield | None = None) -> list[str]:
+        if self._held.owner.inherited():  # R21: before the lock, which the fork may have copied held
+            return []
         action = self._step(event)
         if action is Action.RELEASE:
             self._dropped.detach()

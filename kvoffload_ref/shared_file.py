@@ -51,6 +51,7 @@ from typing import Final, Protocol
 
 from kvoffload_ref.backends.base import Ledger
 from kvoffload_ref.errors import DeadlineExceeded, InvalidTransferError, LifecycleError, OwnershipError
+from kvoffload_ref.process import ProcessOwner, cut_off_from_children, keep_in_children
 
 __all__ = [
     "HEADER_BYTES",
@@ -128,6 +129,11 @@ def _set_lock(fd: int, kind: int, byte: int) -> bool:
     return True
 
 
+def _unlock_all(fd: int) -> None:
+    """Drop every OFD lock of ``fd``'s open file description (``l_len`` 0: to the end of the file and beyond)."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0))
+
+
 def _held_elsewhere(fd: int, byte: int) -> bool:
     """Whether another open file description (in any process) holds a lock on ``byte``."""
     probe = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
@@ -139,9 +145,17 @@ class SharedFile:
     """One descriptor of the shared file, its locks, and the protocol steps taken through it.
 
     Holds no reference to a region, so a region's finalizer may hold it.
+
+    In a forked child (R21) it is inert: the steps that give something up (:meth:`give_up_name`, :meth:`close`,
+    :meth:`quarantine`, :meth:`abandon`, :meth:`abandon_creation`) return at once, touching neither a lock nor the
+    ledger, and the steps that would act on the file (:attr:`fileno`, hence every lock, and :meth:`unlink_if_ours`)
+    raise ``WorkerClosedError``. The child's copies of the descriptor and of the mapping are cut off at the fork
+    (``kvoffload_ref.process.cut_off_from_children``), so the child holds none of the parent's OFD locks either.
     """
 
     def __init__(self, fd: int, path: str, rank: int, ledger: Ledger) -> None:
+        # Invariant: the process that opened the descriptor; in any other (a forked child) this object is inert.
+        self.owner = ProcessOwner()
         st = os.fstat(fd)
         # Invariant: open from construction until close(); then None.
         self.fd: int | None = fd
@@ -155,6 +169,9 @@ class SharedFile:
         # Invariant: this descriptor's "shm_file" ledger entry (live, or quarantined, until close).
         self._key = (st.st_dev, st.st_ino, fd)
         ledger.acquire("shm_file", self._key)
+        # Invariant: registered with the fork hook while fd is open (every child forked meanwhile gets no reference
+        # to this open file description, hence none of its locks); dropped by close().
+        self._cut = cut_off_from_children(fd)
 
     @classmethod
     def wrap(cls, fd: int, path: str, rank: int, ledger: Ledger) -> SharedFile:
@@ -167,6 +184,12 @@ class SharedFile:
 
     @property
     def fileno(self) -> int:
+        """The open descriptor.
+
+        Raises:
+            LifecycleError: it was closed. WorkerClosedError: this is a forked child's copy (R21).
+        """
+        self.owner.check(f"the descriptor of {self.path}")
         if self.fd is None:
             raise LifecycleError(f"the descriptor of {self.path} is closed")
         return self.fd
@@ -213,7 +236,12 @@ class SharedFile:
         self.live = True
 
     def unlink_if_ours(self) -> bool:
-        """Under the gate: unlink the path if it still names our inode (R18). Returns whether it did."""
+        """Under the gate: unlink the path if it still names our inode (R18). Returns whether it did.
+
+        Raises:
+            WorkerClosedError: this is a forked child's copy (R21).
+        """
+        self.owner.check(f"the descriptor of {self.path}")
         if not self.names_inode():
             return False
         os.unlink(self.path)
@@ -231,9 +259,10 @@ class SharedFile:
     def give_up_name(self) -> list[str]:
         """Stop counting as a live opener; unlink the file if no other live opener remains (R3, R18).
 
-        Never raises: a failure is logged and returned (the live lock is dropped in any case).
+        Never raises: a failure is logged and returned (the live lock is dropped in any case). Nothing in a forked
+        child (R21): an unlock there would drop the parent's lock, the description being the same.
         """
-        if not self.live or self.fd is None:
+        if not self.live or self.fd is None or self.owner.inherited():
             return []
         try:
             with self.gate(time.monotonic() + RELEASE_GATE_TIMEOUT):
@@ -251,29 +280,48 @@ class SharedFile:
         return []
 
     def quarantine(self) -> None:
-        """Keep the descriptor (and its rank lock) until process exit (R12/R18)."""
+        """Keep the descriptor (and its rank lock) until process exit (R12/R18). Nothing in a forked child (R21)."""
+        if self.owner.inherited():
+            return
         self._ledger.quarantine("shm_file", self._key)
 
     def close(self) -> list[str]:
-        """Close the descriptor (dropping all its locks); idempotent. A failure is logged and returned."""
+        """Drop all this descriptor's locks, then close it; idempotent. A failure is logged and returned.
+
+        The locks are dropped explicitly: closing drops them only with the last reference to the open file
+        description, and a mapping kept alive (a view still exported) or a child forked a moment ago (until the
+        fork hook cut its copies off) may still hold one. Nothing in a forked child (R21): the descriptor is the
+        parent's, and an unlock there would drop the parent's locks.
+        """
+        if self.owner.inherited():
+            return []
         fd, self.fd = self.fd, None
         if fd is None:
             return []
         self.live = False
         self._ledger.release("shm_file", self._key)
+        with contextlib.suppress(OSError):  # then closing the last reference drops them anyway
+            _unlock_all(fd)
         try:
             os.close(fd)
         except OSError as exc:
             logger.warning("Failed to close the descriptor of mmap file %s: %s", self.path, exc)
             return [f"close of {self.path} failed: {exc}"]
+        finally:
+            keep_in_children(self._cut)  # after the close: a child forked before it still gets its copy cut
         return []
 
     def abandon(self) -> list[str]:
-        """Give up the name, then close: what a failed open and a finalizer do."""
+        """Give up the name, then close: what a failed open and a finalizer do. Nothing in a forked child (R21)."""
+        if self.owner.inherited():
+            return []
         return self.give_up_name() + self.close()
 
     def abandon_creation(self) -> None:
-        """A creator that failed: unlink its file (it is the only live opener, joiners wait for READY), close."""
+        """A creator that failed: unlink its file (it is the only live opener, joiners wait for READY), close.
+        Nothing in a forked child (R21)."""
+        if self.owner.inherited():
+            return
         if not self.live and self.fd is not None and self.names_inode():
             # Not admitted (the gate was never free): no joiner can have been admitted either.
             os.unlink(self.path)

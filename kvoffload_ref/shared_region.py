@@ -16,6 +16,13 @@ makes the region: a :class:`~kvoffload_ref.region.HostRegion` whose release (R3)
 the file's name and close (or keep) its descriptor. A region dropped unreleased gives up the name and closes the
 descriptor from its finalizer.
 
+*Forked children* (R21). A child forked from a process holding a shared region is never one of its ranks: the
+child's copies of the descriptor and of the mapping are cut off at the fork (the child sees zeros at the region's
+addresses and holds none of the file's locks), and the inherited region is inert -- ``snapshot_rows()``, like the
+HostRegion calls that use the memory, raises ``WorkerClosedError``; ``release()``, the finalizer and the ``atexit``
+hook do nothing. The child marks nothing mapped, counts as no live opener and unlinks nothing; it may open a region
+of its own with :meth:`SharedRegion.open`.
+
 Linux only (OFD locks); see docs/shared-region.md for the protocol diagram and the failure cases.
 """
 
@@ -25,7 +32,6 @@ import contextlib
 import dataclasses
 import errno
 import logging
-import math
 import mmap
 import os
 import time
@@ -38,7 +44,7 @@ import numpy.typing as npt
 
 from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import InvalidTransferError, OwnershipError
-from kvoffload_ref.layout import KVCacheLayout, check_int
+from kvoffload_ref.layout import KVCacheLayout, check_int, check_seconds
 from kvoffload_ref.lifecycle import RegionState
 from kvoffload_ref.region import PAGE, HostRegion, check_sizes
 from kvoffload_ref.shared_file import (
@@ -49,6 +55,7 @@ from kvoffload_ref.shared_file import (
     open_file,
     pack_header,
 )
+from kvoffload_ref.specs import INT64_MAX
 
 __all__ = [
     "DEFAULT_DIRECTORY",
@@ -136,15 +143,20 @@ class SharedGeometry:
         """The geometry for a layout.
 
         Raises:
-            InvalidTransferError: non-positive sizes, a world size outside [1, MAX_WORLD_SIZE], a non-bool
-                ``replicated``.
+            InvalidTransferError: sizes that are not ints in [1, 2**63 - 1], a world size outside [1,
+                MAX_WORLD_SIZE], a non-bool ``replicated``, or a file of more bytes than an offset spans
+                (2**63 - 1).
         """
         bpc, chunks = check_sizes(blocks_per_chunk, num_cpu_chunks)
         ranks = check_int("world_size", world_size, minimum=1, maximum=MAX_WORLD_SIZE)
         if not isinstance(replicated, bool):
             raise InvalidTransferError(f"replicated must be a bool, got {replicated!r}")
         row_bytes = tuple(layout.cpu_row_bytes(t, bpc) for t in range(layout.num_tensors))
-        return cls(row_bytes, chunks, ranks, replicated)
+        geometry = cls(row_bytes, chunks, ranks, replicated)
+        if geometry.file_size > INT64_MAX:
+            raise InvalidTransferError(f"a shared file of {chunks} chunks of {bpc} blocks for {ranks} rank(s) would "
+                                       f"be {geometry.file_size} bytes: expected at most {INT64_MAX}")
+        return geometry
 
     @property
     def slice_bytes(self) -> int:
@@ -215,7 +227,8 @@ class SharedRegion(HostRegion):
         self.is_creator = is_creator
         super().__init__(backend, mapping, geometry.offsets(rank), geometry.row_bytes, geometry.num_chunks,
                          row_strides=[geometry.row_stride] * len(geometry.row_bytes))
-        # Invariant: gives up the name and closes the descriptor if the region is dropped unreleased.
+        # Invariant: gives up the name and closes the descriptor if the region is dropped unreleased, or is alive at
+        # exit (``atexit``); in a forked child it does nothing (``SharedFile.abandon``, R21).
         self._finalizer = weakref.finalize(self, shared.abandon)
 
     @classmethod
@@ -239,13 +252,16 @@ class SharedRegion(HostRegion):
             world_size: ranks sharing the file, in [1, MAX_WORLD_SIZE].
             replicated: every rank sees the same bytes instead of its own slice of each row.
             directory: an existing (tmpfs) directory for the file.
-            timeout: real seconds to wait for the creator and for the file's lock.
+            timeout: real seconds to wait for the creator and for the file's lock (a finite number >= 0).
 
         Returns:
             A caller-owned SharedRegion (not pinned yet).
 
         Raises:
-            InvalidTransferError: invalid arguments, or a geometry mismatch with the file (another rank's sizes).
+            InvalidTransferError: invalid arguments (checked before the file is touched: a size, rank or world size
+                that is not an int in range, a timeout that is not a finite number of seconds >= 0 -- a bool,
+                NaN, an infinity or an int too large for a float is refused), or a geometry mismatch with the file
+                (another rank's sizes).
             OwnershipError: this rank is already open in a live process.
             DeadlineExceeded: the file was not ready (or its lock not free) within ``timeout``.
             OSError: a symlink at the path (ELOOP, at once), not enough free space (ENOSPC), a file that is not
@@ -253,8 +269,7 @@ class SharedRegion(HostRegion):
         """
         geometry = SharedGeometry.of(layout, blocks_per_chunk, num_cpu_chunks, world_size, replicated)
         rank = check_int("rank", rank, minimum=0, maximum=geometry.world_size - 1)
-        if not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
-            raise InvalidTransferError(f"timeout must be a finite number >= 0, got {timeout!r}")
+        timeout = check_seconds("timeout", timeout)
         path = region_path(engine_id, directory)
         if not os.path.isdir(directory):
             raise FileNotFoundError(errno.ENOENT, "the shared region directory does not exist", os.fspath(directory))
@@ -291,6 +306,9 @@ class SharedRegion(HostRegion):
     def replicated(self) -> bool:
         return self.geometry.replicated
 
+    def _describe(self) -> str:
+        return f"this SharedRegion ({self.path}, rank {self.rank} of {self.world_size})"
+
     def __repr__(self) -> str:
         return (f"<SharedRegion {self.state.value} {self.path} rank {self.rank}/{self.world_size}"
                 f"{' replicated' if self.replicated else ''}, {self.pinned_ranges} pinned range(s)>")
@@ -300,7 +318,9 @@ class SharedRegion(HostRegion):
 
         Raises:
             OwnershipError: the region was released or quarantined.
+            WorkerClosedError: this is a forked child's copy of the region (R21).
         """
+        self._check_owner()
         if self.state not in (RegionState.CALLER_OWNED, RegionState.WORKER_OWNED) or self._base is None:
             raise OwnershipError(f"the region is {self.state.value}; its memory is no longer readable")
         g = self.geometry
@@ -309,7 +329,7 @@ class SharedRegion(HostRegion):
     # -- the file's part of release (R3) and quarantine (R18) ----------------------------------------------------------
     def _release_backing(self) -> list[str]:
         """R3, after the unmap: unlink if this process is the last live opener and the path names our inode, then
-        close the descriptor."""
+        close the descriptor. (Never reached in a forked child: ``_finish`` returns first, R21.)"""
         self._finalizer.detach()
         return self._file.abandon()
 

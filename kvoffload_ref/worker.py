@@ -105,6 +105,8 @@ class CPUOffloadingWorker:
             OwnershipError: the region is not caller-owned.
             DeviceError: a device call failed (everything acquired is released in reverse order, R2).
         """
+        blocks_per_chunk, pin_chunk_bytes, prewarm = _check_options(blocks_per_chunk, policy, pin_chunk_bytes,
+                                                                    require_pinned, prewarm)
         region.check_backend(backend)
         gpu = [backend.array_info(t) for t in gpu_tensors]
         check_geometry(layout, gpu, region.geometries(), blocks_per_chunk)
@@ -169,7 +171,7 @@ class CPUOffloadingWorker:
 
     def _submit(self, handler: DirectionHandler, job_id: int, src: object, dst: object) -> bool:
         core = self._core
-        with core.lock:
+        with core.call:
             core.transition(WorkerInput.SUBMIT)
             job = check_int("job_id", job_id)
             if core.store.knows(job) or core.load.knows(job):
@@ -185,10 +187,12 @@ class CPUOffloadingWorker:
         Never blocks. Returns [] once shutdown began.
         """
         core = self._core
-        with core.lock:
+        with core.call:
             if core.transition(WorkerInput.GET_FINISHED) is Action.RETURN_EMPTY:
                 return []
-            return [*core.store.get_finished(), *core.load.get_finished()]
+            core.store.reap()  # backend calls: an interrupt here leaves every result where it waits (R14)
+            core.load.reap()
+            return [*core.store.take_results(), *core.load.take_results()]  # no backend call: one step
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Block until each listed job is proven complete or has failed (R6). Reports nothing.
@@ -206,11 +210,12 @@ class CPUOffloadingWorker:
             DeadlineExceeded: the timeout passed first.
         """
         core = self._core
+        core.owner.check("this worker")
         ids = check_job_ids(job_ids)
         limit = check_timeout(timeout)
         started = core.backend.monotonic()
         deadline = None if limit is None else started + limit
-        with core.lock:
+        with core.call:
             if core.transition(WorkerInput.WAIT) is Action.RETURN_EMPTY:
                 return
             marks = [(h, h.last_of(ids)) for h in (core.store, core.load)]
@@ -226,14 +231,14 @@ class CPUOffloadingWorker:
             WorkerClosedError: shutdown began.
         """
         core = self._core
-        with core.lock:
+        with core.call:
             core.transition(WorkerInput.SNAPSHOT)
             return core.region.snapshot()
 
     def stats(self) -> WorkerStats:
         """A frozen snapshot of the worker; works before and after shutdown."""
         core = self._core
-        with core.lock:
+        with core.call:
             return WorkerStats(
                 state=core.state.value, store=core.store.stats(), load=core.load.stats(),
                 region=core.region.state.value, pinned=core.region.pinned,
@@ -251,7 +256,10 @@ class CPUOffloadingWorker:
         Raises:
             BaseException: one that interrupted the shutdown is re-raised after everything that could be released
                 was released and the rest quarantined (R14); a later call returns that report, marked interrupted.
-            WorkerClosedError: called again from the thread already running the shutdown (a signal handler).
+            ShutdownDeferred: called on a thread that is inside a call of this worker -- a signal handler that
+                interrupted it, or the running shutdown itself: the request is recorded and the worker shuts down
+                as the interrupted call returns; a later call returns the report (R19).
+            WorkerClosedError: called in a forked child (R21).
         """
         try:
             return self._core.shutdown()
@@ -288,7 +296,7 @@ def _poll(core: WorkerCore, settle: Callable[[], bool], started: float, deadline
     longest = POLL_MAX_SLEEP if horizon is None else max(POLL_MAX_SLEEP, horizon / 64)
     pause = POLL_FIRST_SLEEP
     while True:
-        with core.lock:
+        with core.call:
             if core.transition(WorkerInput.WAIT) is Action.RETURN_EMPTY or settle():
                 return
         now = backend.monotonic()
@@ -298,6 +306,27 @@ def _poll(core: WorkerCore, settle: Callable[[], bool], started: float, deadline
             raise SimHang(f"wait() without a timeout: {what} did not complete within {horizon} s")
         backend.sleep(pause if deadline is None else max(min(pause, deadline - now), 0.0))
         pause = min(pause * 2, longest)
+
+
+def _check_options(blocks_per_chunk: object, policy: object, pin_chunk_bytes: object, require_pinned: object,
+                   prewarm: object) -> tuple[int, int, int]:
+    """R7: the worker's numeric and flag options, checked before anything is built.
+
+    Returns:
+        ``(blocks_per_chunk, pin_chunk_bytes, prewarm)`` as Python ints.
+
+    Raises:
+        InvalidTransferError: an option of the wrong type or out of range (a bool where an int is meant included).
+    """
+    checked = (check_int("blocks_per_chunk", blocks_per_chunk, minimum=1),
+               check_int("pin_chunk_bytes", pin_chunk_bytes, minimum=1),
+               check_int("prewarm", prewarm, minimum=0))
+    if not isinstance(require_pinned, bool):
+        raise InvalidTransferError(f"require_pinned must be a bool, got {type(require_pinned).__name__} "
+                                   f"{require_pinned!r}")
+    if policy is not None and not isinstance(policy, ShutdownPolicy):
+        raise InvalidTransferError(f"policy must be a ShutdownPolicy or None, got {type(policy).__name__}")
+    return checked
 
 
 def create_worker(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheLayout, *,
@@ -322,6 +351,8 @@ def create_worker(backend: Backend, gpu_tensors: Sequence[object], layout: KVCac
     Raises:
         InvalidTransferError, OwnershipError, DeviceError: as for :class:`CPUOffloadingWorker`.
     """
+    _check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, prewarm)  # before a region is mapped
+    check_int("num_cpu_chunks", num_cpu_chunks, minimum=1)  # also when a region is given (then it is unused)
     if region is not None:
         return CPUOffloadingWorker(backend, gpu_tensors, layout, blocks_per_chunk=blocks_per_chunk, region=region,
                                    policy=policy, pin_chunk_bytes=pin_chunk_bytes, require_pinned=require_pinned,

@@ -7,7 +7,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from kvoffload_ref.testing import settings_for_ci, settings_for_dev, settings_for_fuzz
+from kvoffload_ref.testing import settings_for_ci, settings_for_dev, settings_for_fuzz, settings_for_hypofuzz
 
 # The kit's settings (no explain phase, bounded shrinking), under the names HYPOTHESIS_PROFILE selects.
 # Stateful tests (tests/test_testing_machine.py) run 4x max_examples examples of stateful_step_count steps each:
@@ -15,6 +15,9 @@ from kvoffload_ref.testing import settings_for_ci, settings_for_dev, settings_fo
 settings.register_profile("dev", settings_for_dev())
 settings.register_profile("ci", settings_for_ci())
 settings.register_profile("fuzz", settings_for_fuzz())
+# HypoFuzz (docs/conformance.md): the fuzz profile with an example database ($KVOFFLOAD_REF_EXAMPLE_DATABASE, else
+# .hypothesis/examples), which `hypothesis fuzz` needs; `HYPOTHESIS_PROFILE=hypofuzz hypothesis fuzz -- tests/...`.
+settings.register_profile("hypofuzz", settings_for_hypofuzz())
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 

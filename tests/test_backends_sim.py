@@ -814,3 +814,140 @@ def test_sim_data_path_bandwidth_against_a_contiguous_numpy_copy(capsys: pytest.
 
 def test_sim_hang_is_not_an_exception() -> None:
     assert issubclass(SimHang, BaseException) and not issubclass(SimHang, Exception)
+
+
+# -- R7: every number the sim takes is checked before any arithmetic -------------------------------------------
+
+#: The bad numbers of R7's audit, for a finite real parameter.
+BAD_REALS = [10**400, -10**400, float("nan"), float("inf"), float("-inf"), True, "1", None, -1]
+BAD_REAL_IDS = ["10**400", "-10**400", "nan", "inf", "-inf", "True", "str", "None", "-1"]
+#: ... and for an int parameter.
+BAD_INTS = [10**400, -10**400, float("nan"), float("inf"), 1.5, True, "1", None, -1]
+BAD_INT_IDS = ["10**400", "-10**400", "nan", "inf", "1.5", "True", "str", "None", "-1"]
+
+
+def _state(be: SimBackend) -> tuple[object, ...]:
+    """What a refused call must leave as it was: the clock, the ledger, the violations, pending work."""
+    return (be.monotonic(), be.ledger.live(), len(be.violations), len(be._pending))
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("arg", ["latency", "pinned_bandwidth", "pageable_bandwidth", "hang_horizon"])
+@pytest.mark.parametrize("value", BAD_REALS, ids=BAD_REAL_IDS)
+def test_sim_constructor_refuses_bad_numbers_naming_the_argument(arg: str, value: object) -> None:
+    with pytest.raises(InvalidTransferError, match=rf"^{arg}\b"):
+        SimBackend(**{arg: value})  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransferError, match=rf"^{arg}\b"):
+        backends.get_backend("sim", **{arg: value})
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("arg", ["pinned_bandwidth", "pageable_bandwidth", "hang_horizon"])
+def test_sim_constructor_refuses_zero_rates_and_horizons_but_takes_a_zero_latency(arg: str) -> None:
+    with pytest.raises(InvalidTransferError, match=rf"^{arg} = 0 is zero"):
+        SimBackend(**{arg: 0})  # type: ignore[arg-type]
+    assert SimBackend(latency=0, hang_horizon=np.float32(2.0)).hang_horizon == 2.0  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransferError, match=r"^race_check must be a bool"):
+        SimBackend(race_check=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("call", ["sleep", "clock_advance"])
+@pytest.mark.parametrize("value", BAD_REALS, ids=BAD_REAL_IDS)
+def test_sim_sleep_refuses_bad_durations_and_leaves_the_clock(rig: Rig, call: str, value: object) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0))])
+    be.sleep(1e-9)
+    before = _state(be)
+    with pytest.raises(InvalidTransferError, match=r"^seconds\b"):
+        getattr(be, call)(value)
+    assert _state(be) == before and not rig.host.any(), "nothing ran, the clock did not move"
+
+
+@pytest.mark.rule("R7")
+def test_sim_sleep_refuses_to_move_the_clock_past_the_largest_float() -> None:
+    be = SimBackend()
+    be.sleep(1.7e308)
+    with pytest.raises(InvalidTransferError, match=r"would move the clock past the largest float"):
+        be.sleep(1.7e308)
+    assert be.monotonic() == 1.7e308
+    be.sleep(1e-300)   # below the clock's resolution there: one step, never zero, never infinity
+    assert be.monotonic() == np.nextafter(1.7e308, np.inf)
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("kwargs", "message"), [
+    *[(dict(value=v), r"^enqueue_compute_write: value ") for v in [*BAD_INTS, 256]],
+    *[(dict(delay=v), r"^enqueue_compute_write: delay ") for v in BAD_REALS],
+    *[(dict(rows=v), r"^enqueue_compute_write: rows") for v in ([1.5], [True], [-1], [2**63], "1", [[0]])],
+    (dict(rows=[8]), r"^enqueue_compute_write: rows outside \[0, 8\)$"),
+])
+def test_sim_compute_write_refuses_bad_numbers_and_queues_nothing(rig: Rig, kwargs: dict[str, object],
+                                                                 message: str) -> None:
+    be = rig.be
+    args: dict[str, object] = {"rows": [1], "value": 7, "delay": 1.0, **kwargs}
+    before = _state(be)
+    with pytest.raises(InvalidTransferError, match=message):
+        be.enqueue_compute_write(rig.dev, args["rows"], args["value"], args["delay"])  # type: ignore[arg-type]
+    assert _state(be) == before
+    be.sleep(10.0)
+    assert (rig.dev[1] == 2).all(), "no kernel was queued"
+
+
+@pytest.mark.rule("R7")
+def test_sim_compute_write_takes_a_scalar_row_and_numpy_numbers(rig: Rig) -> None:
+    rig.be.enqueue_compute_write(rig.dev, np.int64(2), np.uint8(9), np.float32(0.5))  # type: ignore[arg-type]
+    rig.be.sleep(1.0)
+    assert (rig.dev[2] == 9).all() and (rig.dev[3] == 4).all()
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("value", [*BAD_INTS, 2**63], ids=[*BAD_INT_IDS, "2**63"])
+def test_sim_alloc_descriptors_refuses_bad_capacities_before_counting_a_fault(value: object) -> None:
+    from kvoffload_ref.faults import Fault, FaultPlan
+
+    plan = FaultPlan([Fault("descriptor_alloc", nth=1)])
+    be = SimBackend(plan)
+    with pytest.raises(InvalidTransferError, match=r"^descriptor capacity "):
+        be.alloc_descriptors(value)  # type: ignore[arg-type]
+    assert be.ledger.live() == {} and plan.fired == []
+    with pytest.raises(DeviceError):   # the first valid call is still the first call at the point
+        be.alloc_descriptors(1)
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("value", [1.5, float("nan"), True, "1", None, 10**400], ids=repr)
+def test_sim_copy_batch_refuses_a_count_that_is_not_an_int(rig: Rig, value: object) -> None:
+    be = rig.be
+    stream = be.create_stream()
+    buf = be.alloc_descriptors(1)
+    before = _state(be)
+    with pytest.raises(InvalidTransferError, match=r"^copy_batch: count "):
+        be.copy_batch(stream, buf, value)  # type: ignore[arg-type]
+    assert _state(be) == before
+    with pytest.raises(InvalidTransferError, match=r"^copy_batch: count 2 outside \[0, 1\]$"):
+        be.copy_batch(stream, buf, 2)
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("shape", [(1.5, 8), (8, True), ("8", 8), (8,), 8, (10**400, 1), (2**40, 2**40), (0, 8)],
+                         ids=repr)
+def test_sim_empty_device_refuses_a_bad_shape(shape: object) -> None:
+    be = SimBackend()
+    with pytest.raises(InvalidTransferError, match=r"^shape"):
+        be.empty_device(shape)  # type: ignore[arg-type]
+    assert be._device_arrays == []
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("ptr", "nbytes"), [(4096.0, 8), (4096, 8.0), (True, 8), (4096, 10**400), (2**63, 1),
+                                             (2**63 - 8, 16)], ids=repr)
+def test_sim_host_calls_refuse_addresses_and_sizes_that_are_not_int64_ints(ptr: object, nbytes: object) -> None:
+    be = SimBackend()
+    with pytest.raises(InvalidTransferError, match=r"^track_host"):
+        be.track_host(ptr, nbytes)  # type: ignore[arg-type]
+    if ptr != 2**63 - 8:   # host_register checks the types and the int64 range; the range itself is the device's
+        with pytest.raises(InvalidTransferError, match=r"^host_register"):
+            be.host_register(ptr, nbytes)  # type: ignore[arg-type]
+    assert be.ledger.live() == {}

@@ -14,6 +14,8 @@ from kvoffload_ref.bench import FIGURE_GROUPS, missed_goals, run_bench
 
 KEYS = [
     "planner_small", "planner_medium", "planner_large", "planner_scaling",
+    *(f"planner_shape_{shape}_{size}" for shape in ("8layers_bpc4", "2layers_bpc16", "64layers_bpc4", "3groups_bpc1")
+      for size in ("small", "medium", "large")),
     "datapath_4k", "datapath_64k",
     "shutdown_hung_virtual", "shutdown_hung_wall", "shutdown_hung_past_deadline",
     "shutdown_drain_phase", "shutdown_drain_total",

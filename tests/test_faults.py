@@ -414,3 +414,83 @@ def test_faults_error_nth_counts_calls_of_a_reused_job_id() -> None:
     with pytest.raises(kv.DeviceError, match="injected copy failure"):
         w.submit_store(5, spec, kv.CPULoadStoreSpec([1]))
     w.shutdown()
+
+
+# -- R7: a fault's numbers, the wrapper's horizon, and job ids beyond int64 -----------------------------------------
+
+#: The bad numbers of R7's audit for an int field (a float, a bool, a string, NaN, infinities, huge ints).
+BAD_INTS = [1.5, float("nan"), float("inf"), True, np.True_, "1"]
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("value", [*BAD_INTS, 0, -1, -10**400], ids=repr)
+def test_faults_nth_must_be_a_1_based_int(value: object) -> None:
+    with pytest.raises(kv.InvalidTransferError, match=r"^Fault\.nth "):
+        Fault("copy", nth=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("value", BAD_INTS, ids=repr)
+def test_faults_job_id_must_be_an_int(value: object) -> None:
+    # job_id=True would otherwise select job 1 (True == 1), and job_id=1.5 would never fire.
+    with pytest.raises(kv.InvalidTransferError, match=r"^Fault\.job_id must be an int, got "):
+        Fault("copy", job_id=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("value", [*BAD_INTS, -1, -10**400], ids=repr)
+def test_faults_status_must_be_an_int_ge_0(value: object) -> None:
+    with pytest.raises(kv.InvalidTransferError, match=r"^Fault\.status "):
+        Fault("copy", status=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(sticky=1), "sticky must be a bool"),
+    (dict(direction="stor"), "direction must be None, 'store' or 'load'"),
+    (dict(direction=1), "direction must be None"),
+])
+def test_faults_sticky_and_direction_are_checked(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(kv.InvalidTransferError, match=message):
+        Fault("copy", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.rule("R7")
+def test_faults_numpy_ints_are_stored_as_python_ints() -> None:
+    fault = Fault("copy", job_id=np.int64(3), nth=np.int32(2), status=np.uint16(713))  # type: ignore[arg-type]
+    assert (fault.job_id, fault.nth, fault.status) == (3, 2, 713)
+    assert all(type(v) is int for v in (fault.job_id, fault.nth, fault.status))
+    assert repr(fault) == "Fault('copy', 'error', job_id=3, nth=2, status=713)"
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("value", [10**400, -10**400, float("nan"), float("inf"), True, "1", -1, 0],
+                         ids=["10**400", "-10**400", "nan", "inf", "True", "str", "-1", "0"])
+def test_faults_faulty_backend_hang_horizon_must_be_a_finite_number_gt_0(value: object) -> None:
+    inner = SimBackend()
+    with pytest.raises(kv.InvalidTransferError, match=r"^hang_horizon "):
+        FaultyBackend(inner, FaultPlan(), hang_horizon=value)  # type: ignore[arg-type]
+    assert inner.ledger.live() == {} and inner.monotonic() == 0.0
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("job", [2**63, 2**70, -2**70], ids=["2**63", "2**70", "-2**70"])
+@FACTORIES
+def test_faults_select_job_ids_beyond_int64_like_any_other(factory: Factory, job: int) -> None:
+    """A job id is only compared, hashed and printed (tags, sets, messages), never made an int64: ids beyond
+    int64 need no bound, and a fault selects them exactly."""
+    fail, hang = Fault("event_query", job_id=job), Fault("copy", "hang", job_id=job + 1)
+    plan = FaultPlan([fail, hang])
+    be = factory(plan)
+    layout = kv.KVCacheLayout((64,), ((kv.LayerRef(0, 64),),))
+    w = kv.create_worker(be, [be.empty_device((8, 64))], layout, blocks_per_chunk=1, num_cpu_chunks=4,
+                         policy=kv.ShutdownPolicy(timeout=0.5))
+    w.submit_store(job - 1, kv.GPULoadStoreSpec([0], (1,), (0,)), kv.CPULoadStoreSpec([0]))
+    w.submit_store(job, kv.GPULoadStoreSpec([1], (1,), (0,)), kv.CPULoadStoreSpec([1]))
+    w.wait({job - 1, job}, timeout=1.0)
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(job - 1, True), (job, False)]
+    w.submit_store(job + 1, kv.GPULoadStoreSpec([2], (1,), (0,)), kv.CPULoadStoreSpec([2]))
+    with pytest.raises(kv.DeadlineExceeded, match=f"store job {job + 1} "):
+        w.wait({job + 1}, timeout=1.0)
+    assert plan.fired == [fail, hang]
+    assert w.shutdown().device_sync == "timeout"

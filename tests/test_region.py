@@ -240,3 +240,70 @@ def test_region_dropped_after_quarantine_stays_mapped_and_pinned() -> None:
     assert be.ledger.quarantined() == {"mapping": 1, "pinned": 1} and be.ledger.released() == {}
     (kept,) = [item.obj for item in kv.quarantined() if isinstance(item.obj, kv.HostRegion) and item.obj.ptr == ptr]
     assert np.frombuffer(kept._mmap, np.uint8)[0] == 0, "still mapped"  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------------------- R7: every number
+
+BAD_INTS = [10**400, -10**400, float("nan"), float("inf"), True, "1", -1]
+BAD_INT_IDS = ["10**400", "-10**400", "nan", "inf", "True", "str", "-1"]
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("value", BAD_INTS, ids=BAD_INT_IDS)
+@pytest.mark.parametrize("name", ["blocks_per_chunk", "num_cpu_chunks"])
+def test_region_allocate_refuses_bad_numbers_and_maps_nothing(name: str, value: Any) -> None:
+    be = SimBackend()
+    sizes: dict[str, Any] = {"blocks_per_chunk": 2, "num_cpu_chunks": 4, name: value}
+    with pytest.raises(kv.InvalidTransferError, match=rf"^{name} "):
+        kv.HostRegion.allocate(be, small_layout(), sizes["blocks_per_chunk"], sizes["num_cpu_chunks"])
+    assert be.ledger.live() == {}
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("bpc", "chunks"), [(2**62, 4), (2**40, 2**40), (2**63 - 1, 2**63 - 1)])
+def test_region_allocate_refuses_a_region_larger_than_an_address_spans(bpc: int, chunks: int) -> None:
+    be = SimBackend()
+    with pytest.raises(kv.InvalidTransferError, match=r"bytes: expected at most 9223372036854775807$"):
+        kv.HostRegion.allocate(be, small_layout(), bpc, chunks)
+    assert be.ledger.live() == {}
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(num_cpu_chunks=3), r"^tensor 0 ends at byte 12288, beyond the mapping of 8192 bytes$"),
+    (dict(offsets=[4096]), r"^tensor 0 ends at byte 12288, beyond the mapping of 8192 bytes$"),
+    (dict(row_strides=[2048]), r"^row_strides\[0\] = 2048 is smaller than its row"),
+    (dict(row_strides=[8192]), r"^tensor 0 ends at byte 12288, beyond the mapping"),
+    (dict(row_bytes=[4096, 4096]), r"^offsets, row_bytes and row_strides must be as long as one another"),
+    (dict(offsets=[0.0]), r"^offsets\[0\] must be an int"),
+    (dict(row_bytes=[True]), r"^row_bytes\[0\] must be an int"),
+    (dict(num_cpu_chunks=10**400), r"^num_cpu_chunks must be an int in \[1, "),
+    (dict(num_cpu_chunks=float("nan")), r"^num_cpu_chunks must be an int"),
+    (dict(offsets=[-1]), r"^offsets\[0\] must be an int in \[0, "),
+    (dict(row_strides="4096"), r"^row_strides must be a sequence of ints"),
+])
+def test_region_constructor_refuses_views_outside_its_mapping(kwargs: dict[str, Any], message: str) -> None:
+    """A view past the mapping would be a window onto memory the region does not own: refused before any view
+    is made or anything is announced to the backend."""
+    import mmap
+
+    be = SimBackend()
+    mapping = mmap.mmap(-1, 2 * PAGE)
+    args: dict[str, Any] = {"offsets": [0], "row_bytes": [4096], "num_cpu_chunks": 2, **kwargs}
+    with pytest.raises(kv.InvalidTransferError, match=message):
+        kv.HostRegion(be, mapping, args["offsets"], args["row_bytes"], args["num_cpu_chunks"],
+                      row_strides=args.get("row_strides"))
+    assert be.ledger.live() == {}
+    mapping.close()   # no view was exported: the caller's mapping closes
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("value", [*BAD_INTS[1:], 0, 1.5], ids=[*BAD_INT_IDS[1:], "0", "1.5"])
+def test_region_pin_refuses_bad_chunk_sizes_and_pins_nothing(value: Any) -> None:
+    """(A huge int is a valid chunk size: one registration for the whole region; no float is computed from it.)"""
+    be = SimBackend()
+    region = kv.HostRegion.allocate(be, small_layout(), 2, 4)
+    with pytest.raises(kv.InvalidTransferError, match=r"^pin_chunk_bytes "):
+        region.pin(value)
+    assert not region.pinned and "pinned" not in be.ledger.live()
+    region.release()

@@ -143,6 +143,34 @@ def test_shared_region_rejects_bad_rank_world_size_timeout(shm_dir: str, rank: A
         _rank(shm_dir, rank, world_size, **extra).open(SimBackend())
 
 
+BAD_NUMBERS = [10**400, -10**400, float("nan"), float("inf"), True, "1", -1]
+BAD_IDS = ["10**400", "-10**400", "nan", "inf", "True", "str", "-1"]
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("value", BAD_NUMBERS, ids=BAD_IDS)
+@pytest.mark.parametrize("name", ["timeout", "rank", "world_size", "blocks_per_chunk", "num_cpu_chunks"])
+def test_shared_region_refuses_bad_numbers_before_touching_the_file(shm_dir: str, name: str, value: Any) -> None:
+    """R7: every number is checked before any arithmetic and before the file is created (the directory stays
+    empty: the fixture checks it) or anything is announced to the backend."""
+    be = SimBackend()
+    args: dict[str, Any] = {"blocks_per_chunk": ranks.BPC, "num_cpu_chunks": ranks.CHUNKS, "rank": 0,
+                            "world_size": 2, "timeout": 1.0, name: value}
+    with pytest.raises(kv.InvalidTransferError, match=rf"^{name}\b"):
+        kv.SharedRegion.open("engine-r7", backend=be, layout=ranks.layout(), directory=shm_dir, **args)
+    assert os.listdir(shm_dir) == [] and be.ledger.live() == {}
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("bpc", "chunks"), [(2**62, 4), (2**40, 2**40)])
+def test_shared_region_refuses_a_file_larger_than_an_offset_spans(shm_dir: str, bpc: int, chunks: int) -> None:
+    be = SimBackend()
+    with pytest.raises(kv.InvalidTransferError, match=r"bytes: expected at most 9223372036854775807$"):
+        kv.SharedRegion.open("engine-r7", backend=be, layout=ranks.layout(), blocks_per_chunk=bpc,
+                             num_cpu_chunks=chunks, rank=0, world_size=2, directory=shm_dir, timeout=1.0)
+    assert os.listdir(shm_dir) == [] and be.ledger.live() == {}
+
+
 @pytest.mark.rule("R17")
 @pytest.mark.parametrize(("replicated", "stride", "offsets"), [(False, 8192, (3072, 4608)), (True, 4096, (0, 1536))])
 def test_shared_region_geometry_is_upstreams_worked_example(shm_dir: str, replicated: bool, stride: int,

@@ -14,8 +14,9 @@ def test_spec_every_rule_has_a_test_and_generated_docs_are_current() -> None:
     assert spec.check(ROOT) == []
 
 
-def test_spec_covers_r1_to_r20_in_order() -> None:
-    assert spec.rules_in_spec((ROOT / "docs" / "spec.md").read_text()) == [f"R{i}" for i in range(1, 21)]
+def test_spec_covers_r1_to_r21_and_on_in_order() -> None:
+    rules = spec.rules_in_spec((ROOT / "docs" / "spec.md").read_text())
+    assert len(rules) >= 21 and rules == [f"R{i}" for i in range(1, len(rules) + 1)]
 
 
 def test_spec_check_reports_unknown_rules_and_missing_tests(tmp_path: pathlib.Path) -> None:

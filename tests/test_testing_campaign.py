@@ -64,3 +64,17 @@ def test_testing_campaign_fails_with_a_reproduction() -> None:
 def test_testing_campaign_rejects_an_unknown_policy() -> None:
     with pytest.raises(ValueError, match="policy"):
         run_campaign(10, 1, "sometimes")
+
+
+def test_testing_campaign_jobs_total_sums_every_counter() -> None:
+    """``--jobs``' closing ``fuzz: totals:`` line sums each job's counters (the long campaign's record)."""
+    from kvoffload_ref.testing.jobs import _Tally
+    from kvoffload_ref.testing.machine import Counters
+
+    tally = _Tally(2)
+    tally.latest = [Counters(runs=2, steps=90, faults_fired=3, interrupts=1, races=4, concurrent_shutdowns=1),
+                    Counters(runs=3, steps=110, faults_fired=5, races=2, first_failure_step=0)]
+    total = tally.total()
+    assert (total.runs, total.steps, total.faults_fired, total.interrupts, total.races) == (5, 200, 8, 1, 6)
+    assert total.concurrent_shutdowns == 1 and total.first_failure_step == 0
+    assert "steps=200" in total.line()

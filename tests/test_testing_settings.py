@@ -5,16 +5,25 @@ from __future__ import annotations
 
 import time
 import unittest
+from pathlib import Path
 
 import pytest
-from hypothesis import Phase
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase, InMemoryExampleDatabase
 
 from kvoffload_ref.faults import Fault
 from kvoffload_ref.testing import kit_settings, make_machine, settings_for_ci, setups
 from kvoffload_ref.testing.campaign import quiet_logs
 from kvoffload_ref.testing.mutants import failures_reported_as_success
-from kvoffload_ref.testing.settings import bounded_shrinking
+from kvoffload_ref.testing.settings import (
+    EXAMPLE_DATABASE_ENV,
+    PROFILES,
+    bounded_shrinking,
+    register_profiles,
+    settings_for_fuzz,
+    settings_for_hypofuzz,
+)
 
 
 def test_testing_settings_have_no_explain_phase_and_no_database() -> None:
@@ -22,6 +31,36 @@ def test_testing_settings_have_no_explain_phase_and_no_database() -> None:
         assert Phase.explain not in chosen.phases and chosen.database is None and chosen.deadline is None
     assert Phase.shrink not in kit_settings(shrink=False).phases
     assert settings_for_ci().derandomize
+
+
+def test_testing_settings_hypofuzz_profile_is_the_fuzz_profile_with_an_example_database(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HypoFuzz needs the loaded profile's database (its workers died on ``database=None``): the hypofuzz
+    profile has one -- the directory $KVOFFLOAD_REF_EXAMPLE_DATABASE names, else .hypothesis/examples, or the
+    path or database given -- replays that database first, and otherwise has the fuzz profile's settings. Making
+    it writes nothing."""
+    fuzz = settings_for_fuzz()
+    monkeypatch.delenv(EXAMPLE_DATABASE_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    chosen = settings_for_hypofuzz()
+    assert chosen.database == DirectoryBasedExampleDatabase(str(tmp_path / ".hypothesis" / "examples"))
+    for name in ("max_examples", "deadline", "derandomize", "stateful_step_count", "suppress_health_check",
+                 "report_multiple_bugs"):
+        assert getattr(chosen, name) == getattr(fuzz, name), name
+    # The same phases, plus replaying the database's examples first (HypoFuzz's failures included).
+    assert [p for p in chosen.phases if p is not Phase.reuse] == list(fuzz.phases)
+    assert Phase.reuse in chosen.phases and Phase.reuse not in fuzz.phases
+    monkeypatch.setenv(EXAMPLE_DATABASE_ENV, "shared-examples")
+    assert settings_for_hypofuzz().database == DirectoryBasedExampleDatabase(str(tmp_path / "shared-examples"))
+    assert settings_for_hypofuzz(tmp_path / "named").database == DirectoryBasedExampleDatabase(
+        str(tmp_path / "named"))
+    shared = InMemoryExampleDatabase()
+    assert settings_for_hypofuzz(shared).database is shared
+    assert not list(tmp_path.iterdir())
+    register_profiles()
+    assert PROFILES[-1] == "kvoffload_ref-hypofuzz"
+    assert settings.get_profile("kvoffload_ref-hypofuzz").database is not None
+    assert settings.get_profile("kvoffload_ref-fuzz").database is None
 
 
 def test_testing_settings_machines_test_case_uses_them_and_is_a_hypothesis_test() -> None:

@@ -188,3 +188,32 @@ def test_testing_strategies_specs_skip_at_both_ends_and_leave_groups_empty() -> 
     look()
     assert kinds == {"empty", "head", "aligned", "tail"}
     assert np.array_equal(kv.CPULoadStoreSpec([1]).block_ids, [1])
+
+
+def test_testing_strategies_are_built_once_per_arguments_and_draw_the_same() -> None:
+    """The strategies a fuzz step draws from are built once per set of arguments (a new strategy is validated
+    before its first draw, which cost more than the draw): equal arguments give the same object, and a cached
+    strategy draws what a freshly built one draws."""
+    from kvoffload_ref.testing.strategies import invalid_for, specs_for
+
+    assert fault_plans(range(1, 7)) is fault_plans((1, 2, 3, 4, 5, 6))
+    assert policies() is policies(on_unproven=["quarantine", "release"])
+    assert policies(timeouts=(0, 1)) is not policies(timeouts=(0.0, 1.0))  # equal keys, but ints draw ints
+    assert faults([1, 2]) is faults((1, 2)) and completion_faults([3]) is completion_faults((3,))
+    layout = kv.KVCacheLayout(tensor_page_bytes=(16, 8), groups=((kv.LayerRef(0, 16),), (kv.LayerRef(1, 4),)))
+    assert specs_for(layout, 2, 8, 4) is specs_for(layout, 2, 8, 4)
+    assert invalid_for(layout, 2, 8, 4, INVALID_CASES) is invalid_for(layout, 2, 8, 4, tuple(INVALID_CASES))
+
+    def draws(strategy: st.SearchStrategy[object]) -> list[str]:
+        seen: list[str] = []
+
+        @settings(max_examples=30, derandomize=True, database=None)
+        @given(strategy)
+        def collect(value: object) -> None:
+            seen.append(repr(value))
+
+        collect()
+        return seen
+
+    assert draws(specs_for(layout, 2, 8, 4)) == draws(transfer_specs(layout, 2, 8, 4))
+    assert draws(setups()) == draws(setups())

@@ -226,37 +226,37 @@ def _reuse_a_reported_job_id() -> None:
 
 def _keeps_reported_ids(self: DirectionHandler) -> list[Any]:
     """A handler that forgets to drop a job id once it was reported."""
-    self._reap()
     results, self._resolved = self._resolved, []
     return results
 
 
-def _gives_back_queued_descriptors(original: Callable[..., None]) -> Callable[..., None]:
-    """A handler whose rollback treats a submission whose copy was queued as one that never reached the device."""
-    def undo(self: DirectionHandler, taken: Any) -> None:
-        taken.copy_queued = False
-        original(self, taken)
-    return undo
+def _ignores_failed_end_record(original: Callable[..., None]) -> Callable[..., None]:
+    """A handler that queues a transfer whose end event could not be recorded as if nothing had happened."""
+    def record_end(self: DirectionHandler, transfer: Any, shield: Any) -> None:
+        original(self, transfer, shield)
+        transfer.broken, self._broken = None, False
+    return record_end
 
 
 @pytest.mark.rule("R5")
 @pytest.mark.rule("R16")
-@pytest.mark.parametrize("mutant", ["keeps reported ids", "gives back queued descriptors"])
+@pytest.mark.parametrize("mutant", ["keeps reported ids", "ignores a failed end record"])
 def test_threads_the_two_hole_tests_catch_their_bug(mutant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The two tests above fail on a handler with the bug each is written for (a deliberate mutant)."""
     if mutant == "keeps reported ids":
-        monkeypatch.setattr(DirectionHandler, "get_finished", _keeps_reported_ids)
+        monkeypatch.setattr(DirectionHandler, "take_results", _keeps_reported_ids)
         with pytest.raises(kv.InvalidTransferError, match="already in flight"):
             _reuse_a_reported_job_id()
     else:
-        monkeypatch.setattr(DirectionHandler, "_undo", _gives_back_queued_descriptors(DirectionHandler._undo))
+        monkeypatch.setattr(DirectionHandler, "_record_end", _ignores_failed_end_record(DirectionHandler._record_end))
         with pytest.raises(AssertionError):
             _fail_after_the_copy_was_queued()
 
 
 @pytest.mark.rule("R13")
+@pytest.mark.rule("R14")
 @pytest.mark.rule("R16")
-def test_threads_submission_failing_after_its_copy_never_reuses_its_descriptors() -> None:
+def test_threads_submission_failing_after_its_copy_is_queued_and_never_reuses_its_descriptors() -> None:
     _fail_after_the_copy_was_queued()
 
 
@@ -265,15 +265,19 @@ def _fail_after_the_copy_was_queued() -> None:
     w.submit_store(1, gspec([1]), cspec([1]))
     w.wait({1})
     w.get_finished()  # job 1's descriptor buffer is idle in the pool now
-    with inject(be, "record", lambda: kv.DeviceError("end record failed", 700), job_id=2, nth=3), \
-            pytest.raises(kv.DeviceError):
-        w.submit_store(2, gspec([2]), cspec([2]))  # the copy was queued, then the end record failed
-    assert w.stats().store.unproven == 1 and w.stats().store.pooled_descriptors == 0
+    with inject(be, "record", lambda: kv.DeviceError("end record failed", 700), job_id=2, nth=3):
+        # the copy was queued, then the end record failed: the job is queued all the same (R14), and since its
+        # end event can never prove it, it is reported failed (R5)
+        assert w.submit_store(2, gspec([2]), cspec([2]))
+    assert w.stats().store.queued == 1 and w.stats().store.pooled_descriptors == 0
     allocated = be.ledger.acquired().get("descriptor", 0)
     w.submit_store(3, gspec([3]), cspec([3]))
     assert be.ledger.acquired().get("descriptor", 0) == allocated + 1  # a new buffer, not job 2's
     w.wait({3})
-    assert [r.job_id for r in w.get_finished()] == [3]
+    results = w.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(2, False), (3, False)]  # 3 is behind the failure (R5)
+    assert "end record failed" in str(results[0].error)
+    assert w.stats().store.unproven == 2  # never reused: the device may still read their descriptors
     report = w.shutdown()
     assert report.device_sync == "ok" and report.region == "released"  # not the clean path: proven idle
     assert not be.violations

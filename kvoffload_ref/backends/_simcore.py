@@ -53,6 +53,7 @@ from kvoffload_ref.errors import (
     InvalidTransferError,
     SimHang,
 )
+from kvoffload_ref.specs import INT64_MAX, check_int, check_positive, check_seconds
 
 __all__ = ["SimCore", "checked_shape", "describe", "tag_of", "transfer_name"]
 
@@ -63,14 +64,20 @@ class SimCore:
     """State and internal steps of the simulated device (the constructor's arguments: see ``SimBackend``).
 
     Raises:
-        ValueError: a negative latency, or a non-positive bandwidth or horizon.
+        InvalidTransferError: a latency that is not a finite number of seconds >= 0, a bandwidth or a hang
+            horizon that is not a finite number > 0 (a bool, a string, NaN, an infinity and an int too large for a
+            float included), or a ``race_check`` that is not a bool (R7).
     """
 
     def __init__(self, faults: FaultSource | None = None, *, latency: float = 5e-6,
                  pinned_bandwidth: float = 25e9, pageable_bandwidth: float = 8e9,
                  hang_horizon: float = 3600.0, race_check: bool = True) -> None:
-        if latency < 0 or min(pinned_bandwidth, pageable_bandwidth, hang_horizon) <= 0:
-            raise ValueError("latency must be >= 0; bandwidths and hang_horizon must be > 0")
+        latency = check_seconds("latency", latency)
+        pinned_bandwidth = check_positive("pinned_bandwidth", pinned_bandwidth, unit="bytes per second")
+        pageable_bandwidth = check_positive("pageable_bandwidth", pageable_bandwidth, unit="bytes per second")
+        hang_horizon = check_positive("hang_horizon", hang_horizon, unit="seconds")
+        if not isinstance(race_check, bool):
+            raise InvalidTransferError(f"race_check must be a bool, got {type(race_check).__name__} {race_check!r}")
         self._plan = faults
         self._latency, self._hang_horizon = latency, hang_horizon
         self._pinned_bw, self._pageable_bw = pinned_bandwidth, pageable_bandwidth
@@ -117,10 +124,14 @@ class SimCore:
         The caller vouches that the memory stays mapped until :meth:`untrack_host`. No device failure applies.
 
         Raises:
-            InvalidTransferError: a non-positive size or address, or a range overlapping live memory.
+            InvalidTransferError: an address or size that is not an int, not positive, or ends beyond the int64
+                address range; or a range overlapping live memory.
         """
-        if ptr <= 0 or nbytes <= 0:
-            raise InvalidTransferError(f"track_host({ptr:#x}, {nbytes}): address and size must be positive")
+        ptr = check_int("track_host: ptr", ptr, maximum=INT64_MAX)
+        nbytes = check_int("track_host: nbytes", nbytes, maximum=INT64_MAX)
+        if ptr <= 0 or nbytes <= 0 or ptr + nbytes > INT64_MAX:
+            raise InvalidTransferError(f"track_host({ptr:#x}, {nbytes}): address and size must be positive, and "
+                                       "the range must end within the int64 address range")
         if self.on_call is not None:
             self.on_call("track_host", None)
         with self._lock:
@@ -151,9 +162,12 @@ class SimCore:
         """Pin [ptr, ptr+nbytes) of a tracked mapping (ledger kind "pinned", key ptr). Fault point.
 
         Raises:
+            InvalidTransferError: ``ptr`` or ``nbytes`` is not an int (or beyond int64); nothing is counted.
             DeviceError: an injected fault or a lost device; status 1 if the range is not inside one tracked
                 mapping; 712 if it overlaps a pinned range.
         """
+        ptr = check_int("host_register: ptr", ptr, maximum=INT64_MAX)
+        nbytes = check_int("host_register: nbytes", nbytes, maximum=INT64_MAX)
         if self.on_call is not None:
             self.on_call("host_register", None)
         with self._lock:
@@ -423,12 +437,19 @@ def transfer_name(tag: Tag | None, stream: SimStream) -> str:
 
 
 def checked_shape(shape: tuple[int, int]) -> tuple[int, int]:
-    try:
-        rows, row_bytes = (int(n) for n in shape)
-    except (TypeError, ValueError):
-        raise InvalidTransferError(f"shape must be (rows, row_bytes), got {shape!r}") from None
-    if rows <= 0 or row_bytes <= 0:
-        raise InvalidTransferError(f"shape must be positive, got {shape!r}")
+    """A device array's ``(rows, row_bytes)``: two ints >= 1 whose product fits in int64 (R7).
+
+    Raises:
+        InvalidTransferError: not a pair, an element that is not an int (a float, a bool, a string), a size < 1,
+            or more bytes than int64 addresses span.
+    """
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2:
+        raise InvalidTransferError(f"shape must be (rows, row_bytes), got {type(shape).__name__} {shape!r}")
+    rows = check_int("shape[0] (rows)", shape[0], minimum=1, maximum=INT64_MAX)
+    row_bytes = check_int("shape[1] (row_bytes)", shape[1], minimum=1, maximum=INT64_MAX)
+    if rows * row_bytes > INT64_MAX:
+        raise InvalidTransferError(f"shape {rows} x {row_bytes} is {rows * row_bytes} bytes: expected at most "
+                                   f"{INT64_MAX}")
     return rows, row_bytes
 
 

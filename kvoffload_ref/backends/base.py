@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from kvoffload_ref.errors import DeviceError, LifecycleError
 from kvoffload_ref.layout import TensorGeometry
+from kvoffload_ref.shield import Shield
 
 __all__ = [
     "RESOURCE_KINDS",
@@ -540,7 +541,22 @@ def record_and_poll(backend: Backend, streams: Sequence[Stream], deadline: float
             pending[:] = [e for e in pending if not backend.query(e)]
             return not pending
 
-        return poll_until(backend, all_done, deadline)
-    finally:
-        for event in events:
-            backend.destroy_event(event)
+        done = poll_until(backend, all_done, deadline)
+    except BaseException:
+        _destroy_all(backend, events)  # an interrupt meanwhile is dropped: the one in flight propagates
+        raise
+    _destroy_all(backend, events).reraise()
+    return done
+
+
+def _destroy_all(backend: Backend, events: list[Event]) -> Shield:
+    """Destroy the proof's events, every one whatever interrupts arrive meanwhile (R14: none stays live).
+
+    Returns:
+        The shield holding the interrupt that arrived meanwhile, for the caller to re-raise.
+    """
+    shield = Shield()
+    while events:
+        shield.run(lambda: backend.destroy_event(events[-1]))
+        events.pop()
+    return shield

@@ -33,6 +33,7 @@ and every call but the clock, the release calls (``destroy_*``, ``free_descripto
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -68,6 +69,7 @@ from kvoffload_ref.errors import (
     InvalidTransferError,
     SimHang,
 )
+from kvoffload_ref.specs import INT64_MAX, check_id_array, check_int, check_seconds
 
 __all__ = ["SimBackend", "SimEvent", "SimHang", "SimStream", "Violation", "ViolationKind"]
 
@@ -98,7 +100,9 @@ class SimBackend(SimCore):
     run outside it (``prove_idle`` is made of ordinary calls).
 
     Raises:
-        ValueError: a negative latency, or a non-positive bandwidth or horizon.
+        InvalidTransferError: a latency that is not a finite number of seconds >= 0, a bandwidth or a horizon that
+            is not a finite number > 0 (a bool, a string, NaN, an infinity or an int too large for a float is
+            refused), or a ``race_check`` that is not a bool (R7). It is a ValueError.
     """
 
     name: str = "sim"
@@ -201,15 +205,15 @@ class SimBackend(SimCore):
         """A zeroed descriptor buffer for ``capacity`` copies (ledger kind "descriptor", key id(buffer)).
 
         Raises:
-            InvalidTransferError: a negative capacity.
+            InvalidTransferError: a capacity that is not an int in [0, 2**63 - 1] (checked first: no fault point is
+                counted).
             DeviceError: an injected ``descriptor_alloc`` fault or a lost device.
         """
+        capacity = check_int("descriptor capacity", capacity, minimum=0, maximum=INT64_MAX)
         if self.on_call is not None:
             self.on_call("descriptor_alloc", tag)
         with self._lock:
             self._fault("descriptor_alloc", tag)
-            if capacity < 0:
-                raise InvalidTransferError(f"descriptor capacity must be >= 0, got {capacity}")
             src, dst, sizes = np.zeros((3, capacity), dtype=np.int64)  # one allocation, three rows
             buf = DescriptorBuffer(src, dst, sizes, handle=f"sim-descriptors-{next(self._labels)}")
             self._buffers[id(buf)] = buf
@@ -432,9 +436,11 @@ class SimBackend(SimCore):
         illegal-address error then (violation ``illegal_address``).
 
         Raises:
-            InvalidTransferError: ``count`` outside [0, capacity].
+            InvalidTransferError: ``count`` is not an int (checked first: no fault point is counted), or is outside
+                [0, capacity].
             DeviceError: an injected ``copy`` fault, a lost device, or a stream or buffer that is not live (400).
         """
+        count = check_int("copy_batch: count", count)
         if self.on_call is not None:
             self.on_call("copy", tag)
         with self._lock:
@@ -464,21 +470,36 @@ class SimBackend(SimCore):
     def sleep(self, seconds: float) -> None:
         """Advance the virtual clock by ``seconds``, running the work due by then. Never raises a DeviceError.
 
+        A duration too short to move the clock (below its resolution at the current time) moves it by one step.
+
+        Args:
+            seconds: a finite number of seconds >= 0 (an int or a float).
+
         Raises:
-            ValueError: a negative duration.
+            InvalidTransferError: a negative duration, NaN, an infinity, a bool, a non-number, an int too large for
+                a float, or a duration that would move the clock past the largest float (R7; the clock is left
+                as it was). It is a ValueError.
         """
         if self.on_call is not None:
             self.on_call("sleep", None)
-        if seconds < 0:
-            raise ValueError(f"cannot sleep a negative time ({seconds})")
+        seconds = check_seconds("seconds", seconds)
         with self._lock:
             now = self._sched.now
-            target = now + seconds if now + seconds > now or seconds == 0 else np.nextafter(now, np.inf)
-            self._sched.run(float(target))
-            self._sched.now = max(self._sched.now, float(target))
+            target = now + seconds
+            if target == math.inf:
+                raise InvalidTransferError(f"sleep({seconds!r}) at virtual time {now!r} would move the clock past "
+                                           "the largest float")
+            if target == now and seconds != 0:
+                target = float(np.nextafter(now, np.inf))
+            self._sched.run(target)
+            self._sched.now = max(self._sched.now, target)
 
     def clock_advance(self, seconds: float) -> None:
-        """Test helper: the same as :meth:`sleep`."""
+        """Test helper: the same as :meth:`sleep`.
+
+        Raises:
+            InvalidTransferError: what :meth:`sleep` raises.
+        """
         self.sleep(seconds)
 
     def prove_idle(self, streams: Sequence[Stream], deadline: float) -> bool:
@@ -520,23 +541,25 @@ class SimBackend(SimCore):
             stream: the compute stream, as :meth:`compute_stream` resolves it (None: the default one).
 
         Raises:
-            InvalidTransferError: not a device array of this backend, a row out of range, a value outside
-                0..255, a negative delay, or a stream :meth:`compute_stream` refuses.
+            InvalidTransferError: not a device array of this backend, rows that are not a 1-D list of ints
+                (or a scalar int) in range, a value that is not an int in 0..255, a delay that is not a finite
+                number of seconds >= 0, or a stream :meth:`compute_stream` refuses.
             DeviceError: the device is lost.
         """
+        byte = check_int("enqueue_compute_write: value", value, minimum=0, maximum=255)
+        seconds = check_seconds("enqueue_compute_write: delay", delay)
+        scalar = isinstance(rows, (int, np.integer)) and not isinstance(rows, bool)
+        picked = check_id_array("enqueue_compute_write: rows", [rows] if scalar else rows, noun="rows")
         target_stream = cast(SimStream, self.compute_stream(stream))
         with self._lock:
             self._check_alive()
             target = self._device_view(dev)
-            picked = np.asarray(rows, dtype=np.int64).reshape(-1)
-            if picked.size and (picked.min() < 0 or picked.max() >= target.shape[0]):
+            if picked.size and picked.max() >= target.shape[0]:
                 raise InvalidTransferError(f"enqueue_compute_write: rows outside [0, {target.shape[0]})")
-            if not 0 <= value <= 255 or delay < 0:
-                raise InvalidTransferError("enqueue_compute_write: value must be a byte and delay >= 0")
             if self._race is not None:
                 name = f"compute work on stream {target_stream.label!r}"
                 self._check_race(target_stream, name, None, rows_access(target, picked))
-            self._sched.submit(ComputeOp(target_stream, target, picked, value, delay))
+            self._sched.submit(ComputeOp(target_stream, target, picked, byte, seconds))
 
 
 if TYPE_CHECKING:

@@ -67,6 +67,15 @@ class _NoLock:
                  tb: TracebackType | None) -> None:
         return None
 
+    def acquire(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        return None
+
+    def _is_owned(self) -> bool:
+        return False
+
 
 def _small_worker(be: SimBackend) -> CPUOffloadingWorker:
     layout = KVCacheLayout((4 * KiB, 4 * KiB), ((LayerRef(0, 4 * KiB), LayerRef(1, 4 * KiB)),))

@@ -10,6 +10,15 @@ naive per-(ref, block) Python loop computing the same descriptors (no validation
 into int64 arrays, measured on the *same* sizes (not extrapolated); its output is checked equal to the planner's.
 The one-call :func:`~kvoffload_ref.layout.plan_copies` (validates the geometry too, returns new arrays) is timed
 as well and reported in the notes. Plus the scaling figure: planner time at the largest size over the middle one.
+
+*Layout shapes.* :data:`SHAPES` are four more layouts -- 8 layers at ``blocks_per_chunk`` 4, 2 layers at 16, 64
+layers at 4, 3 groups of 4 layers at 1 -- with 2 KiB pages (1984 bytes copied per layer), GPU blocks in order, CPU
+chunks in reverse, each group entering its first chunk at sub-block 1 when ``blocks_per_chunk > 1``. Each is timed
+through :func:`~kvoffload_ref.layout.plan_copies` in both directions at the same three sizes (best of 7 runs, 3
+from 100k descriptors on, after a warm-up); a figure is the slower direction's rate, and its reference is the
+realistic layout's ``plan_copies`` rate at the same size, measured above in the same run (the ratio says whether
+a shape is a slow path). Goals: >= 2 M/s at the small size (a sanity floor: the fixed per-call cost dominates),
+>= 20 M/s from the middle size on. (These were the floors of a wall-clock unit test; absolute speed belongs here.)
 """
 
 from __future__ import annotations
@@ -35,7 +44,9 @@ from kvoffload_ref.bench.common import (
     result,
 )
 from kvoffload_ref.layout import (
+    CopyPlan,
     CPULoadStoreSpec,
+    Direction,
     GPULoadStoreSpec,
     KVCacheLayout,
     LayerRef,
@@ -44,13 +55,29 @@ from kvoffload_ref.layout import (
     plan_copies,
 )
 
-__all__ = ["GOAL_PLANNER_RATE", "GOAL_PLANNER_VS_LOOP", "GOAL_SCALING", "bench_planner", "figures"]
+__all__ = [
+    "GOAL_PLANNER_RATE", "GOAL_PLANNER_VS_LOOP", "GOAL_SCALING", "GOAL_SHAPE_SMALL_RATE", "SHAPES", "ShapeCase",
+    "bench_planner", "bench_planner_shapes", "figures", "shape_case",
+]
 
 PLANNER_PAGE: Final = 16 * KiB
 #: Goals (issue 6, item 4).
 GOAL_PLANNER_RATE: Final = 20e6
 GOAL_PLANNER_VS_LOOP: Final = 50.0
 GOAL_SCALING: Final = 11.0
+#: The layout shapes' floor at the small size (at the larger sizes: GOAL_PLANNER_RATE).
+GOAL_SHAPE_SMALL_RATE: Final = 2e6
+
+#: The layout shapes: key -> (words for the table, refs per group, groups, blocks_per_chunk).
+SHAPES: Final[dict[str, tuple[str, int, int, int]]] = {
+    "8layers_bpc4": ("8 layers, bpc 4", 8, 1, 4),
+    "2layers_bpc16": ("2 layers, bpc 16", 2, 1, 16),
+    "64layers_bpc4": ("64 layers, bpc 4", 64, 1, 4),
+    "3groups_bpc1": ("3 groups x 4 layers, bpc 1", 4, 3, 1),
+}
+SHAPE_PAGE: Final = 2 * KiB
+#: Bytes of each page a shape's refs copy (the rest is padding).
+SHAPE_COPIED: Final = SHAPE_PAGE - 64
 
 
 
@@ -183,8 +210,103 @@ def _planner_goal(which: str) -> tuple[str, list[Goal]]:
             [Goal("ratio", ">=", GOAL_PLANNER_VS_LOOP), Goal("value", ">=", GOAL_PLANNER_RATE)])
 
 
+@dataclasses.dataclass(frozen=True)
+class ShapeCase:
+    """One layout shape's transfer: the arguments of :func:`~kvoffload_ref.layout.plan_copies` but the direction.
+
+    Attributes:
+        layout: ``groups`` groups of ``refs`` layers, one tensor each, 2 KiB pages.
+        gpu: one synthetic geometry per tensor (no memory behind it).
+        cpu: likewise, one CPU view per tensor.
+        gpu_spec: blocks ``0..n-1`` (``n`` per group), each group entering its first chunk at sub-block
+            ``min(1, bpc - 1)``.
+        cpu_spec: every chunk the groups need, in reverse order.
+        bpc: blocks per chunk.
+        descriptors: the plan's number of copies (``n`` x refs x groups; at most the size asked for).
+    """
+
+    layout: KVCacheLayout
+    gpu: tuple[TensorGeometry, ...]
+    cpu: tuple[TensorGeometry, ...]
+    gpu_spec: GPULoadStoreSpec
+    cpu_spec: CPULoadStoreSpec
+    bpc: int
+    descriptors: int
+
+    def plan(self, direction: Direction) -> CopyPlan:
+        """``plan_copies`` of this transfer in ``direction``."""
+        src, dst = (self.gpu_spec, self.cpu_spec) if direction == "store" else (self.cpu_spec, self.gpu_spec)
+        return plan_copies(self.layout, direction, src, dst, self.gpu, self.cpu, self.bpc)
+
+
+def shape_case(num_descriptors: int, refs: int, groups: int, bpc: int) -> ShapeCase:
+    """The transfer of one layout shape (see the module docstring) of about ``num_descriptors`` copies.
+
+    Args:
+        num_descriptors: the size; each group gets ``num_descriptors // (refs * groups)`` blocks (>= 1).
+        refs: layers (tensors) per group.
+        groups: KV-cache groups.
+        bpc: blocks per chunk.
+
+    Returns:
+        The case.
+    """
+    skip = min(1, bpc - 1)
+    blocks = max(1, num_descriptors // (refs * groups))
+    chunks = -(-(blocks + skip) // bpc)
+    tensors = refs * groups
+    layout = KVCacheLayout([SHAPE_PAGE] * tensors,
+                           [[LayerRef(g * refs + r, SHAPE_COPIED) for r in range(refs)] for g in range(groups)])
+    gpu = tuple(TensorGeometry(0x7000_0000_0000 + t * 2**36, blocks * groups, SHAPE_PAGE, SHAPE_PAGE)
+                for t in range(tensors))
+    row = SHAPE_PAGE * bpc
+    cpu = tuple(TensorGeometry(0x1000_0000 + t * row, chunks * groups, row, row * tensors) for t in range(tensors))
+    gpu_spec = GPULoadStoreSpec(np.arange(blocks * groups), [blocks] * groups, [skip] * groups)
+    cpu_spec = CPULoadStoreSpec(np.arange(chunks * groups)[::-1])
+    return ShapeCase(layout, gpu, cpu, gpu_spec, cpu_spec, bpc, blocks * refs * groups)
+
+
+def _shape_rate(case: ShapeCase, direction: Direction, quick: bool) -> float:
+    """Best-of-N descriptors per second of ``plan_copies`` on one shape and direction, after a warm-up."""
+    runs = 2 if quick else (3 if case.descriptors > 100_000 else 7)
+    best = best_of(lambda: case.plan(direction), runs)
+    got = case.plan(direction).num_ops
+    if got != case.descriptors:
+        raise AssertionError(f"plan_copies made {got} copies of a {case.descriptors}-copy transfer")
+    return case.descriptors / best
+
+
+def bench_planner_shapes(sizes: Sizes, quick: bool, baseline: list[float]) -> list[Result]:
+    """``plan_copies`` on each layout shape, both directions, at the three planner sizes.
+
+    Args:
+        sizes: the run's sizes (``sizes.planner``).
+        quick: the smoke run (fewer repeats).
+        baseline: per size, the realistic layout's ``plan_copies`` rate in descriptors/s (the reference).
+
+    Returns:
+        One result per (shape, size), keyed ``planner_shape_<shape>_<small|medium|large>``: the slower
+        direction's rate, both directions in the note.
+    """
+    results: list[Result] = []
+    for key, (words, refs, groups, bpc) in SHAPES.items():
+        for which, size, reference in zip(("small", "medium", "large"), sizes.planner, baseline, strict=True):
+            case = shape_case(size, refs, groups, bpc)
+            store, load = (_shape_rate(case, direction, quick) for direction in ("store", "load"))
+            floor = GOAL_SHAPE_SMALL_RATE if which == "small" else GOAL_PLANNER_RATE
+            results.append(result(
+                f"planner_shape_{key}_{which}", f"plan_copies, {words}, {label(size)} descriptors",
+                (min(store, load), "descriptors/s"),
+                (reference, "descriptors/s", f"plan_copies on the realistic layout, {label(size)} descriptors"),
+                f">= {floor / 1e6:.0f} M/s", [Goal("value", ">=", floor)],
+                note=f"slower direction of store {store / 1e6:.3g} M desc/s and load {load / 1e6:.3g} M desc/s; "
+                     f"{case.descriptors} descriptors"))
+    return results
+
+
 def bench_planner(sizes: Sizes, quick: bool) -> list[Result]:
-    """Planner rate at three sizes against the naive loop, and the scaling from the middle to the largest size."""
+    """Planner rate at three sizes against the naive loop, the scaling from the middle to the largest size, and
+    ``plan_copies`` on the layout shapes (:func:`bench_planner_shapes`)."""
     timings = [_time_planner(n, quick) for n in sizes.planner]
     results: list[Result] = []
     for which, t in zip(("small", "medium", "large"), timings, strict=True):
@@ -204,10 +326,11 @@ def bench_planner(sizes: Sizes, quick: bool) -> list[Result]:
         (large.planner, "s"), (medium.planner, "s", f"planner time at {label(medium.descriptors)}"),
         f"<= {GOAL_SCALING:.0f}x", [Goal("ratio", "<=", GOAL_SCALING)],
         note=f"{large.descriptors // medium.descriptors}x the descriptors"))
-    return results
-
+    baseline = [t.descriptors / t.one_call for t in timings]
+    return results + bench_planner_shapes(sizes, quick, baseline)
 
 
 def figures(run: BenchRun) -> list[Result]:
-    """The planner figure group: ``planner_small``, ``planner_medium``, ``planner_large``, ``planner_scaling``."""
+    """The planner figure group: ``planner_small``, ``planner_medium``, ``planner_large``, ``planner_scaling``,
+    then ``planner_shape_<shape>_<small|medium|large>`` for each of :data:`SHAPES`."""
     return bench_planner(run.sizes, run.quick)

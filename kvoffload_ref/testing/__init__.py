@@ -39,6 +39,7 @@ from kvoffload_ref.testing.settings import (
     settings_for_ci,
     settings_for_dev,
     settings_for_fuzz,
+    settings_for_hypofuzz,
 )
 from kvoffload_ref.testing.strategies import (
     INVALID_CASES,
@@ -85,6 +86,7 @@ __all__ = [
     "settings_for_ci",
     "settings_for_dev",
     "settings_for_fuzz",
+    "settings_for_hypofuzz",
     "setups",
     "transfer_specs",
 ]

@@ -10,6 +10,8 @@ backend and offers the :class:`WorkerLike` methods. That is the whole adapter (s
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -20,6 +22,7 @@ from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Ledger
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.faults import Fault, FaultPlan, FaultPoint
 from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
+from kvoffload_ref.shared_region import SharedRegion
 from kvoffload_ref.worker import ShutdownPolicy, create_worker
 
 __all__ = [
@@ -58,6 +61,8 @@ class Setup:
         schedule: "racy": the machine queues work that conflicts with unobserved work as drawn (R20 races on
             purpose); "ordered": before such work it waits for the conflicting jobs (the caller's duty, R20), and
             skips the work if they cannot be observed complete.
+        shared_region: the worker's region is a one-rank ``SharedRegion`` (a /dev/shm file) instead of private
+            memory (a factory that cannot build one may ignore it).
     """
 
     layout: KVCacheLayout
@@ -70,6 +75,7 @@ class Setup:
     pin_chunk_bytes: int = 1 << 30
     seed: int = 0
     schedule: str = "racy"
+    shared_region: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,7 +432,22 @@ class SimDevice:
 
 
 def reference_factory(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
-    """Build kvoffload_ref's own worker (``create_worker``) for a setup."""
-    return create_worker(backend, gpu, setup.layout, blocks_per_chunk=setup.blocks_per_chunk,
-                         num_cpu_chunks=setup.num_cpu_chunks, policy=setup.policy,
-                         pin_chunk_bytes=setup.pin_chunk_bytes)
+    """Build kvoffload_ref's own worker (``create_worker``) for a setup (over a one-rank SharedRegion when the
+    setup asks for one; the region is released again if the worker cannot be built, R2)."""
+    region = None
+    if setup.shared_region:
+        region = SharedRegion.open(f"kvoffload-kit-{os.getpid()}-{next(_ENGINES)}", backend=backend,
+                                   layout=setup.layout, blocks_per_chunk=setup.blocks_per_chunk,
+                                   num_cpu_chunks=setup.num_cpu_chunks, rank=0, world_size=1)
+    try:
+        return create_worker(backend, gpu, setup.layout, blocks_per_chunk=setup.blocks_per_chunk,
+                             num_cpu_chunks=setup.num_cpu_chunks, policy=setup.policy,
+                             pin_chunk_bytes=setup.pin_chunk_bytes, region=region)
+    except BaseException:
+        if region is not None:
+            region.release()
+        raise
+
+
+#: Numbers the engine ids of the shared regions the reference factory opens (unique within the process).
+_ENGINES = itertools.count()

@@ -4,7 +4,9 @@
 :func:`~kvoffload_ref.testing.campaign.run_campaign` with a seed derived from the campaign's seed
 (:func:`derive_seed`; job 0 keeps the campaign seed), and its share of the steps or the whole time. It prints
 one aggregated progress line at most every second; at the first failure it prints that job's report (with the
-job's seed and the command that repeats it alone), stops the other jobs and returns 1.
+job's seed and the command that repeats it alone), stops the other jobs and returns 1. When every job passed it
+prints the jobs' counters summed (``fuzz: totals: ...``: steps, runs, faults fired, interrupts, concurrent
+shutdowns, races, ...) before ``fuzz: OK``.
 """
 
 from __future__ import annotations
@@ -113,6 +115,17 @@ class _Tally:
                 f"violations {sum(c.violations for c in self.latest)}  "
                 f"accepted release-policy hazards {sum(c.hazards for c in self.latest)}\n")
 
+    def total(self) -> Counters:
+        """Every counter summed over the jobs (``first_failure_step``: the first job's that has one)."""
+        summed = Counters()
+        for field in dataclasses.fields(Counters):
+            values = [getattr(c, field.name) for c in self.latest]
+            if field.name == "first_failure_step":
+                setattr(summed, field.name, next((v for v in values if v), 0))
+            else:
+                setattr(summed, field.name, sum(values))
+        return summed
+
 
 def _child(job: _Job, messages: multiprocessing.Queue[_Message]) -> None:
     """One job: a campaign whose progress and outcome go to the parent."""
@@ -216,6 +229,7 @@ def _collect(plans: Sequence[_Job], processes: Sequence[multiprocessing.process.
             out.write(tally.line(goal, started))
             out.flush()
     out.write(tally.line(goal, started))
+    out.write(f"fuzz: totals: {tally.total().line()}\n")
     out.write(f"fuzz: OK: {len(plans)} jobs, no violation\n")
     return 0
 

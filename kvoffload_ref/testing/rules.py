@@ -29,8 +29,8 @@ from kvoffload_ref.testing.strategies import (
     INVALID_CASES,
     completion_faults,
     faults,
-    invalid_transfers,
-    transfer_specs,
+    invalid_for,
+    specs_for,
 )
 
 __all__ = ["CLOCK_STEPS", "COMPLETION_SLOTS", "COMPUTE_DELAYS", "FAULT_SLOTS", "WAIT_TIMEOUTS", "TransferRules"]
@@ -44,6 +44,11 @@ FAULT_SLOTS: Final = faults(range(8))
 #: An error at a transfer's completion (its end event's query or sync); its job_id, if any, is a slot (0-7) the
 #: machine maps to a pending job first (to one of the next jobs when none is pending).
 COMPLETION_SLOTS: Final = completion_faults(range(8))
+#: A worker's drawn lifetime (steps before the machine may shut it down): mostly short, sometimes long.
+LIFETIMES: Final = st.one_of(st.integers(0, 8), st.integers(0, 60))
+#: The R7 cases drawn without (False) and with (True) a pending job to reuse the id of.
+_INVALID_CASES: Final = {flight: tuple(c for c in INVALID_CASES if flight or c != "job id in flight")
+                         for flight in (False, True)}
 
 
 class TransferRules(Checks):
@@ -68,19 +73,16 @@ class TransferRules(Checks):
 
     def _start(self, data: st.DataObject) -> None:
         setup = self.setup = data.draw(self.setup_strategy, label="setup")
-        self.lifetime = data.draw(st.one_of(st.integers(0, 8), st.integers(0, 60)), label="lifetime")
+        self.lifetime = data.draw(LIFETIMES, label="lifetime")
         self.age, self.seen_firings, self.hazard_counted = 0, 0, False
         self.worker, self.model, self.report = None, None, None
         type(self).counters.workers += 1
         self._say(f"setup = {setup!r}")
         self._say(f"dev = SimDevice(setup)\nw = {self.factory_name}(dev.backend, dev.gpu, setup)")
-        self.specs = transfer_specs(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks,
-                                    setup.num_cpu_chunks)
-        self.invalid = {
-            flight: invalid_transfers(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks,
-                                      setup.num_cpu_chunks,
-                                      cases=[c for c in INVALID_CASES if flight or c != "job id in flight"])
-            for flight in (False, True)}
+        self.specs = specs_for(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks, setup.num_cpu_chunks)
+        self.invalid = {flight: invalid_for(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks,
+                                            setup.num_cpu_chunks, cases)
+                        for flight, cases in _INVALID_CASES.items()}
         self.dev = self._make_device(setup)
         self.race, self.races_seen = RaceModel(), 0
         try:

@@ -2,13 +2,19 @@
 
 Every value drawn has a repr that is valid Python once ``from kvoffload_ref import *`` and
 ``from kvoffload_ref.testing import *`` ran, so a failing example can be pasted back.
+
+The strategies are built once per distinct set of arguments (``functools.lru_cache``), not at every draw: a
+strategy Hypothesis has not seen yet is validated (its whole tree) before its first draw, which cost more than the
+draw itself (about a third of a fuzz step's time went to building and validating the setup's and the transfers'
+strategies). A cached strategy is the same strategy: the examples drawn, for a given seed, are the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
-from typing import Final, Literal
+from typing import Final, Literal, TypeVar, cast
 
 from hypothesis import strategies as st
 
@@ -31,6 +37,7 @@ __all__ = [
 ]
 
 Direction = Literal["store", "load"]
+T = TypeVar("T")
 SpecPair = tuple[GPULoadStoreSpec, CPULoadStoreSpec]
 
 #: Shutdown timeouts drawn by default (virtual seconds): zero, shorter and longer than compute delays.
@@ -39,6 +46,39 @@ TIMEOUTS: Final = (0.0, 1e-3, 0.05, 0.5, 2.0)
 SUBMIT_POINTS: Final[tuple[FaultPoint, ...]] = ("copy", "stream_create", "event_create", "descriptor_alloc")
 #: Points where an error makes a queued transfer fail: querying (or synchronizing) its end event.
 COMPLETION_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_query", "event_query", "event_sync")
+#: Bound on each strategy cache (distinct argument sets; a campaign meets a few hundred layouts).
+_CACHE_SIZE: Final = 4096
+
+
+def _types(values: tuple[object, ...]) -> tuple[type, ...]:
+    """Part of a cache key: the values' types (``0 == 0.0 == False`` hash alike, but draw differently)."""
+    return tuple(map(type, values))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _integers(low: int, high: int) -> st.SearchStrategy[int]:
+    return st.integers(low, high)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _sampled_cached(values: tuple[object, ...], types_key: tuple[type, ...]) -> st.SearchStrategy[object]:
+    return st.sampled_from(values)
+
+
+def _sampled(values: tuple[T, ...]) -> st.SearchStrategy[T]:
+    return cast("st.SearchStrategy[T]", _sampled_cached(values, _types(values)))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _distinct(low: int, high: int, min_size: int, max_size: int) -> st.SearchStrategy[list[int]]:
+    """Lists of distinct ints in [low, high]."""
+    return st.lists(st.integers(low, high), min_size=min_size, max_size=max_size, unique=True)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _page_lists(page_sizes: tuple[int, ...], types_key: tuple[type, ...],
+                max_tensors: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.sampled_from(page_sizes), min_size=1, max_size=max_tensors)
 
 
 @st.composite
@@ -46,31 +86,41 @@ def layouts(draw: st.DrawFn, *, max_tensors: int = 3, max_groups: int = 3,
             page_sizes: Sequence[int] = (8, 16, 24, 32, 64)) -> KVCacheLayout:
     """KV-cache layouts: 1..max_tensors tensors, 1..max_groups groups; refs copy the whole page or a padded
     prefix of it; a tensor appears at most once per group but may be shared by several groups."""
-    pages = draw(st.lists(st.sampled_from(page_sizes), min_size=1, max_size=max_tensors))
+    pages = draw(_page_lists(tuple(page_sizes), _types(tuple(page_sizes)), max_tensors))
     groups = []
-    for _ in range(draw(st.integers(1, max_groups))):
-        tensors = draw(st.lists(st.integers(0, len(pages) - 1), min_size=1, max_size=len(pages), unique=True))
-        groups.append(tuple(LayerRef(t, draw(st.sampled_from((pages[t], pages[t], max(1, pages[t] // 2), 1))))
+    for _ in range(draw(_integers(1, max_groups))):
+        tensors = draw(_distinct(0, len(pages) - 1, 1, len(pages)))
+        groups.append(tuple(LayerRef(t, draw(_sampled((pages[t], pages[t], max(1, pages[t] // 2), 1))))
                             for t in tensors))
     return KVCacheLayout(tensor_page_bytes=tuple(pages), groups=tuple(groups))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _layouts(max_tensors: int, max_groups: int) -> st.SearchStrategy[KVCacheLayout]:
+    return layouts(max_tensors=max_tensors, max_groups=max_groups)
 
 
 def policies(timeouts: Sequence[float] = TIMEOUTS,
              on_unproven: Sequence[str] = ("quarantine", "release")) -> st.SearchStrategy[ShutdownPolicy]:
     """Shutdown policies: a timeout from ``timeouts`` and an ``on_unproven`` from ``on_unproven``."""
-    return st.builds(ShutdownPolicy, timeout=st.sampled_from(tuple(timeouts)),
-                     on_unproven=st.sampled_from(tuple(on_unproven)))
+    return _policies(tuple(timeouts), tuple(on_unproven), _types((*timeouts, *on_unproven)))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _policies(timeouts: tuple[float, ...], on_unproven: tuple[str, ...],
+              types_key: tuple[type, ...]) -> st.SearchStrategy[ShutdownPolicy]:
+    return st.builds(ShutdownPolicy, timeout=st.sampled_from(timeouts), on_unproven=st.sampled_from(on_unproven))
 
 
 @st.composite
 def _faults(draw: st.DrawFn, job_ids: tuple[int, ...], points: tuple[FaultPoint, ...], sticky: bool) -> Fault:
-    point = draw(st.sampled_from(points))
+    point = draw(_sampled(points))
     kinds: tuple[FaultKind, ...] = ("error", "hang") if point in HANG_POINTS else ("error",)
-    kind = draw(st.sampled_from(kinds))
-    direction = draw(st.sampled_from((None, "store", "load")))
-    job_id = draw(st.sampled_from((None, *job_ids))) if job_ids else None
-    nth = draw(st.sampled_from((None, 1, 1, 2, 3)))
-    lost = sticky and kind == "error" and draw(st.integers(0, 9)) == 0
+    kind = draw(_sampled(kinds))
+    direction = draw(_sampled((None, "store", "load")))
+    job_id = draw(_sampled((None, *job_ids))) if job_ids else None
+    nth = draw(_sampled((None, 1, 1, 2, 3)))
+    lost = sticky and kind == "error" and draw(_integers(0, 9)) == 0
     return Fault(point, kind, direction=direction, job_id=job_id, nth=nth, sticky=lost)
 
 
@@ -83,7 +133,13 @@ def faults(job_ids: Sequence[int] = (), *, points: Sequence[FaultPoint] = POINTS
         points: the points to draw from.
         sticky: whether sticky (device-lost) errors may be drawn (one in ten errors).
     """
-    return _faults(tuple(job_ids), tuple(points), sticky)
+    return _faults_for(tuple(job_ids), tuple(points), sticky, _types((*job_ids, *points, sticky)))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _faults_for(job_ids: tuple[int, ...], points: tuple[FaultPoint, ...], sticky: bool,
+                types_key: tuple[type, ...]) -> st.SearchStrategy[Fault]:
+    return _faults(job_ids, points, sticky)
 
 
 def completion_faults(job_ids: Sequence[int] = ()) -> st.SearchStrategy[Fault]:
@@ -96,7 +152,12 @@ def completion_faults(job_ids: Sequence[int] = ()) -> st.SearchStrategy[Fault]:
         job_ids: ids the fault may be aimed at (it is aimed at one of them when any are given; else it selects by
             direction and ``nth`` only, e.g. the second end-event query of any store).
     """
-    job = st.sampled_from(tuple(job_ids)) if job_ids else st.none()
+    return _completion_faults(tuple(job_ids), _types(tuple(job_ids)))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _completion_faults(job_ids: tuple[int, ...], types_key: tuple[type, ...]) -> st.SearchStrategy[Fault]:
+    job = st.sampled_from(job_ids) if job_ids else st.none()
     return st.builds(Fault, st.sampled_from(COMPLETION_POINTS), st.just("error"),
                      direction=st.sampled_from((None, None, "store", "load")) if not job_ids else st.none(),
                      job_id=job, nth=st.sampled_from((1, 1, 1, 2, None)))
@@ -110,6 +171,12 @@ def fault_plans(job_ids: Sequence[int] = (), *, max_faults: int = 3) -> st.Searc
     Faults that are not aimed at a transfer (no direction or job id) are drawn at the transfer points only, so a
     plan rarely breaks the worker's construction (prewarmed streams and events are untagged).
     """
+    return _fault_plans(tuple(job_ids), max_faults, _types(tuple(job_ids)))
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _fault_plans(job_ids: tuple[int, ...], max_faults: int,
+                 types_key: tuple[type, ...]) -> st.SearchStrategy[tuple[Fault, ...]]:
     aimed = faults(job_ids)
     untargeted = faults((), points=("event_query", "copy", "device_sync", "host_unregister")).map(
         lambda f: dataclasses.replace(f, direction=None, job_id=None))
@@ -126,17 +193,17 @@ def setups(draw: st.DrawFn, *, policy: st.SearchStrategy[ShutdownPolicy] | None 
            max_groups: int = 3, schedules: Sequence[str] = ("racy", "ordered")) -> Setup:
     """Whole run setups: a layout, chunking, small tensors (padded GPU strides included), a policy, faults, and
     whether the machine draws racy or ordered schedules (``schedules``, see ``Setup.schedule``)."""
-    layout = draw(layouts(max_tensors=max_tensors, max_groups=max_groups))
+    layout = draw(_layouts(max_tensors, max_groups))
     return Setup(
         layout=layout,
-        blocks_per_chunk=draw(st.integers(1, 4)),
-        num_gpu_blocks=draw(st.integers(4, 16)),
-        num_cpu_chunks=draw(st.integers(2, 8)),
-        gpu_row_pad=tuple(draw(st.sampled_from((0, 0, 8, 24))) for _ in layout.tensor_page_bytes),
+        blocks_per_chunk=draw(_integers(1, 4)),
+        num_gpu_blocks=draw(_integers(4, 16)),
+        num_cpu_chunks=draw(_integers(2, 8)),
+        gpu_row_pad=tuple(draw(_sampled((0, 0, 8, 24))) for _ in layout.tensor_page_bytes),
         policy=draw(policy if policy is not None else policies()),
         faults=draw(plans if plans is not None else fault_plans(range(1, 7))),
-        pin_chunk_bytes=draw(st.sampled_from((4096, 1 << 30))),
-        seed=(seed := draw(st.integers(0, 2**16))),
+        pin_chunk_bytes=draw(_sampled((4096, 1 << 30))),
+        seed=(seed := draw(_integers(0, 2**16))),
         # Chosen from the seed, not drawn: the choices made so far keep meaning what they meant.
         schedule=tuple(schedules)[seed % len(schedules)],
     )
@@ -149,11 +216,11 @@ def _group_shapes(draw: st.DrawFn, layout: KVCacheLayout, bpc: int, gpu_room: in
     sizes: list[int] = []
     indices: list[int] = []
     for _ in layout.groups:
-        skip = draw(st.integers(0, bpc - 1))
+        skip = draw(_integers(0, bpc - 1))
         most = min(gpu_room, max(0, cpu_room * bpc - skip), 6)
-        n = draw(st.integers(0, most))
+        n = draw(_integers(0, most))
         if n == 0:
-            skip = draw(st.integers(0, bpc))
+            skip = draw(_integers(0, bpc))
         else:
             gpu_room -= n
             cpu_room -= -(-(n + skip) // bpc)
@@ -169,12 +236,18 @@ def transfer_specs(draw: st.DrawFn, layout: KVCacheLayout, blocks_per_chunk: int
     sub-blocks at the start of the first chunk (and leave a partial last chunk), distinct in-range ids."""
     sizes, indices = _group_shapes(draw, layout, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks)
     cpu_count = sum(-(-(n + i) // blocks_per_chunk) for n, i in zip(sizes, indices, strict=True) if n)
-    gpu_ids = draw(st.lists(st.integers(0, num_gpu_blocks - 1), min_size=sum(sizes), max_size=sum(sizes),
-                            unique=True))
-    cpu_ids = draw(st.lists(st.integers(0, num_cpu_chunks - 1), min_size=cpu_count, max_size=cpu_count,
-                            unique=True))
+    gpu_count = sum(sizes)
+    gpu_ids = draw(_distinct(0, num_gpu_blocks - 1, gpu_count, gpu_count))
+    cpu_ids = draw(_distinct(0, num_cpu_chunks - 1, cpu_count, cpu_count))
     return GPULoadStoreSpec(gpu_ids, group_sizes=tuple(sizes), block_indices=tuple(indices)), \
         CPULoadStoreSpec(cpu_ids)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def specs_for(layout: KVCacheLayout, blocks_per_chunk: int, num_gpu_blocks: int,
+              num_cpu_chunks: int) -> st.SearchStrategy[SpecPair]:
+    """:func:`transfer_specs` for these arguments, built once (the machine draws from it at every submission)."""
+    return transfer_specs(layout, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks)
 
 
 #: The R7 cases :func:`invalid_transfers` draws, by name.
@@ -277,7 +350,14 @@ def _mutate(case: str, base: InvalidTransfer, bpc: int, num_gpu: int, num_cpu: i
 def invalid_transfers(draw: st.DrawFn, layout: KVCacheLayout, blocks_per_chunk: int, num_gpu_blocks: int,
                       num_cpu_chunks: int, *, cases: Sequence[str] = INVALID_CASES) -> InvalidTransfer:
     """One submission that R7 says must raise InvalidTransferError: a valid one, broken in one way."""
-    gpu_spec, cpu_spec = draw(transfer_specs(layout, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks))
-    base = InvalidTransfer("valid", draw(st.sampled_from(("store", "load"))), gpu_spec.block_ids.tolist(),
+    gpu_spec, cpu_spec = draw(specs_for(layout, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks))
+    base = InvalidTransfer("valid", draw(_sampled(("store", "load"))), gpu_spec.block_ids.tolist(),
                            gpu_spec.group_sizes, gpu_spec.block_indices, cpu_spec.block_ids.tolist())
-    return _mutate(draw(st.sampled_from(tuple(cases))), base, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks)
+    return _mutate(draw(_sampled(tuple(cases))), base, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def invalid_for(layout: KVCacheLayout, blocks_per_chunk: int, num_gpu_blocks: int, num_cpu_chunks: int,
+                cases: tuple[str, ...]) -> st.SearchStrategy[InvalidTransfer]:
+    """:func:`invalid_transfers` for these arguments, built once (the machine draws from it at every R7 step)."""
+    return invalid_transfers(layout, blocks_per_chunk, num_gpu_blocks, num_cpu_chunks, cases=cases)

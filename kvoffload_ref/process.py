@@ -1,0 +1,186 @@
+"""Which process owns a library object, so that a forked child leaves the parent's alone (R21).
+
+A ``fork()`` copies every worker, region and shared-region object of the parent into the child, together with
+their locks in whatever state they were (held, if another parent thread was inside a worker call). Nothing of
+that is the child's: its pinned ranges, mappings and files are the parent's, and a lock the fork copied may have
+no owner in the child. So every such object records the process that built it (:class:`ProcessOwner`) and, in
+any other process, does nothing at all -- its public calls raise :class:`~kvoffload_ref.errors.WorkerClosedError`
+naming the owner (:meth:`ProcessOwner.check`), and its finalizers, ``atexit`` hooks, ``shutdown()`` and
+``release()`` return at once (:meth:`ProcessOwner.inherited`), before they touch a lock.
+
+``os.getpid()`` is asked at every check (a system call of about 50 ns, no cache that a fork could leave stale),
+so this works for ``os.fork()``, multiprocessing's ``fork`` start method and any C extension that forks alike.
+
+*Cutting a shared file off in the child.* Doing nothing is not enough for a file whose open file description
+carries OFD locks (``kvoffload_ref.shared_file``): a fork gives the child a reference to the parent's description
+through every inherited descriptor -- the library's own and the one Python's ``mmap`` object keeps -- and through
+every inherited ``MAP_SHARED`` mapping of the file. The kernel drops OFD locks only when the last reference goes,
+so a child that merely lives on would keep the parent's rank and live locks held after the parent died (and, but
+for the explicit unlock of ``SharedFile.close``, after it released them): it would count as a rank (R18). And
+through the inherited mapping a stray write of the child would land in the parent's memory.
+:func:`cut_off_from_children` registers such a file; in every child forked afterwards (``os.register_at_fork``:
+``os.fork()`` and multiprocessing's ``fork``, not a C-level ``fork()`` Python is not told of), before anything
+else runs there, every mapping of it is replaced by private zero-filled memory at the same address (the child's
+views stay valid and see zeros; the parent's pages are untouched) and every descriptor of it is pointed at
+``/dev/null`` (so whoever holds the descriptor number may still close it). The parent's own descriptors and
+mappings are not touched: a child's close, munmap or exit can no longer affect them.
+
+This module imports nothing of the package but the error taxonomy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import mmap
+import os
+from collections.abc import Callable
+from typing import Final
+
+from kvoffload_ref.errors import WorkerClosedError
+
+__all__ = ["ProcessOwner", "cut_off_from_children", "keep_in_children"]
+
+logger = logging.getLogger("kvoffload_ref.process")
+
+
+class ProcessOwner:
+    """The process that built an object (R21)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self) -> None:
+        # Invariant: the pid of the process that built the object; fixed for its life.
+        self.pid = os.getpid()
+
+    def inherited(self) -> bool:
+        """Whether this is a forked child's copy (the calling process is not the owner)."""
+        return os.getpid() != self.pid
+
+    def check(self, what: str) -> None:
+        """Refuse a call on an inherited copy.
+
+        Args:
+            what: the object, for the message (e.g. "this worker").
+
+        Raises:
+            WorkerClosedError: the calling process is not the owner (a forked child).
+        """
+        if os.getpid() != self.pid:
+            raise WorkerClosedError(
+                f"{what} belongs to process {self.pid}; this process ({os.getpid()}) is a forked child, which must "
+                "not use it (R21): build its own worker and region instead")
+
+
+# -- cutting shared files off in forked children --------------------------------------------------------------------
+Identity = tuple[int, int]
+
+# Invariant: token -> (st_dev, st_ino) of every file registered by cut_off_from_children and not yet released by
+# keep_in_children; plain dict operations only (atomic under the GIL), so no lock a fork could copy held.
+_FILES: dict[int, Identity] = {}
+_TOKENS = itertools.count(1)
+#: MAP_FIXED: 0x10 on x86-64, arm64 and the other common Linux architectures (the mmap module does not export it).
+_MAP_FIXED: Final = 0x10
+_MapFn = Callable[[int, int, int, int, int, int], int | None]
+# Invariant: libc's mmap, resolved in the parent the first time a file is registered (never imported in a child).
+_LIBC_MMAP: list[_MapFn] = []
+
+
+def _libc_mmap() -> _MapFn | None:
+    if not _LIBC_MMAP:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).mmap
+        except (OSError, AttributeError):  # pragma: no cover - every Linux libc has mmap
+            return None
+        fn.restype = ctypes.c_void_p
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+        _LIBC_MMAP.append(fn)
+    return _LIBC_MMAP[0]
+
+
+def cut_off_from_children(fd: int) -> int:
+    """Cut the file open on ``fd`` off from every child forked from now on (see the module docstring).
+
+    Args:
+        fd: an open descriptor of the file (its ``st_dev``, ``st_ino`` name it; every descriptor and mapping of the
+            same inode in a child is cut, the library's and Python's ``mmap`` object's alike).
+
+    Returns:
+        A token for :func:`keep_in_children` (call it once the parent no longer holds the file).
+
+    Raises:
+        OSError: ``fstat(fd)`` failed.
+    """
+    st = os.fstat(fd)
+    _libc_mmap()
+    token = next(_TOKENS)
+    _FILES[token] = (st.st_dev, st.st_ino)
+    return token
+
+
+def keep_in_children(token: int) -> None:
+    """Stop cutting the file of ``token`` off in children (the parent closed it); unknown tokens are ignored."""
+    _FILES.pop(token, None)
+
+
+def _cut_descriptors(identities: set[Identity]) -> int:
+    """Point every descriptor of those files at /dev/null (close-on-exec). Returns how many."""
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    cut = 0
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd == devnull:
+                continue
+            try:
+                st = os.fstat(fd)
+            except OSError:  # the directory's own descriptor, closed meanwhile
+                continue
+            if (st.st_dev, st.st_ino) in identities:
+                os.dup2(devnull, fd, inheritable=False)
+                cut += 1
+    finally:
+        os.close(devnull)
+    return cut
+
+
+def _cut_mappings(identities: set[Identity]) -> int:
+    """Replace every mapping of those files by private zero-filled memory at the same address. Returns how many."""
+    remap = _libc_mmap()
+    if remap is None:  # pragma: no cover - see _libc_mmap
+        return 0
+    with open("/proc/self/maps") as maps:
+        lines = maps.read().splitlines()  # read it whole before changing what it describes
+    cut = 0
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 5 or ":" not in fields[3]:
+            continue
+        major, minor = (int(part, 16) for part in fields[3].split(":"))
+        if (os.makedev(major, minor), int(fields[4])) not in identities:
+            continue
+        low, high = (int(part, 16) for part in fields[0].split("-"))
+        got = remap(low, high - low, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        if got != low:
+            raise OSError(ctypes.get_errno(), f"cannot replace the inherited mapping at {low:#x}")
+        cut += 1
+    return cut
+
+
+def _cut_in_child() -> None:
+    """``os.register_at_fork(after_in_child=...)``: cut every registered file off in this new child."""
+    identities = set(_FILES.values())
+    _FILES.clear()  # the parent's registrations are not this process's
+    if not identities:
+        return
+    try:
+        _cut_mappings(identities)
+        _cut_descriptors(identities)
+    except Exception:  # never fail the fork; the inherited objects stay inert in any case
+        logger.error("Could not cut the parent's shared files off in forked child %d", os.getpid(), exc_info=True)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_cut_in_child)

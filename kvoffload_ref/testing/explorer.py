@@ -1,0 +1,474 @@
+"""The call-point explorer: every backend call of every public method, interrupted every way (R14, R19).
+
+The conformance machine draws *some* interleavings; this explorer tries *all* of them for a fixed scenario. For
+each configuration (:data:`CONFIGS`: a clean run, a failed transfer, a hung transfer, both policies, a shared
+region), each public method (:data:`METHODS`: construction, ``submit_store``, ``submit_load``, ``get_finished``,
+``wait``, ``shutdown`` and the finalizer path) and each backend call ``k`` that method makes (found by a first,
+counting run), it builds a fresh worker through the factory, brings it to the method's starting point with the
+same prelude, and injects at the start of the ``k``-th call (:data:`INJECTIONS`):
+
+* ``KeyboardInterrupt`` / ``SystemExit`` raised there; ``double``: a KeyboardInterrupt there and another at the
+  next call (a second Ctrl-C while the first is handled);
+* ``SIGINT``: a real SIGINT delivered there to Python's default handler (so a library that holds SIGINT back
+  must still deliver it, and say so);
+* ``handler_shutdown``: a signal handler that calls ``shutdown()`` there and catches what it raises (R19: it
+  must neither deadlock nor half-queue anything, and the worker must be shut down once the interrupted call
+  returned); ``handler_shutdown_exit``: a SIGTERM-style handler that calls ``shutdown()`` and then raises
+  ``SystemExit``, letting whatever ``shutdown()`` raised escape.
+
+Then it settles the worker (waits, reaps, shuts down) and checks the rules as stated: the injected exception
+propagated (R14); the submission under test is queued whole or left no trace and its id is free (R14, R7); no
+result was lost or reported twice, every accepted job is accounted for by ``get_finished()`` or the report
+(R5, R8, R14); a later ``shutdown()`` returns the report and it is marked interrupted when an interrupt
+propagated out of a shutdown (R8, R14); the region ended released or quarantined, never released while
+unproven under the quarantine policy (R12); the ledger agrees with the report (R16); every byte a successful
+job moved is right and the device saw no misuse (no ``illegal_address``, ``*_under_dma``, ``dma_race``); and
+no call deadlocked (a watchdog, real seconds, only as a safety net).
+
+Everything is deterministic (the sim's ``on_call`` hook picks the call; the virtual clock; no sleeps) and runs in
+the main thread (Python runs signal handlers there). :func:`explore` returns the counts per method and
+configuration and every failure with a reproduction line; ``kvoffload-ref explore`` is the command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Final
+
+import numpy as np
+
+from kvoffload_ref.backends.base import Tag
+from kvoffload_ref.errors import DeadlineExceeded, WorkerClosedError
+from kvoffload_ref.faults import Fault
+from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.testing.adapter import Setup, SimDevice, WorkerFactory, WorkerLike, reference_factory
+from kvoffload_ref.testing.explorer_checks import Outcome, check_case
+from kvoffload_ref.worker import ShutdownPolicy
+
+__all__ = ["CONFIGS", "INJECTIONS", "METHODS", "Case", "ExploreResult", "Failure", "explore", "run_case"]
+
+#: The public methods explored, in the order they are reported.
+METHODS: Final = ("construct", "submit_store", "submit_load", "get_finished", "wait", "shutdown", "finalizer")
+#: Every way a call point is interrupted.
+INJECTIONS: Final = ("KeyboardInterrupt", "SystemExit", "double", "SIGINT", "handler_shutdown",
+                     "handler_shutdown_exit")
+#: The injections that need Python's signal machinery (main thread only; not on the finalizer path, which a
+#: collector may run in another thread).
+SIGNAL_INJECTIONS: Final = frozenset({"SIGINT", "handler_shutdown", "handler_shutdown_exit"})
+#: The factory explored when none is named: kvoffload_ref's own worker.
+REFERENCE_FACTORY: Final = "kvoffload_ref.testing.adapter:reference_factory"
+#: Real seconds a method may block before the explorer calls it a deadlock (a safety net, not a timing rule).
+WATCHDOG: Final = 2.0
+
+_PAGE = 64
+#: The job id of the empty submission that probes whether the worker still accepts work.
+_PROBE = 99
+_LAYOUT = KVCacheLayout(tensor_page_bytes=(_PAGE, _PAGE), groups=((LayerRef(0, _PAGE), LayerRef(1, _PAGE)),))
+
+
+def _gpu(*blocks: int) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(list(blocks), group_sizes=(len(blocks),), block_indices=(0,))
+
+
+def _cpu(*chunks: int) -> CPULoadStoreSpec:
+    return CPULoadStoreSpec(list(chunks))
+
+
+def _setup(faults: tuple[Fault, ...] = (), on_unproven: str = "quarantine", shared: bool = False) -> Setup:
+    return Setup(layout=_LAYOUT, blocks_per_chunk=2, num_gpu_blocks=8, num_cpu_chunks=4, gpu_row_pad=(0, 0),
+                 policy=ShutdownPolicy(timeout=0.004, on_unproven=on_unproven), faults=faults,
+                 shared_region=shared)
+
+
+#: name -> the setup of a configuration. Together they reach every path of shutdown: the clean path, a failed
+#: transfer (its head's end event fails: R5 reports it, the proof runs), a hung transfer (the drain times out,
+#: the proof times out, quarantine), the same under the release policy, and a shared /dev/shm region.
+CONFIGS: Final[dict[str, Setup]] = {
+    "clean": _setup(),
+    "failed": _setup((Fault("event_query", "error", job_id=1),)),
+    "hung": _setup((Fault("copy", "hang", job_id=2),)),
+    "hung-release": _setup((Fault("copy", "hang", job_id=2),), on_unproven="release"),
+    "failed-release": _setup((Fault("event_query", "error", job_id=1),), on_unproven="release"),
+    "shared": _setup(shared=True),
+}
+
+#: (direction, job id, source spec, destination spec) of the prelude's jobs and of the jobs under test.
+Job = tuple[str, int, object, object]
+PRELUDE: Final[tuple[Job, ...]] = (
+    ("store", 1, _gpu(0, 1), _cpu(0)),
+    ("load", 2, _cpu(1), _gpu(2, 3)),
+    ("store", 3, _gpu(4, 5), _cpu(2)),
+)
+UNDER_TEST: Final[dict[str, Job]] = {
+    "submit_store": ("store", 10, _gpu(6, 7), _cpu(3)),
+    "submit_load": ("load", 11, _cpu(3), _gpu(6, 7)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One exploration: interrupt ``method`` at its ``point``-th backend call with ``injection``."""
+
+    config: str
+    method: str
+    point: int
+    injection: str
+
+    def reproduction(self, factory: str = REFERENCE_FACTORY) -> str:
+        """The command that reruns this case alone."""
+        return (f"kvoffload-ref explore --factory {factory} --config {self.config} --method {self.method} "
+                f"--point {self.point} --injection {self.injection}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """A rule broken in one case."""
+
+    case: Case
+    rules: str
+    message: str
+    factory: str = "kvoffload_ref.testing.adapter:reference_factory"
+
+    def __str__(self) -> str:
+        c = self.case
+        return (f"[{self.rules}] {c.method} at backend call #{c.point} with {c.injection} ({c.config}): "
+                f"{self.message}\n    reproduce: {c.reproduction(self.factory)}")
+
+
+@dataclasses.dataclass
+class ExploreResult:
+    """What :func:`explore` exercised and found."""
+
+    # Invariant: (method, config) -> number of backend calls the method makes there (the points explored).
+    points: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    cases: int = 0
+    failures: list[Failure] = dataclasses.field(default_factory=list)
+
+    def table(self) -> str:
+        """Points per method (rows) and configuration (columns), then the totals."""
+        configs = sorted({c for _, c in self.points}, key=list(CONFIGS).index)
+        methods = [m for m in METHODS if any(k[0] == m for k in self.points)]
+        width = max(len(m) for m in methods) if methods else 6
+        lines = [f"{'points':<{width}}  " + "  ".join(f"{c:>14}" for c in configs)]
+        for m in methods:
+            lines.append(f"{m:<{width}}  " + "  ".join(f"{self.points.get((m, c), 0):>14}" for c in configs))
+        lines.append(f"{sum(self.points.values())} call points, {self.cases} cases, "
+                     f"{len(self.failures)} failures")
+        return "\n".join(lines)
+
+
+class _Injected(BaseException):
+    """Marks the watchdog's interruption of a call that blocked (a deadlock)."""
+
+
+class _Hook:
+    """The sim's ``on_call`` hook: counts the calls of the method under test and injects at the chosen one."""
+
+    def __init__(self, inject_at: int | None, action: Callable[[int], None]) -> None:
+        self.calls = 0
+        self.armed = False
+        self._at = inject_at
+        self._action = action
+        # Invariant: True once the injection ran (at least its first part).
+        self.fired = False
+
+    def __call__(self, point: str, tag: Tag | None) -> None:
+        if not self.armed:
+            return
+        k = self.calls
+        self.calls += 1
+        if self._at is not None and k in (self._at, self._at + 1):
+            if k == self._at:
+                self.fired = True
+            self._action(k - self._at)
+
+
+def _worker_calls(method: str, worker: WorkerLike) -> Callable[[], object]:
+    """The call under test, on a worker after the prelude."""
+    if method in UNDER_TEST:
+        direction, job, src, dst = UNDER_TEST[method]
+        submit = worker.submit_store if direction == "store" else worker.submit_load
+        return lambda: submit(job, src, dst)  # type: ignore[arg-type]
+    if method == "get_finished":
+        return worker.get_finished
+    if method == "wait":
+        return lambda: worker.wait({1, 2, 3}, timeout=0.002)
+    if method == "shutdown":
+        return worker.shutdown
+    raise ValueError(method)
+
+
+def _prelude(worker: WorkerLike, device: SimDevice, method: str, results: list[object]) -> list[int]:
+    """Bring the worker to the method's starting point: three jobs submitted, the first one reaped (when it can
+    be), the others left queued or proven but unreaped. Returns the accepted job ids."""
+    accepted = []
+    for direction, job, src, dst in PRELUDE:
+        submit = worker.submit_store if direction == "store" else worker.submit_load
+        submit(job, src, dst)  # type: ignore[arg-type]
+        accepted.append(job)
+        if job == 1:
+            with contextlib.suppress(DeadlineExceeded):
+                worker.wait({1}, timeout=0.002)
+            results.extend(worker.get_finished())
+    if method in ("get_finished", "shutdown", "finalizer"):
+        device.advance(0.001)  # the rest completes (unless hung): proven at the next look, not yet reaped
+    return accepted
+
+
+def run_case(case: Case, factory: WorkerFactory = reference_factory, name: str = REFERENCE_FACTORY) -> list[Failure]:
+    """Run one case and check it.
+
+    Args:
+        case: what to interrupt where; ``point=-1`` runs the method without injecting (the counting run).
+        factory: builds the worker under test (docs/conformance.md).
+        name: the factory's ``module:callable`` (for the reproduction line).
+
+    Returns:
+        The rules the case broke (empty: none).
+    """
+    outcome = _run(case, factory)
+    return [Failure(case, rules, message, name) for rules, message in check_case(case, outcome)]
+
+
+def count_points(config: str, method: str, factory: WorkerFactory = reference_factory) -> int:
+    """How many backend calls ``method`` makes in ``config`` without an interrupt."""
+    return _run(Case(config, method, -1, "none"), factory).calls
+
+
+def _run(case: Case, factory: WorkerFactory) -> Outcome:
+    setup = CONFIGS[case.config]
+    device = SimDevice(setup)
+    out = Outcome(setup=setup, device=device, case=case)
+    box: list[WorkerLike] = []  # Invariant: the only strong reference to the worker (the finalizer case drops it)
+    hook = _Hook(case.point if case.point >= 0 else None, _injector(case, out))
+    device.sim.on_call = hook
+    with _signals(case, out):
+        if case.method == "construct":
+            hook.armed = True
+            out.raised = _guarded(lambda: box.append(factory(device.backend, device.gpu, setup)))
+        else:
+            box.append(factory(device.backend, device.gpu, setup))
+            out.accepted = _prelude(box[0], device, case.method, out.results)
+            out.baseline_cpu = [np.array(a, copy=True) for a in box[0].cpu_snapshot()]
+            out.baseline_gpu = device.read_gpu()
+            call = _drop_last(box) if case.method == "finalizer" else _worker_calls(case.method, box[0])
+            out.worker_ref[:] = box if case.method != "finalizer" else []
+            hook.armed = True
+            out.raised = _guarded(lambda: out.returned.append(call()))
+        hook.armed = False
+        out.worker_ref.clear()
+    out.calls, out.fired = hook.calls, hook.fired
+    if case.method == "finalizer":
+        return out
+    if case.method == "get_finished" and out.returned:
+        out.results.extend(out.returned[0])  # type: ignore[arg-type]  # get_finished() returned a list
+    if box:
+        _settle(out, box[0])
+    return out
+
+
+def _guarded(call: Callable[[], object]) -> BaseException | None:
+    """Run ``call`` under the deadlock watchdog; what it raised (None if it returned)."""
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = None
+    if on_main:
+        def _alarm(signum: int, frame: object) -> None:
+            raise _Injected("deadlock: the call blocked for longer than the watchdog")
+        previous = signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, WATCHDOG)
+    try:
+        call()
+    except BaseException as exc:  # the explorer judges what propagated
+        return exc
+    finally:
+        if on_main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    return None
+
+
+def _drop_last(box: list[WorkerLike]) -> Callable[[], object]:
+    """The finalizer path: drop the last reference (the finalizer runs, from the collector for a cycle); what
+    it raised is reported as unraisable, so it is captured and re-raised here."""
+
+    def drop() -> None:
+        caught: list[BaseException] = []
+        previous = sys.unraisablehook
+        sys.unraisablehook = lambda info: caught.append(info.exc_value) if info.exc_value is not None else None
+        try:
+            box.clear()
+            gc.collect()
+        finally:
+            sys.unraisablehook = previous
+        if caught:
+            raise caught[0]
+
+    return drop
+
+
+def _injector(case: Case, out: Outcome) -> Callable[[int], None]:
+    """What happens at the chosen call (part 0) and at the next one (part 1, ``double`` only)."""
+    kind = case.injection
+
+    def act(part: int) -> None:
+        if part == 1:
+            if kind == "double":
+                out.injected.append(KeyboardInterrupt("second"))
+                raise out.injected[-1]
+            return
+        if kind in ("KeyboardInterrupt", "double"):
+            out.injected.append(KeyboardInterrupt("explorer"))
+            raise out.injected[-1]
+        if kind == "SystemExit":
+            out.injected.append(SystemExit("explorer"))
+            raise out.injected[-1]
+        if kind == "SIGINT":
+            out.injected.append(KeyboardInterrupt("SIGINT"))
+            signal.raise_signal(signal.SIGINT)
+        elif kind in ("handler_shutdown", "handler_shutdown_exit"):
+            signal.raise_signal(signal.SIGUSR1)
+
+    return act
+
+
+class _signals:
+    """Python's default SIGINT handler and, for the handler injections, a SIGUSR1 handler that calls
+    ``shutdown()`` on the worker under test; restored afterwards."""
+
+    def __init__(self, case: Case, out: Outcome) -> None:
+        self._case, self._out = case, out
+        self._saved: list[tuple[int, object]] = []
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        out, kind = self._out, self._case.injection
+        self._saved.append((signal.SIGINT, signal.signal(signal.SIGINT, signal.default_int_handler)))
+
+        def _handler(signum: int, frame: object) -> None:
+            worker = out.worker_ref[0] if out.worker_ref else None
+            if worker is None:
+                return
+            out.handler_ran = True
+            if kind == "handler_shutdown":
+                try:
+                    out.handler_report = worker.shutdown()
+                except _Injected:
+                    raise  # the watchdog: the handler's shutdown() blocked (a deadlock)
+                except BaseException as exc:  # the documented handler catches what it raises
+                    out.handler_raised = exc
+                return
+            try:
+                out.handler_report = worker.shutdown()
+            except BaseException as exc:
+                out.handler_raised = exc
+                raise
+            out.injected.append(SystemExit("handler"))
+            raise out.injected[-1]
+
+        self._saved.append((signal.SIGUSR1, signal.signal(signal.SIGUSR1, _handler)))
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in reversed(self._saved):
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+
+
+def _settle(out: Outcome, worker: WorkerLike) -> None:
+    """Reap and shut down what the case left, recording everything the checks read."""
+    out.closed_after_call = _refuses_submission(out, worker)
+    if not out.closed_after_call:
+        pending = [j for j in out.accepted_or_tried() if j not in out.reported_ids()]
+        with contextlib.suppress(DeadlineExceeded):
+            worker.wait(set(pending), timeout=0.002)
+        out.results.extend(worker.get_finished())
+        out.reuse_refused = _reuse_refused(out, worker)
+        out.final_cpu = [a.copy() for a in worker.cpu_snapshot()]
+        out.final_gpu = out.device.read_gpu()
+    out.final_raised = _guarded(lambda: out.reports.append(worker.shutdown()))
+    if out.reports:
+        out.after_shutdown = list(worker.get_finished())
+        out.reports.append(worker.shutdown())
+
+
+def _refuses_submission(out: Outcome, worker: WorkerLike) -> bool:
+    """Whether the worker is shut down (a fresh, empty submission is refused with WorkerClosedError)."""
+    try:
+        worker.submit_store(_PROBE, _gpu(), _cpu())  # an empty transfer: copies nothing
+    except WorkerClosedError:
+        return True
+    worker.wait({_PROBE}, timeout=0.002)
+    out.results.extend(r for r in worker.get_finished() if r.job_id != _PROBE)
+    return False
+
+
+def _reuse_refused(out: Outcome, worker: WorkerLike) -> bool:
+    """The submission under test was never accepted: its id must be free again (R14)."""
+    job = UNDER_TEST.get(out.case_method(), (None, None))[1]
+    if job is None or job in out.reported_ids():
+        return False
+    try:
+        worker.submit_store(job, _gpu(), _cpu())  # empty: copies nothing, takes the id
+    except WorkerClosedError:
+        return False
+    except Exception:  # InvalidTransferError: "already in flight"
+        return True
+    worker.wait({job}, timeout=0.002)
+    out.results.extend(r for r in worker.get_finished() if r.job_id != job)
+    return False
+
+
+def explore(factory: WorkerFactory = reference_factory, *, configs: Iterable[str] = CONFIGS,
+            methods: Iterable[str] = METHODS, injections: Sequence[str] = INJECTIONS,
+            points: Iterable[int] | None = None, name: str = REFERENCE_FACTORY,
+            progress: Callable[[str], None] | None = None) -> ExploreResult:
+    """Run every case: each configuration x method x backend call x injection.
+
+    Args:
+        factory: builds the worker under test.
+        configs, methods, injections: subsets of :data:`CONFIGS`, :data:`METHODS`, :data:`INJECTIONS`.
+        points: only these call points (None: every one the method makes).
+        name: the factory's ``module:callable`` (for the reproduction lines).
+        progress: called with a line per (method, configuration) explored.
+
+    Returns:
+        The points explored per (method, configuration), the number of cases, and every failure.
+
+    Raises:
+        RuntimeError: not called from the main thread (signal handlers run there only).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("explore() must run in the main thread: Python runs signal handlers there only")
+    unknown = (set(configs) - set(CONFIGS)) | (set(methods) - set(METHODS)) | (set(injections) - set(INJECTIONS))
+    if unknown:
+        raise ValueError(f"unknown configuration, method or injection: {sorted(unknown)}")
+    chosen = None if points is None else set(points)
+    result = ExploreResult()
+    for config in configs:
+        for method in methods:
+            count = count_points(config, method, factory)
+            result.points[(method, config)] = count
+            found = 0
+            for case in _cases(config, method, count, injections):
+                if chosen is not None and case.point not in chosen:
+                    continue
+                failures = run_case(case, factory, name)
+                result.cases += 1
+                found += len(failures)
+                result.failures.extend(failures)
+            if progress is not None:
+                progress(f"{method:>13} / {config:<14} {count:3d} call points, {found} failures")
+    return result
+
+
+def _cases(config: str, method: str, points: int, injections: Sequence[str]) -> Iterator[Case]:
+    for point in range(points):
+        for injection in injections:
+            if method == "finalizer" and injection in SIGNAL_INJECTIONS:
+                continue
+            yield Case(config, method, point, injection)

@@ -1,0 +1,152 @@
+"""The call-point explorer (kvoffload_ref.testing.explorer): every backend call of every public method, in every
+configuration, interrupted every way, finds nothing on the library -- and finds the bugs it was built for."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from kvoffload_ref.backends.base import Backend
+from kvoffload_ref.cli import EXPLORE_CONFIGS, EXPLORE_INJECTIONS, EXPLORE_METHODS, main
+from kvoffload_ref.core import WorkerCore
+from kvoffload_ref.testing import explorer
+from kvoffload_ref.testing.adapter import Setup, WorkerLike, reference_factory
+from kvoffload_ref.testing.explorer import CONFIGS, INJECTIONS, METHODS, Case, explore, run_case
+from kvoffload_ref.worker import CPUOffloadingWorker
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    """Thousands of interrupted shutdowns log as designed; keep the test output readable."""
+    logging.disable(logging.CRITICAL)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+@pytest.mark.rule("R5")
+@pytest.mark.rule("R8")
+@pytest.mark.rule("R12")
+@pytest.mark.rule("R14")
+@pytest.mark.rule("R16")
+@pytest.mark.rule("R19")
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_explorer_every_call_point_of_every_method_breaks_no_rule(config: str) -> None:
+    """Each configuration, each public method, each backend call it makes, each injection: no rule broken."""
+    result = explore(configs=[config])
+    print(result.table())
+    assert {m for m, _ in result.points} == set(METHODS)
+    assert all(result.points[(m, config)] > 0 for m in METHODS)  # every method reaches the device
+    assert result.cases >= 5 * sum(result.points.values()) // 2
+    assert not result.failures, "\n".join(map(str, result.failures[:10]))
+
+
+def test_explorer_reaches_the_paths_of_shutdown() -> None:
+    """The configurations differ where they must: a failure and a hang make shutdown longer (the proof, the
+    drain's polls), and the hang makes wait() poll until its deadline."""
+    points = {c: explorer.count_points(c, "shutdown") for c in CONFIGS}
+    assert points["clean"] < points["failed"] < points["hung"]
+    assert explorer.count_points("hung", "wait") > explorer.count_points("clean", "wait")
+
+
+@pytest.mark.rule("R14")
+def test_explorer_catches_a_swallowed_interrupt() -> None:
+    from kvoffload_ref.testing.mutants import interrupts_swallowed
+
+    result = explore(interrupts_swallowed, configs=["clean"], methods=["submit_store"],
+                     injections=["KeyboardInterrupt"], name="kvoffload_ref.testing.mutants:interrupts_swallowed")
+    assert result.failures and all(f.rules.startswith("R14") for f in result.failures)
+    assert "did not propagate" in result.failures[0].message
+    assert "--factory kvoffload_ref.testing.mutants:interrupts_swallowed" in str(result.failures[0])
+
+
+def _found(cases: Sequence[Case], factory: Any = reference_factory) -> list[str]:
+    return [str(f) for case in cases for f in run_case(case, factory)]
+
+
+@pytest.mark.rule("R14")
+def test_explorer_catches_a_shutdown_interrupted_before_its_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug of the code before: an interrupt before the drain began left both handlers accepting, so the
+    release refused and the worker stayed half shut down with everything live."""
+    monkeypatch.setattr(WorkerCore, "_stop_waiting", lambda self, run, shield: None)
+    found = _found([Case("hung", "shutdown", 0, "KeyboardInterrupt")])
+    assert any("neither released nor quarantined" in f or "live after shutdown" in f for f in found)
+
+
+@pytest.mark.rule("R14")
+def test_explorer_catches_results_lost_between_the_two_handlers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug of the code before: get_finished() took the store handler's results, then an interrupt in the
+    load handler's reap lost them."""
+    def old_get_finished(self: CPUOffloadingWorker) -> list[Any]:
+        core = self._core
+        with core.lock:
+            return [*core.store.get_finished(), *core.load.get_finished()]
+
+    monkeypatch.setattr(CPUOffloadingWorker, "get_finished", old_get_finished)
+    points = explorer.count_points("clean", "get_finished")
+    found = _found([Case("clean", "get_finished", k, "KeyboardInterrupt") for k in range(points)])
+    assert any("appears 0 times" in f for f in found)
+
+
+class _PlainLock:
+    """A non-reentrant lock that cannot tell who holds it: the worker's lock before R19's signal-handler rule."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _is_owned(self) -> bool:
+        return False
+
+
+def _plain_lock_factory(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    worker = reference_factory(backend, gpu, setup)
+    core = worker._core  # type: ignore[attr-defined]
+    core.lock = _PlainLock()
+    core.done = threading.Condition(core.lock)  # type: ignore[arg-type]
+    return worker
+
+
+@pytest.mark.rule("R19")
+def test_explorer_catches_a_signal_handler_deadlock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug of the code before: a signal handler's shutdown() on a thread inside submit_store waited for the
+    lock its own interrupted frame held. The watchdog (a safety net in real seconds) turns it into a failure."""
+    monkeypatch.setattr(explorer, "WATCHDOG", 0.3)
+    found = _found([Case("clean", "submit_store", 3, "handler_shutdown")], _plain_lock_factory)
+    assert any("deadlocked" in f for f in found)
+
+
+def test_explorer_refuses_what_it_does_not_know() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        explore(configs=["nope"])
+
+
+def test_explorer_cli_lists_match_the_explorer() -> None:
+    assert (tuple(CONFIGS), METHODS, INJECTIONS) == (EXPLORE_CONFIGS, EXPLORE_METHODS, EXPLORE_INJECTIONS)
+
+
+def test_explorer_cli_prints_its_counts_and_exits_by_what_it_found(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explore", "--config", "clean", "--method", "get_finished"]) == 0
+    out = capsys.readouterr().out
+    assert "get_finished" in out and "0 failures" in out
+    assert main(["explore", "--factory", "kvoffload_ref.testing.mutants:interrupts_swallowed", "--config",
+                 "clean", "--method", "submit_store", "--injection", "SystemExit", "--show", "1"]) == 0
+    assert main(["explore", "--factory", "kvoffload_ref.testing.mutants:interrupts_swallowed", "--config",
+                 "clean", "--method", "submit_store", "--injection", "SIGINT", "--show", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "reproduce: kvoffload-ref explore --factory kvoffload_ref.testing.mutants:interrupts_swallowed" in out
+    assert main(["explore", "--factory", "no_such_module:f"]) == 2
