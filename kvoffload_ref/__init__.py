@@ -23,9 +23,9 @@ from kvoffload_ref.errors import (
     WorkerClosedError,
 )
 from kvoffload_ref.faults import Fault, FaultPlan, FaultyBackend
-from kvoffload_ref.handler import TransferResult
 from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.region import HostRegion, QuarantinedItem, quarantined
+from kvoffload_ref.results import JobOutcome, TransferResult
 from kvoffload_ref.shared_region import SharedRegion
 from kvoffload_ref.worker import (
     CPUOffloadingWorker,
@@ -49,6 +49,7 @@ __all__ = [
     "HandlerReport",
     "HostRegion",
     "InvalidTransferError",
+    "JobOutcome",
     "KVCacheLayout",
     "LayerRef",
     "Ledger",

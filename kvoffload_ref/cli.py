@@ -12,7 +12,7 @@ import argparse
 import logging
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvoffload_ref import __version__, failure_modes
 from kvoffload_ref import diagram as diagram_mod
@@ -261,17 +261,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status (see the module docstring).
     """
     args = _parser().parse_args(argv)
-    if args.command == "bench":
-        return _bench(args.json, args.quick, args.check)
-    if args.command == "fuzz":
-        return _fuzz(args)
-    if args.command == "explore":
-        return _explore(args)
-    if args.command == "failure-modes":
-        return _failure_modes(args.check, args.write, args.root)
-    if args.command == "demo":
-        return demo()
-    if args.command == "spec":
-        return _spec(not args.write, args.root)
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "bench": lambda a: _bench(a.json, a.quick, a.check),
+        "fuzz": _fuzz,
+        "explore": _explore,
+        "failure-modes": lambda a: _failure_modes(a.check, a.write, a.root),
+        "demo": lambda a: demo(),
+        "spec": lambda a: _spec(not a.write, a.root),
+        "diagram": _diagram,
+    }
+    return commands[args.command](args)
+
+
+def _diagram(args: argparse.Namespace) -> int:
     sys.stdout.write(diagram_mod.render())
     return 0

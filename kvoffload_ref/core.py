@@ -34,19 +34,17 @@ Shutdown (R9-R14) runs under one deadline on the backend clock:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
 import signal
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Any, Final, Literal
+from collections.abc import Iterator
+from typing import Any, Final
 
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, ResourceKind, Stream
-from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError, ShutdownDeferred
-from kvoffload_ref.handler import DirectionHandler, HandlerReport, JobOutcome
-from kvoffload_ref.layout import check_seconds
+from kvoffload_ref.errors import DeviceError, LifecycleError, ShutdownDeferred
+from kvoffload_ref.handler import DirectionHandler
 from kvoffload_ref.lifecycle import (
     Action,
     Fate,
@@ -59,81 +57,12 @@ from kvoffload_ref.lifecycle import (
 )
 from kvoffload_ref.process import ProcessOwner
 from kvoffload_ref.region import HostRegion, QuarantinedItem, quarantine
+from kvoffload_ref.results import DeviceSync, RegionFate, ShutdownPolicy, ShutdownReport
 from kvoffload_ref.shield import Shield, finish_all
 
 __all__ = ["DeviceSync", "RegionFate", "ShutdownPolicy", "ShutdownReport", "WorkerCore"]
 
 logger = logging.getLogger("kvoffload_ref.worker")
-
-DEFAULT_TIMEOUT: Final = 5.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ShutdownPolicy:
-    """How shutdown treats time and unproven memory.
-
-    Attributes:
-        timeout: seconds (backend clock) for the whole shutdown: drains and the device-level proof (R11).
-        on_unproven: "quarantine" (default: keep memory that may still be under DMA alive until process exit,
-            R12) or "release" (vLLM #51622: release it after a best-effort proof).
-
-    Raises:
-        InvalidTransferError: a timeout that is not a finite number of seconds >= 0 (a bool, a string, NaN, an
-            infinity and an int too large for a float, e.g. ``10**400``, are refused: see
-            :func:`~kvoffload_ref.specs.check_seconds`), or an unknown on_unproven.
-    """
-
-    timeout: float = DEFAULT_TIMEOUT
-    on_unproven: str = "quarantine"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "timeout", check_seconds("timeout", self.timeout))
-        if not isinstance(self.on_unproven, str) or self.on_unproven not in {p.value for p in Policy}:
-            raise InvalidTransferError(
-                f"on_unproven must be 'quarantine' or 'release', got {self.on_unproven!r}")
-
-    @property
-    def policy(self) -> Policy:
-        return Policy(self.on_unproven)
-
-
-DeviceSync = Literal["not_needed", "ok", "timeout", "failed", "skipped"]
-RegionFate = Literal["released", "quarantined", "absent"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ShutdownReport:
-    """What shutdown did.
-
-    Attributes:
-        store, load: each handler's drain: transfers drained, abandoned, and the first failure (R10).
-        device_sync: whether the device-level proof (R13) ran and what it established: "not_needed" (the clean
-            path held), "ok", "timeout", "failed", or "skipped" (an interrupt stopped all waiting, R14).
-        region: "released" or "quarantined" (R12); "absent" only if the region could not be finished at all.
-        quarantined: ledger kind -> count kept alive on purpose until process exit (R12).
-        leaked: ledger kind -> count the library could not release (a failed release step, R16).
-        errors: every failure of the teardown, as text (R9).
-        elapsed: seconds on the backend clock (R11).
-        interrupted: a BaseException cut the shutdown short (R14).
-        unreported: every job the caller was never handed by ``get_finished()``, store's first, each with how it
-            ended (``store.jobs`` then ``load.jobs``): with ``get_finished()`` they account for every accepted job
-            exactly once (R8, R14).
-    """
-
-    store: HandlerReport
-    load: HandlerReport
-    device_sync: DeviceSync
-    region: RegionFate
-    quarantined: Mapping[str, int]
-    leaked: Mapping[str, int]
-    errors: tuple[str, ...]
-    elapsed: float
-    interrupted: bool
-
-    @property
-    def unreported(self) -> tuple[JobOutcome, ...]:
-        return (*self.store.jobs, *self.load.jobs)
-
 
 class WorkerCore:
     """Everything a worker holds. The finalizer references this, never the worker (R15). See the module

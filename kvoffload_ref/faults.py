@@ -60,7 +60,7 @@ from kvoffload_ref.errors import (
     InvalidTransferError,
     SimHang,
 )
-from kvoffload_ref.specs import check_int, check_positive
+from kvoffload_ref.validate import check_int, check_positive
 
 __all__ = ["HANG_POINTS", "POINTS", "Fault", "FaultKind", "FaultPlan", "FaultPoint", "FaultyBackend"]
 
@@ -139,10 +139,8 @@ class Fault:
 
     def __repr__(self) -> str:
         fields = [repr(self.point), repr(self.kind)]
-        for name in ("direction", "job_id", "nth"):
-            value = getattr(self, name)
-            if value is not None:
-                fields.append(f"{name}={value!r}")
+        fields += [f"{name}={value!r}" for name in ("direction", "job_id", "nth")
+                   if (value := getattr(self, name)) is not None]
         if self.sticky:
             fields.append("sticky=True")
         if self.status != CUDA_ERROR_LAUNCH_FAILED:
@@ -201,7 +199,8 @@ class FaultPlan:
         """
         fault = self._select(point, tag, kinds=("error",))
         if fault is not None:
-            raise DeviceError(self._message(fault, point, tag), fault.status)
+            what = "device lost: " if fault.sticky else ""
+            raise DeviceError(f"{what}injected {point} failure (tag {tag}, {fault!r})", fault.status)
 
     def check_hang(self, point: FaultPoint, tag: Tag | None = None) -> bool:
         """Count one call at ``point`` against hang faults (used for ``device_sync``); True if one fires.
@@ -214,11 +213,8 @@ class FaultPlan:
 
     def select_hang(self, tag: Tag | None) -> Fault | None:
         """Called once when a transfer is submitted: the hang fault that selects it, if any."""
-        chosen: Fault | None = None
-        for point in TRANSFER_HANG_POINTS:
-            fault = self._select(point, tag, kinds=("hang",), consult_lost=False)
-            chosen = chosen or fault
-        return chosen
+        hits = [self._select(point, tag, kinds=("hang",), consult_lost=False) for point in TRANSFER_HANG_POINTS]
+        return next((fault for fault in hits if fault is not None), None)  # every point counts the call
 
     def _raise_if_lost(self, point: FaultPoint, tag: Tag | None) -> None:
         lost = self.lost()
@@ -242,11 +238,6 @@ class FaultPlan:
                 if chosen.sticky:
                     self._lost = chosen
             return chosen
-
-    @staticmethod
-    def _message(fault: Fault, point: FaultPoint, tag: Tag | None) -> str:
-        what = "device lost: " if fault.sticky else ""
-        return f"{what}injected {point} failure (tag {tag}, {fault!r})"
 
 
 class FaultyBackend:
@@ -312,20 +303,17 @@ class FaultyBackend:
 
     def empty_device(self, shape: tuple[int, int]) -> object:
         """Delegated (raises DeviceError while the device is lost)."""
-        self._hook("empty_device")
-        self._check_alive()
+        self._check_alive("empty_device")
         return self.inner.empty_device(shape)
 
     def from_host(self, array: npt.NDArray[np.uint8]) -> object:
         """Delegated (raises DeviceError while the device is lost)."""
-        self._hook("from_host")
-        self._check_alive()
+        self._check_alive("from_host")
         return self.inner.from_host(array)
 
     def to_host(self, array: object) -> npt.NDArray[np.uint8]:
         """Delegated (raises DeviceError while the device is lost)."""
-        self._hook("to_host")
-        self._check_alive()
+        self._check_alive("to_host")
         return self.inner.to_host(array)
 
     def array_info(self, array: object) -> TensorGeometry:
@@ -349,8 +337,7 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
-        self._hook("host_register")
-        self.plan.check("host_register")
+        self._fault_point("host_register")
         self.inner.host_register(ptr, nbytes)
 
     def host_unregister(self, ptr: int) -> None:
@@ -359,8 +346,7 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault (the range stays pinned), a lost device, or the inner error.
         """
-        self._hook("host_unregister")
-        self.plan.check("host_unregister")
+        self._fault_point("host_unregister")
         self.inner.host_unregister(ptr)
 
     def alloc_descriptors(self, capacity: int, *, tag: Tag | None = None) -> DescriptorBuffer:
@@ -369,8 +355,7 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
-        self._hook("descriptor_alloc", tag)
-        self.plan.check("descriptor_alloc", tag)
+        self._fault_point("descriptor_alloc", tag)
         return self.inner.alloc_descriptors(capacity, tag=tag)
 
     def free_descriptors(self, buf: DescriptorBuffer) -> None:
@@ -411,8 +396,7 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
-        self._hook("stream_create", tag)
-        self.plan.check("stream_create", tag)
+        self._fault_point("stream_create", tag)
         return self.inner.create_stream(tag=tag)
 
     def destroy_stream(self, stream: Stream) -> None:
@@ -429,8 +413,7 @@ class FaultyBackend:
         Raises:
             DeviceError: a lost device, or the inner backend's error.
         """
-        self._hook("wait_event")
-        self._check_alive()
+        self._check_alive("wait_event")
         with self._lock:
             self.inner.wait_event(stream, event)
             if id(event) in self._hung_events:
@@ -442,8 +425,7 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
-        self._hook("event_create", tag)
-        self.plan.check("event_create", tag)
+        self._fault_point("event_create", tag)
         return self.inner.create_event(tag=tag)
 
     def destroy_event(self, event: Event) -> None:
@@ -471,8 +453,7 @@ class FaultyBackend:
         Raises:
             DeviceError: a lost device, or the inner backend's error.
         """
-        self._hook("record", tag)
-        self._check_alive()
+        self._check_alive("record", tag)
         with self._lock:
             self.inner.record(event, stream, tag=tag)
             self._event_tags[id(event)] = tag
@@ -497,8 +478,7 @@ class FaultyBackend:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
         tag = self._tag_of(event)
-        self._hook("event_query", tag)
-        self.plan.check("event_query", tag)
+        self._fault_point("event_query", tag)
         if self._is_hung(event):
             return False
         return self.inner.query(event)
@@ -511,8 +491,7 @@ class FaultyBackend:
             SimHang: the event is hung.
         """
         tag = self._tag_of(event)
-        self._hook("event_sync", tag)
-        self.plan.check("event_sync", tag)
+        self._fault_point("event_sync", tag)
         if not self._is_hung(event):
             self.inner.synchronize(event)
             return
@@ -527,8 +506,7 @@ class FaultyBackend:
         Raises:
             DeviceError: a hung event (600), a lost device, or the inner backend's error.
         """
-        self._hook("elapsed", self._tag_of(end))
-        self._check_alive()
+        self._check_alive("elapsed", self._tag_of(end))
         if self._is_hung(start) or self._is_hung(end):
             raise DeviceError("elapsed: an event has not completed (hung)", CUDA_ERROR_NOT_READY)
         return self.inner.elapsed(start, end)
@@ -542,8 +520,7 @@ class FaultyBackend:
         Raises:
             DeviceError: an injected fault, a lost device, or the inner backend's error.
         """
-        self._hook("copy", tag)
-        self.plan.check("copy", tag)
+        self._fault_point("copy", tag)
         with self._lock:
             if id(stream) not in self._hung_streams:
                 self.inner.copy_batch(stream, buf, count, tag=tag)
@@ -581,7 +558,14 @@ class FaultyBackend:
         if hook is not None:
             hook(point, tag)
 
-    def _check_alive(self) -> None:
+    def _fault_point(self, point: FaultPoint, tag: Tag | None = None) -> None:
+        """The start of a call at fault point ``point``: the hook, then ``plan.check`` (DeviceError)."""
+        self._hook(point, tag)
+        self.plan.check(point, tag)
+
+    def _check_alive(self, point: str, tag: Tag | None = None) -> None:
+        """The start of a delegated call that fails while the device is lost: the hook, then that check."""
+        self._hook(point, tag)
         lost = self.plan.lost()
         if lost is not None:
             raise DeviceError(f"device lost earlier ({lost!r})", lost.status)

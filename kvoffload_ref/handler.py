@@ -38,7 +38,7 @@ import itertools
 import logging
 import operator
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag, poll_until
@@ -53,68 +53,12 @@ from kvoffload_ref.layout import (
     TensorGeometry,
 )
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
+from kvoffload_ref.results import HandlerReport, HandlerStats, JobOutcome, TransferResult
 from kvoffload_ref.shield import Shield, finish_all
 
-__all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "JobOutcome", "TransferResult"]
+__all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "JobOutcome", "TransferResult"]  # the values: results
 
 logger = logging.getLogger("kvoffload_ref.handler")
-
-@dataclasses.dataclass(frozen=True)
-class TransferResult:
-    """The outcome of one transfer, reported exactly once by ``get_finished`` (R5).
-
-    Attributes:
-        job_id: the caller's id.
-        success: True only if the transfer's completion was proven.
-        transfer_size: bytes copied (None when not proven).
-        transfer_time: seconds between the transfer's start and end events (None when not proven or unknown).
-        error: why it failed (None on success).
-    """
-
-    job_id: int
-    success: bool
-    transfer_size: int | None = None
-    transfer_time: float | None = None
-    error: BaseException | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class HandlerReport:
-    """One handler's part of the shutdown report (R10).
-
-    Attributes:
-        drained: transfers proven complete during the shutdown drain (also when it was interrupted, R14).
-        abandoned: transfers left with unknown completion.
-        error: the first failure of the drain (a DeviceError, DeadlineExceeded, or the interrupting
-            BaseException), or None.
-        jobs: every job of this direction the caller was never handed, in submission order, with how it ended:
-            with ``get_finished()`` it accounts for every accepted job exactly once (R8, R14).
-    """
-
-    drained: int = 0
-    abandoned: int = 0
-    error: BaseException | None = None
-    jobs: tuple[JobOutcome, ...] = ()
-
-
-Ended = Literal["unreaped", "drained", "abandoned"]
-
-
-@dataclasses.dataclass(frozen=True)
-class JobOutcome:
-    """A job the caller was never handed by ``get_finished()``, as the shutdown report lists it (R8, R14).
-
-    Attributes:
-        result: its result: for "unreaped" the one ``get_finished()`` would have returned; for "drained" a
-            success (``transfer_time`` None: the drain does not read timings); for "abandoned" a failure whose
-            error says why the drain stopped.
-        ended: "unreaped" (its completion was known before shutdown began, nobody reaped it), "drained" (proven
-            by the shutdown drain) or "abandoned" (completion unknown, R10).
-    """
-
-    result: TransferResult
-    ended: Ended
-
 
 _T = TypeVar("_T")
 
@@ -182,24 +126,6 @@ class _Transfer:
 
 _EVENTS = operator.attrgetter("events")
 _DESCRIPTORS = operator.attrgetter("descriptors")
-
-
-@dataclasses.dataclass(frozen=True)
-class HandlerStats:
-    """A frozen snapshot of one handler (never a view of its private fields)."""
-
-    direction: str
-    state: str
-    queued: int  # submitted, completion not yet known
-    unreported: int  # completion known, not yet returned by get_finished
-    submitted: int
-    completed: int  # proven complete
-    failed: int  # reported success=False
-    abandoned: int  # left unproven by the shutdown drain
-    unproven: int  # transfers whose resources wait for the device-level proof
-    pooled_streams: int  # the handler's own stream (1 until released)
-    pooled_events: int
-    pooled_descriptors: int
 
 
 class DirectionHandler:

@@ -59,8 +59,8 @@ from kvoffload_ref.specs import (
     TensorGeometry,
     check_int,
     geometry_columns,
-    readonly,
 )
+from kvoffload_ref.validate import readonly
 
 __all__ = ["CopyPlan", "Planner", "PreparedPlan", "plan_copies"]
 

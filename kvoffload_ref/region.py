@@ -52,7 +52,7 @@ from kvoffload_ref.layout import KVCacheLayout, TensorGeometry, check_int
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
 from kvoffload_ref.process import ProcessOwner
 from kvoffload_ref.shield import Shield
-from kvoffload_ref.specs import INT64_MAX
+from kvoffload_ref.validate import INT64_MAX
 
 __all__ = ["DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine", "quarantined"]
 

@@ -55,7 +55,7 @@ from kvoffload_ref.shared_file import (
     open_file,
     pack_header,
 )
-from kvoffload_ref.specs import INT64_MAX
+from kvoffload_ref.validate import INT64_MAX
 
 __all__ = [
     "DEFAULT_DIRECTORY",

@@ -28,9 +28,9 @@ import numpy.typing as npt
 
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import POLL_FIRST_SLEEP, POLL_MAX_SLEEP, Backend, ResourceKind
-from kvoffload_ref.core import DEFAULT_TIMEOUT, ShutdownPolicy, ShutdownReport, WorkerCore, finalize
+from kvoffload_ref.core import WorkerCore, finalize
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
-from kvoffload_ref.handler import DirectionHandler, HandlerReport, HandlerStats, TransferResult
+from kvoffload_ref.handler import DirectionHandler
 from kvoffload_ref.layout import (
     CPULoadStoreSpec,
     Direction,
@@ -43,6 +43,14 @@ from kvoffload_ref.layout import (
 )
 from kvoffload_ref.lifecycle import Action, RegionState, WorkerInput, WorkerState
 from kvoffload_ref.region import DEFAULT_PIN_CHUNK_BYTES, HostRegion
+from kvoffload_ref.results import (
+    DEFAULT_TIMEOUT,
+    HandlerReport,
+    HandlerStats,
+    ShutdownPolicy,
+    ShutdownReport,
+    TransferResult,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",

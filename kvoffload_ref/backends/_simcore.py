@@ -53,7 +53,7 @@ from kvoffload_ref.errors import (
     InvalidTransferError,
     SimHang,
 )
-from kvoffload_ref.specs import INT64_MAX, check_int, check_positive, check_seconds
+from kvoffload_ref.validate import INT64_MAX, check_int, check_positive, check_seconds
 
 __all__ = ["SimCore", "checked_shape", "describe", "tag_of", "transfer_name"]
 

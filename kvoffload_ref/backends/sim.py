@@ -69,7 +69,7 @@ from kvoffload_ref.errors import (
     InvalidTransferError,
     SimHang,
 )
-from kvoffload_ref.specs import INT64_MAX, check_id_array, check_int, check_seconds
+from kvoffload_ref.validate import INT64_MAX, check_id_array, check_int, check_seconds
 
 __all__ = ["SimBackend", "SimEvent", "SimHang", "SimStream", "Violation", "ViolationKind"]
 
