@@ -13,12 +13,16 @@ import logging
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvoffload_ref import __version__, failure_modes
 from kvoffload_ref import diagram as diagram_mod
 from kvoffload_ref import spec as spec_mod
 from kvoffload_ref.bench import missed_goals, run_bench
 from kvoffload_ref.demo import demo
+
+if TYPE_CHECKING:
+    from kvoffload_ref.testing.adapter import WorkerFactory
 
 __all__ = ["main"]
 
@@ -78,23 +82,32 @@ def _bench(json_path: str | None, quick: bool, check: bool) -> int:
     return 1 if check and missed else 0
 
 
-def _fuzz(args: argparse.Namespace) -> int:
-    """``kvoffload-ref fuzz``: 2 for bad usage (before anything runs), else the campaign's status."""
+def _kit_factory(command: str, reference: str) -> WorkerFactory | None:
+    """The worker factory ``reference`` names, loaded through the kit; None, after one line on stderr, when
+    Hypothesis (the kit's one dependency) is missing or the reference is bad (exit 2)."""
     try:
-        from kvoffload_ref.testing import Capabilities  # noqa: PLC0415  (needs Hypothesis)
-        from kvoffload_ref.testing.campaign import run_campaign  # noqa: PLC0415
-        from kvoffload_ref.testing.jobs import FactoryError, load_factory, run_jobs  # noqa: PLC0415
-        from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS  # noqa: PLC0415
+        from kvoffload_ref.testing.jobs import FactoryError, load_factory  # noqa: PLC0415  (needs Hypothesis)
     except ModuleNotFoundError as exc:
         if exc.name != "hypothesis":
             raise
-        print(f"kvoffload-ref fuzz: {exc}", file=sys.stderr)
-        return 2
+        print(f"kvoffload-ref {command}: {exc}", file=sys.stderr)
+        return None
     try:
-        factory = load_factory(args.factory)
+        return load_factory(reference)
     except FactoryError as exc:
-        print(f"kvoffload-ref fuzz: {exc}", file=sys.stderr)
+        print(f"kvoffload-ref {command}: {exc}", file=sys.stderr)
+        return None
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    """``kvoffload-ref fuzz``: 2 for bad usage (before anything runs), else the campaign's status."""
+    factory = _kit_factory("fuzz", args.factory)
+    if factory is None:
         return 2
+    from kvoffload_ref.testing import Capabilities  # noqa: PLC0415  (the kit is importable now)
+    from kvoffload_ref.testing.campaign import run_campaign  # noqa: PLC0415
+    from kvoffload_ref.testing.jobs import run_jobs  # noqa: PLC0415
+    from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS  # noqa: PLC0415
     off = set(args.without or ())
     capabilities = Capabilities(**{name: name not in off for name in CAPABILITIES}) if off else None
     if args.verbose:
@@ -110,19 +123,10 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 def _explore(args: argparse.Namespace) -> int:
     """``kvoffload-ref explore``: 2 for bad usage, 1 when a case breaks a rule, else 0."""
-    try:
-        from kvoffload_ref.testing.explorer import explore  # noqa: PLC0415  (the kit needs Hypothesis)
-        from kvoffload_ref.testing.jobs import FactoryError, load_factory  # noqa: PLC0415
-    except ModuleNotFoundError as exc:
-        if exc.name != "hypothesis":
-            raise
-        print(f"kvoffload-ref explore: {exc}", file=sys.stderr)
+    factory = _kit_factory("explore", args.factory)
+    if factory is None:
         return 2
-    try:
-        factory = load_factory(args.factory)
-    except FactoryError as exc:
-        print(f"kvoffload-ref explore: {exc}", file=sys.stderr)
-        return 2
+    from kvoffload_ref.testing.explorer import explore  # noqa: PLC0415  (the kit is importable now)
     if not args.verbose:
         logging.disable(logging.CRITICAL)  # thousands of interrupted shutdowns log as designed
     try:

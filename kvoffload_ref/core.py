@@ -1,4 +1,4 @@
-"""The worker's core: what a worker holds, its lock, and the shutdown sequence (R8-R15, R19).
+"""The worker's core: what a worker holds, its lock, and the shutdown sequence (R8-R15, R19, R21).
 
 Theory of operation
 -------------------
@@ -6,9 +6,9 @@ Theory of operation
 public ``CPUOffloadingWorker`` is a thin facade over it, and its finalizer references the core, never the worker
 (R15).
 
-Concurrency (R19), in five lines:
+Concurrency (R19), in six lines:
 
-1. ``lock`` guards the worker's state and both handlers while the worker is open; each public call holds it for one
+1. ``lock`` (reentrant; every public call enters through ``call``, which also refuses a forked child, R21) guards the worker's state and both handlers while the worker is open; each public call holds it for one
    non-blocking step (a submission, a reap, one poll of a wait), never across a sleep or a blocking wait;
 2. a submission runs entirely under the lock, and shutdown begins (OPEN -> SHUTTING_DOWN) under the same lock, so a
    submission is either queued completely before shutdown begins or refused (R8);
@@ -16,7 +16,10 @@ Concurrency (R19), in five lines:
    refused), so the shutdown thread drains and releases them without the lock, sleeping freely;
 4. a second ``shutdown()`` waits on the condition ``done`` for the report (the first is bounded, R11);
 5. the finalizer never takes the lock while a worker method holds it: a thread inside a worker method keeps the
-   worker alive, and a finalizer the collector runs shuts down in a thread of its own (``_finalize``).
+   worker alive, and a finalizer the collector runs shuts down in a thread of its own (``_finalize``);
+6. a ``shutdown()`` on a thread that already holds the lock or runs the shutdown -- a signal handler that
+   interrupted it -- records the request and raises ``ShutdownDeferred``; ``Call.__exit__`` carries the request
+   out as the interrupted call leaves the lock, so it never deadlocks and never half-queues a submission.
 
 Shutdown (R9-R14) runs under one deadline on the backend clock:
 
@@ -29,6 +32,10 @@ Shutdown (R9-R14) runs under one deadline on the backend clock:
    transfers, then the region is released (R3) or quarantined. This step is shielded: every part of it runs
    whatever is raised meanwhile, and a Ctrl-C (SIGINT) is held back until it is done (R14);
 4. the report is stored and the worker closes; an interrupting BaseException then propagates.
+
+The sequence is protected from its first instruction (R14): the transition to SHUTTING_DOWN and the record of the
+running thread change together (``_begin``), and an interrupt anywhere after them -- the first clock read
+included -- still leads to ``_finish``, where ``_stop_waiting`` abandons a handler whose drain never began.
 """
 
 from __future__ import annotations
