@@ -8,8 +8,9 @@ public ``CPUOffloadingWorker`` is a thin facade over it, and its finalizer refer
 
 Concurrency (R19), in six lines:
 
-1. ``lock`` (reentrant; every public call enters through ``call``, which also refuses a forked child, R21) guards the worker's state and both handlers while the worker is open; each public call holds it for one
-   non-blocking step (a submission, a reap, one poll of a wait), never across a sleep or a blocking wait;
+1. ``lock`` (reentrant; every public call enters through ``call``, which also refuses a forked child, R21) guards
+   the worker's state and both handlers while the worker is open; each public call holds it for one non-blocking
+   step (a submission, a reap, one poll of a wait), never across a sleep or a blocking wait;
 2. a submission runs entirely under the lock, and shutdown begins (OPEN -> SHUTTING_DOWN) under the same lock, so a
    submission is either queued completely before shutdown begins or refused (R8);
 3. from SHUTTING_DOWN on no other call touches the handlers (get_finished/wait return empty, submissions are
