@@ -6,7 +6,7 @@ the example database in a temporary directory (``$KVOFFLOAD_REF_EXAMPLE_DATABASE
 (``tests/_hypofuzz_wrong_worker.py``) the failure is found and is the kit's R5 violation. What HypoFuzz did is read
 back from its database (its reports and failures), with HypoFuzz's own reader. The time bounds only stop a run
 (HypoFuzz runs until stopped); nothing asserts how fast anything went. HypoFuzz is optional and never a
-dependency of the package (its licence is its own); ``.ci/run`` runs this module in a separate venv on request.
+dependency of the package (its licence is its own); ``.ci/run`` runs this module in a separate venv.
 """
 
 from __future__ import annotations
