@@ -23,10 +23,11 @@ from kvoffload_ref.errors import (
     WorkerClosedError,
 )
 from kvoffload_ref.faults import Fault, FaultPlan, FaultyBackend
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
-from kvoffload_ref.region import HostRegion, QuarantinedItem, quarantined
+from kvoffload_ref.quarantine import QuarantinedItem, quarantined
+from kvoffload_ref.region import HostRegion
 from kvoffload_ref.results import JobOutcome, TransferResult
 from kvoffload_ref.shared_region import SharedRegion
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import (
     CPUOffloadingWorker,
     HandlerReport,

@@ -15,11 +15,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvoffload_ref import __version__, failure_modes
-from kvoffload_ref import diagram as diagram_mod
-from kvoffload_ref import spec as spec_mod
+from kvoffload_ref import __version__
 from kvoffload_ref.bench import missed_goals, run_bench
 from kvoffload_ref.demo import demo
+from kvoffload_ref.docgen import diagram as diagram_mod
+from kvoffload_ref.docgen import failure_modes
+from kvoffload_ref.docgen import spec as spec_mod
 
 if TYPE_CHECKING:
     from kvoffload_ref.testing.adapter import WorkerFactory

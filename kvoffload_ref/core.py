@@ -57,14 +57,13 @@ from kvoffload_ref.lifecycle import (
     Action,
     Fate,
     Policy,
-    ProofDecision,
     ProofOutcome,
     RegionState,
     WorkerInput,
     WorkerState,
 )
 from kvoffload_ref.process import ProcessOwner
-from kvoffload_ref.region import HostRegion, QuarantinedItem, quarantine
+from kvoffload_ref.region import HostRegion
 from kvoffload_ref.results import DeviceSync, RegionFate, ShutdownPolicy, ShutdownReport
 from kvoffload_ref.shield import Shield, finish_all
 
@@ -191,7 +190,8 @@ class WorkerCore:
                    shield)
         run.clean = run.clean and self.store.clean and self.load.clean
         if run.proof is ProofOutcome.NOT_NEEDED:
-            run.proof = ProofOutcome(lifecycle.decide_proof(run.clean, True).value)
+            decided = lifecycle.decide_proof(run.clean, True)  # never None once interrupted
+            run.proof = ProofOutcome.SKIPPED if decided is None else decided
 
     def _close(self, run: ShutdownRun, shield: Shield) -> None:
         """Store the report and close (no backend call but the clock, retried through interrupts)."""
@@ -221,9 +221,9 @@ class WorkerCore:
 
     def _prove(self, deadline: float, run: ShutdownRun) -> None:
         """R13: the device-level proof, only off the clean path; skipped after an interrupt (R14)."""
-        decision = lifecycle.decide_proof(run.clean, run.interrupt is not None)
-        if decision is not ProofDecision.ATTEMPT:
-            run.proof = ProofOutcome(decision.value)
+        decided = lifecycle.decide_proof(run.clean, run.interrupt is not None)
+        if decided is not None:
+            run.proof = decided
             return
         streams: list[Stream] = [self.compute, *self.store.streams_in_use(), *self.load.streams_in_use()]
         try:
@@ -247,11 +247,9 @@ class WorkerCore:
         fate = lifecycle.decide_fate(run.proof, self.policy.policy)
         reason = f"device not proven idle (device_sync={run.proof.value})"
         for name, handler in (("store", self.store), ("load", self.load)):
-            kept, failed = handler.release(fate, shield)
+            kept, failed = handler.release(fate, shield, reason=reason)
             run.errors.extend(f"{name} release: {f}" for f in failed)
-            for buf in kept:
-                quarantine(QuarantinedItem("descriptor", repr(buf), reason, buf))
-            run.add("quarantined", "descriptor", len(kept))
+            run.add("quarantined", "descriptor", kept)
         self._finish_region(fate, reason, run, shield)
 
     def _finish_region(self, fate: Fate, reason: str, run: ShutdownRun, shield: Shield) -> None:

@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.faults import Fault, FaultPlan
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import CPUOffloadingWorker, ShutdownPolicy, ShutdownReport, create_worker
 
 __all__ = ["demo"]

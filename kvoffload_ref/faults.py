@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Final, Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload_ref.backends import batched
 from kvoffload_ref.backends.base import (
     Backend,
     CallHook,
@@ -50,6 +51,7 @@ from kvoffload_ref.backends.base import (
     Stream,
     Tag,
     TensorGeometry,
+    give_up_past_horizon,
     poll_until,
     record_and_poll,
 )
@@ -248,14 +250,12 @@ class FaultyBackend:
     delegated unchanged, except that while the plan reports the device lost, non-release calls raise too.
 
     Args:
-        inner: the backend to wrap.
-        plan: the faults to inject.
-        hang_horizon: seconds (on the inner clock) a blocking ``synchronize`` of hung work waits before it
-            raises ``SimHang``: a finite number > 0.
+        inner, plan: the backend to wrap, and the faults to inject.
+        hang_horizon: seconds (on the inner clock) a blocking ``synchronize`` of hung work, or a wait without a
+            timeout (``check_unbounded_wait``), waits before it raises ``SimHang``: a finite number > 0.
 
     Raises:
-        InvalidTransferError: (a ValueError) ``hang_horizon`` is not a finite number > 0 (a bool, a string, NaN,
-            an infinity and an int too large for a float included) (R7).
+        InvalidTransferError: (a ValueError) ``hang_horizon`` is not a finite number > 0 (R7).
 
     Attributes:
         inner: the wrapped backend.
@@ -266,17 +266,15 @@ class FaultyBackend:
 
     def __init__(self, inner: Backend, plan: FaultPlan, *, hang_horizon: float = 3600.0) -> None:
         horizon = check_positive("hang_horizon", hang_horizon, unit="seconds")
-        self.inner = inner
-        self.plan = plan
+        self.inner, self.plan, self._horizon = inner, plan, horizon
         self.name: str = f"faulty({inner.name})"
-        self._horizon = horizon
         self.on_call: CallHook | None = None
         # Invariant: guards the fields below and makes each non-blocking call (bookkeeping plus the forwarded
         # inner call) atomic; never held across a blocking wait or the on_call hook. Reentrant: record_and_poll.
         self._lock = threading.RLock()
-        # Invariant: id() of each live stream that is hung (selected by a hang, or waited on a hung event).
+        # Invariant: id() of each live stream that is hung (selected by a hang, or waited on a hung event), and of
+        # each live event whose latest record was made on a hung stream.
         self._hung_streams: set[int] = set()
-        # Invariant: id() of each live event whose latest record was made on a hung stream.
         self._hung_events: set[int] = set()
         # Invariant: id() of each live event recorded at least once -> the tag of its latest record.
         self._event_tags: dict[int, Tag | None] = {}
@@ -298,6 +296,10 @@ class FaultyBackend:
     def hang_horizon(self) -> float:
         """Backend seconds after which a wait without a bound on hung work gives up with SimHang."""
         return self._horizon
+
+    def check_unbounded_wait(self, started: float, now: float, what: str) -> None:
+        """SimHang once a wait without a timeout outlived :attr:`hang_horizon` (no hook, no inner call)."""
+        give_up_past_horizon(self._horizon, started, now, what)
 
     # -- memory: delegated ------------------------------------------------------------------------------------
 
@@ -366,7 +368,7 @@ class FaultyBackend:
     def free_descriptors_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
         """Delegated; never fails."""
         self._hook("free_descriptors")
-        self.inner.free_descriptors_many(bufs)
+        batched.free_descriptors_many(self.inner, bufs)
 
     # -- streams and events -----------------------------------------------------------------------------------
 
@@ -443,7 +445,7 @@ class FaultyBackend:
             for event in events:
                 self._hung_events.discard(id(event))
                 self._event_tags.pop(id(event), None)
-            self.inner.destroy_events(events)
+            batched.destroy_events(self.inner, events)
 
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
         """Delegated. The event is hung if the stream is. A transfer is submitted at its start record (see the
@@ -469,7 +471,7 @@ class FaultyBackend:
         hangs and hook keep their per-call meaning)."""
         if self.on_call is not None or self.plan.faults or self._hung_events:
             return 0
-        return self.inner.query_prefix(events)
+        return batched.query_prefix(self.inner, events)
 
     def query(self, event: Event) -> bool:
         """Fault point ``event_query`` (matched on the event's tag); False forever for a hung event.

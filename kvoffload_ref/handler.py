@@ -41,20 +41,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from kvoffload_ref import lifecycle
+from kvoffload_ref.backends import batched
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag, poll_until
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError
-from kvoffload_ref.layout import (
-    CPULoadStoreSpec,
-    Direction,
-    GPULoadStoreSpec,
-    KVCacheLayout,
-    Planner,
-    PreparedPlan,
-    TensorGeometry,
-)
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
+from kvoffload_ref.planner import Planner, PreparedPlan
+from kvoffload_ref.quarantine import QuarantinedItem, quarantine
 from kvoffload_ref.results import HandlerReport, HandlerStats, JobOutcome, TransferResult
 from kvoffload_ref.shield import Shield, finish_all
+from kvoffload_ref.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, KVCacheLayout, TensorGeometry
 
 __all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "JobOutcome", "TransferResult"]  # the values: results
 
@@ -80,6 +75,13 @@ def _each(fn: Callable[[Any], object], items: list[Any]) -> None:
     while items:
         fn(items[-1])
         items.pop()
+
+
+def _register(bufs: list[DescriptorBuffer], reason: str) -> None:
+    """Keep ``bufs`` alive in the quarantine registry, oldest first; a buffer leaves the list once registered."""
+    while bufs:
+        quarantine(QuarantinedItem("descriptor", repr(bufs[0]), reason, bufs[0]))
+        bufs.pop(0)
 
 
 class _Taken:
@@ -317,7 +319,7 @@ class DirectionHandler:
                 ends.append(transfer.end)
                 if transfer is mark:
                     break
-        count = self._backend.query_prefix(ends)
+        count = batched.query_prefix(self._backend, ends)
         if count:
             self._heads_proven(count)
         return count
@@ -472,23 +474,26 @@ class DirectionHandler:
         """The streams this handler still holds: what the device-level proof covers."""
         return [] if self._stream is None else [self._stream]
 
-    def release(self, fate: Fate, shield: Shield | None = None) -> tuple[list[DescriptorBuffer], list[str]]:
+    def release(self, fate: Fate, shield: Shield | None = None, *,
+                reason: str = "device not proven idle") -> tuple[int, list[str]]:
         """Release the transfer-side resources after the drain (R10); idempotent.
 
         The stream, the events and the descriptor buffers of proven transfers are always released. The descriptor
-        buffers of unproven transfers are freed if ``fate`` is RELEASE, else returned for quarantine (and marked
-        quarantined in the ledger). Every step runs, whatever an earlier one raised (R14).
+        buffers of unproven transfers are freed if ``fate`` is RELEASE, else quarantined: marked quarantined in the
+        ledger and kept alive in the quarantine registry (:func:`kvoffload_ref.quarantine.quarantine`) until
+        process exit. Every step runs, whatever an earlier one raised (R14).
 
         Args:
             fate: what happens to the unproven transfers' descriptor buffers.
             shield: collects the interrupts that arrive meanwhile, for the caller to re-raise once its own release
                 is done (R14); None: they are dropped after the release finished.
+            reason: why the kept buffers are quarantined (for the registry).
 
         Returns:
-            (descriptor buffers to quarantine, descriptions of the steps that failed).
+            (how many descriptor buffers were quarantined, descriptions of the steps that failed).
         """
         if self._step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
-            return [], []
+            return 0, []
         backend = self._backend
         events = [*self._events, *(e for t in self._unproven for e in t.events)]
         unproven = [t.descriptors for t in self._unproven if t.descriptors is not None]
@@ -497,16 +502,18 @@ class DirectionHandler:
         kept = [] if fate is Fate.RELEASE else unproven
         freed = [*idle, *unproven] if fate is Fate.RELEASE else idle
         streams = [] if stream is None else [stream]
-        quarantined = list(kept)
+        quarantined, registered = list(kept), list(kept)
         steps: list[tuple[str, Callable[[], object]]] = [
             (f"destroy the {self.direction} stream", lambda: _each(backend.destroy_stream, streams)),
-            (f"destroy {len(events)} {self.direction} events", lambda: backend.destroy_events(events)),
-            (f"free {len(freed)} {self.direction} descriptor buffers", lambda: backend.free_descriptors_many(freed)),
+            (f"destroy {len(events)} {self.direction} events", lambda: batched.destroy_events(backend, events)),
+            (f"free {len(freed)} {self.direction} descriptor buffers",
+             lambda: batched.free_descriptors_many(backend, freed)),
             ("quarantine descriptor buffers",
              lambda: _each(lambda buf: backend.ledger.quarantine("descriptor", id(buf)), quarantined)),
+            ("register quarantined descriptor buffers", lambda: _register(registered, reason)),
         ]
         failed, _ = finish_all(steps, shield)
-        return kept, failed
+        return len(kept), failed
 
     def discard(self) -> None:
         """Construction rollback (R2): destroy what the constructor created; nothing was ever submitted. An

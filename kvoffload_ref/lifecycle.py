@@ -44,7 +44,6 @@ __all__ = [
     "HandlerInput",
     "HandlerState",
     "Policy",
-    "ProofDecision",
     "ProofOutcome",
     "Refusal",
     "RegionInput",
@@ -251,22 +250,15 @@ REGION_TABLE: Final[Table] = {
 
 
 # -- shutdown decisions -----------------------------------------------------------------------------------------
-class ProofDecision(_IdentityHash, enum.Enum):
-    """Whether the device-level proof (R13) runs. Values are the report's ``device_sync`` spelling."""
-
-    NOT_NEEDED = "not_needed"  # the clean path held: every transfer proven by its own event
-    ATTEMPT = "attempt"
-    SKIPPED = "skipped"  # a BaseException stopped all waiting (R14)
-
-
 class ProofOutcome(_IdentityHash, enum.Enum):
-    """What the proof established. Values are the report's ``device_sync`` spelling."""
+    """What the device-level proof (R13) established -- the one spelling of it: the values are the report's
+    ``ShutdownReport.device_sync`` strings (``results.DeviceSync`` lists the same values)."""
 
-    NOT_NEEDED = "not_needed"
-    OK = "ok"
-    TIMEOUT = "timeout"
-    FAILED = "failed"
-    SKIPPED = "skipped"
+    NOT_NEEDED = "not_needed"  # the clean path held: every transfer proven by its own event; no proof ran
+    OK = "ok"  # the proof ran and the device is idle
+    TIMEOUT = "timeout"  # the proof ran out of time (the drain's deadline)
+    FAILED = "failed"  # the proof raised a DeviceError
+    SKIPPED = "skipped"  # a BaseException stopped all waiting (R14); no proof ran
 
 
 class Policy(_IdentityHash, enum.Enum):
@@ -283,12 +275,13 @@ class Fate(_IdentityHash, enum.Enum):
     QUARANTINE = "quarantine"
 
 
-#: (clean path held, interrupted) -> whether to attempt the proof (R13, R14).
-PROOF_DECISION: Final[Mapping[tuple[bool, bool], ProofDecision]] = {
-    (True, False): ProofDecision.NOT_NEEDED,
-    (True, True): ProofDecision.NOT_NEEDED,
-    (False, False): ProofDecision.ATTEMPT,
-    (False, True): ProofDecision.SKIPPED,
+#: (clean path held, interrupted) -> the proof's outcome decided without running it, or None: attempt the proof
+#: (R13, R14).
+PROOF_DECISION: Final[Mapping[tuple[bool, bool], ProofOutcome | None]] = {
+    (True, False): ProofOutcome.NOT_NEEDED,
+    (True, True): ProofOutcome.NOT_NEEDED,
+    (False, False): None,
+    (False, True): ProofOutcome.SKIPPED,
 }
 
 #: (proof outcome, policy) -> fate of whatever the proof covered (R12, R14). An interrupted shutdown
@@ -335,8 +328,13 @@ def step(table: Table, machine: str, state: S, event: enum.Enum) -> tuple[S, Act
     return next_state, entry.action
 
 
-def decide_proof(clean: bool, interrupted: bool) -> ProofDecision:
-    """Whether to attempt the device-level proof (R13: never on the clean path; R14: skipped if interrupted)."""
+def decide_proof(clean: bool, interrupted: bool) -> ProofOutcome | None:
+    """Whether to attempt the device-level proof (R13: never on the clean path; R14: skipped if interrupted).
+
+    Returns:
+        The outcome when it is decided without a proof (``NOT_NEEDED`` on the clean path, ``SKIPPED`` after an
+        interrupt), or None: attempt the proof, whose result (``OK``, ``TIMEOUT``, ``FAILED``) is the outcome.
+    """
     return PROOF_DECISION[(clean, interrupted)]
 
 

@@ -32,11 +32,9 @@ last steps: unlink the file if this process is to unlink it, then close the desc
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import mmap
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -48,12 +46,14 @@ import numpy.typing as npt
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipError
-from kvoffload_ref.layout import KVCacheLayout, TensorGeometry, check_int
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
 from kvoffload_ref.process import ProcessOwner
+from kvoffload_ref.quarantine import QuarantinedItem, quarantine, quarantined
 from kvoffload_ref.shield import Shield
-from kvoffload_ref.validate import INT64_MAX
+from kvoffload_ref.specs import KVCacheLayout, TensorGeometry
+from kvoffload_ref.validate import INT64_MAX, check_int
 
+# QuarantinedItem, quarantine and quarantined live in kvoffload_ref.quarantine; re-exported here for compatibility.
 __all__ = ["DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine", "quarantined"]
 
 logger = logging.getLogger("kvoffload_ref.region")
@@ -61,50 +61,6 @@ logger = logging.getLogger("kvoffload_ref.region")
 PAGE: Final = mmap.PAGESIZE
 #: Upstream registers at most 64 GiB per cudaHostRegister call (some drivers fail above that).
 DEFAULT_PIN_CHUNK_BYTES: Final = 64 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class QuarantinedItem:
-    """Something kept alive on purpose until process exit because DMA may still touch it (R12).
-
-    Attributes:
-        kind: "region" or "descriptor".
-        description: what it is (addresses, sizes).
-        reason: why it could not be released.
-        obj: the object itself (holding it here is what keeps it alive).
-    """
-
-    kind: str
-    description: str
-    reason: str
-    obj: object = dataclasses.field(repr=False, compare=False)
-
-
-# Invariant: only ever appended to; entries live until the interpreter exits.
-_QUARANTINE: list[QuarantinedItem] = []
-# Invariant: guards _QUARANTINE; a fresh one in every forked child (the fork may have copied it held, R21).
-_QUARANTINE_LOCK = threading.Lock()
-
-
-def _fresh_lock_in_child() -> None:  # a child's own regions may be quarantined too
-    global _QUARANTINE_LOCK  # noqa: PLW0603  # one registry lock for the process
-    _QUARANTINE_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_fresh_lock_in_child)
-
-
-def quarantine(item: QuarantinedItem) -> None:
-    """Keep ``item.obj`` alive until process exit and remember why."""
-    with _QUARANTINE_LOCK:
-        _QUARANTINE.append(item)
-
-
-def quarantined() -> list[QuarantinedItem]:
-    """Everything quarantined in this process so far (oldest first)."""
-    with _QUARANTINE_LOCK:
-        return list(_QUARANTINE)
 
 
 def _round_up(value: int, multiple: int) -> int:

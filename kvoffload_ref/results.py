@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Final, Literal
 
 from kvoffload_ref.errors import InvalidTransferError
-from kvoffload_ref.layout import check_seconds
 from kvoffload_ref.lifecycle import Policy
+from kvoffload_ref.validate import check_seconds
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -107,14 +107,18 @@ class HandlerStats:
 DEFAULT_TIMEOUT: Final = 5.0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class ShutdownPolicy:
     """How shutdown treats time and unproven memory.
 
+    Built as ``ShutdownPolicy(timeout=5.0, on_unproven="quarantine")``; ``on_unproven`` may be a
+    :class:`~kvoffload_ref.lifecycle.Policy` or its string value.
+
     Attributes:
         timeout: seconds (backend clock) for the whole shutdown: drains and the device-level proof (R11).
-        on_unproven: "quarantine" (default: keep memory that may still be under DMA alive until process exit,
-            R12) or "release" (vLLM #51622: release it after a best-effort proof).
+        policy: what to do with memory that may still be under DMA: ``Policy.QUARANTINE`` (default: keep it
+            alive until process exit, R12) or ``Policy.RELEASE`` (vLLM #51622: release it after a best-effort
+            proof). ``on_unproven`` is the same as a string ("quarantine" or "release").
 
     Raises:
         InvalidTransferError: a timeout that is not a finite number of seconds >= 0 (a bool, a string, NaN, an
@@ -122,20 +126,33 @@ class ShutdownPolicy:
             :func:`~kvoffload_ref.specs.check_seconds`), or an unknown on_unproven.
     """
 
-    timeout: float = DEFAULT_TIMEOUT
-    on_unproven: str = "quarantine"
+    timeout: float
+    policy: Policy
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "timeout", check_seconds("timeout", self.timeout))
-        if not isinstance(self.on_unproven, str) or self.on_unproven not in {p.value for p in Policy}:
-            raise InvalidTransferError(
-                f"on_unproven must be 'quarantine' or 'release', got {self.on_unproven!r}")
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT, on_unproven: Policy | str = Policy.QUARANTINE) -> None:
+        object.__setattr__(self, "timeout", check_seconds("timeout", timeout))
+        object.__setattr__(self, "policy", _as_policy(on_unproven))
 
     @property
-    def policy(self) -> Policy:
-        return Policy(self.on_unproven)
+    def on_unproven(self) -> str:
+        """The policy's string value, "quarantine" or "release" (the constructor's spelling)."""
+        return self.policy.value
+
+    def __repr__(self) -> str:
+        return f"ShutdownPolicy(timeout={self.timeout!r}, on_unproven={self.on_unproven!r})"
 
 
+def _as_policy(value: object) -> Policy:
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, str) and value in _POLICIES:
+        return _POLICIES[value]
+    raise InvalidTransferError(f"on_unproven must be 'quarantine' or 'release', got {value!r}")
+
+
+_POLICIES: Final = {p.value: p for p in Policy}
+
+#: ``ShutdownReport.device_sync``: the values of :class:`~kvoffload_ref.lifecycle.ProofOutcome`, as strings.
 DeviceSync = Literal["not_needed", "ok", "timeout", "failed", "skipped"]
 RegionFate = Literal["released", "quarantined", "absent"]
 

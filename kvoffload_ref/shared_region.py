@@ -44,7 +44,6 @@ import numpy.typing as npt
 
 from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import InvalidTransferError, OwnershipError
-from kvoffload_ref.layout import KVCacheLayout, check_int, check_seconds
 from kvoffload_ref.lifecycle import RegionState
 from kvoffload_ref.region import PAGE, HostRegion, check_sizes
 from kvoffload_ref.shared_file import (
@@ -55,7 +54,8 @@ from kvoffload_ref.shared_file import (
     open_file,
     pack_header,
 )
-from kvoffload_ref.validate import INT64_MAX
+from kvoffload_ref.specs import KVCacheLayout
+from kvoffload_ref.validate import INT64_MAX, check_int, check_seconds
 
 __all__ = [
     "DEFAULT_DIRECTORY",

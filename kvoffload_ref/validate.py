@@ -14,8 +14,8 @@ overflows) *before* any arithmetic, and returns a Python float. Their messages n
 specs' block ids, the sim's descriptor ids): no negative id, no bool (``[True, 5]`` is refused even though numpy
 would silently make it ``[1, 5]``), returned as a read-only int64 copy.
 
-:mod:`kvoffload_ref.specs` (and through it :mod:`kvoffload_ref.layout`) re-exports the public validators, so
-``from kvoffload_ref.layout import check_int`` keeps working.
+:mod:`kvoffload_ref.specs` re-exports the public validators, so ``from kvoffload_ref.specs import check_int``
+keeps working.
 """
 
 from __future__ import annotations

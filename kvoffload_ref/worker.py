@@ -29,18 +29,8 @@ import numpy.typing as npt
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import POLL_FIRST_SLEEP, POLL_MAX_SLEEP, Backend, ResourceKind
 from kvoffload_ref.core import WorkerCore, finalize
-from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
+from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError
 from kvoffload_ref.handler import DirectionHandler
-from kvoffload_ref.layout import (
-    CPULoadStoreSpec,
-    Direction,
-    GPULoadStoreSpec,
-    KVCacheLayout,
-    check_geometry,
-    check_int,
-    check_job_ids,
-    check_timeout,
-)
 from kvoffload_ref.lifecycle import Action, RegionState, WorkerInput, WorkerState
 from kvoffload_ref.region import DEFAULT_PIN_CHUNK_BYTES, HostRegion
 from kvoffload_ref.results import (
@@ -51,6 +41,8 @@ from kvoffload_ref.results import (
     ShutdownReport,
     TransferResult,
 )
+from kvoffload_ref.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, KVCacheLayout, check_geometry
+from kvoffload_ref.validate import check_int, check_job_ids, check_timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -295,10 +287,11 @@ def _poll(core: WorkerCore, settle: Callable[[], bool], started: float, deadline
 
     Raises:
         DeadlineExceeded: the deadline passed first (R6).
-        SimHang: no deadline, and the backend models hung work (``hang_horizon``) that outlived its horizon.
+        SimHang: no deadline, and the backend models hung work that outlived its ``hang_horizon``: raised by the
+            backend's ``check_unbounded_wait`` (a real device never raises it).
     """
     backend = core.backend
-    horizon = getattr(backend, "hang_horizon", None) if deadline is None else None
+    horizon = backend.hang_horizon if deadline is None else None
     # A simulated clock (one with a hang horizon) sleeps for free: back off without a cap, so that an unbounded
     # wait reaches the horizon in a few dozen polls; a real clock keeps polling at least every POLL_MAX_SLEEP.
     longest = POLL_MAX_SLEEP if horizon is None else max(POLL_MAX_SLEEP, horizon / 64)
@@ -310,8 +303,8 @@ def _poll(core: WorkerCore, settle: Callable[[], bool], started: float, deadline
         now = backend.monotonic()
         if deadline is not None and now >= deadline:
             raise DeadlineExceeded(f"{what} not proven complete by the deadline")
-        if horizon is not None and now - started >= horizon:
-            raise SimHang(f"wait() without a timeout: {what} did not complete within {horizon} s")
+        if horizon is not None:
+            backend.check_unbounded_wait(started, now, what)
         backend.sleep(pause if deadline is None else max(min(pause, deadline - now), 0.0))
         pause = min(pause * 2, longest)
 

@@ -7,6 +7,7 @@ import logging
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -651,6 +652,36 @@ def test_sim_query_prefix_counts_the_completed_events_from_the_first(rig: Rig) -
     be.on_call = lambda point, tag: None
     assert be.query_prefix([done[0]]) == 0, "an on_call hook sends every query through query()"
     assert not be.violations
+
+
+def test_sim_batched_calls_are_an_optional_extension_with_per_call_fallbacks(rig: Rig) -> None:
+    from kvoffload_ref.backends import batched
+
+    be = rig.be
+    assert isinstance(be, batched.BatchedBackend) and isinstance(be, Backend)
+    assert be.hang_horizon == 3600.0
+
+    class PerCall:  # the required protocol only: no batched method
+        def __init__(self, inner: SimBackend) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            if name in ("destroy_events", "free_descriptors_many", "query_prefix"):
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    plain = PerCall(be)
+    assert not hasattr(plain, "query_prefix")
+    stream = be.create_stream()
+    done = [rig.end_event(stream) for _ in range(2)]
+    buf = rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0))])
+    pending = rig.end_event(stream)
+    assert batched.query_prefix(plain, [*done, pending]) == 2  # type: ignore[arg-type]
+    assert batched.query_prefix(be, [*done, pending]) == 2
+    be.synchronize(pending)
+    batched.destroy_events(plain, [*done, pending])  # type: ignore[arg-type]
+    batched.free_descriptors_many(plain, [buf, be.alloc_descriptors(1)])  # type: ignore[arg-type]
+    assert "event" not in be.ledger.live() and "descriptor" not in be.ledger.live() and not be.violations
 
 
 @pytest.mark.rule("R16")

@@ -32,7 +32,7 @@ def test_docs_readme_usage_example_runs(capsys: object) -> None:
 
 
 def test_docs_readme_diagram_is_generated_from_the_lifecycle_table() -> None:
-    from kvoffload_ref import diagram
+    from kvoffload_ref.docgen import diagram
 
     text = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- diagram:handler -->\n```mermaid\n(.*?)```\n<!-- /diagram -->", text, flags=re.S)
@@ -45,7 +45,7 @@ def _table_rows(text: str) -> list[list[str]]:
 
 
 def test_docs_readme_guarantee_table_is_generated_from_the_failure_modes() -> None:
-    from kvoffload_ref import failure_modes
+    from kvoffload_ref.docgen import failure_modes
 
     text = (ROOT / "README.md").read_text()
     assert failure_modes.guarantee_table() in text, "regenerate with: kvoffload-ref failure-modes --write"
@@ -53,7 +53,7 @@ def test_docs_readme_guarantee_table_is_generated_from_the_failure_modes() -> No
 
 def test_docs_readme_vllm_cells_match_docs_failure_modes() -> None:
     """One source of truth: every vLLM cell of README's table is the one docs/failure-modes.md states."""
-    from kvoffload_ref import failure_modes
+    from kvoffload_ref.docgen import failure_modes
 
     readme = {row[0]: row for row in _table_rows((ROOT / "README.md").read_text())}
     modes = {row[0]: row for row in _table_rows((ROOT / "docs" / "failure-modes.md").read_text())}

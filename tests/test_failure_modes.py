@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from kvoffload_ref import failure_modes
+from kvoffload_ref.docgen import failure_modes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

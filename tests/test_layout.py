@@ -1,5 +1,6 @@
-"""Tests of kvoffload_ref.layout: the worked examples, a naive planner compared by Hypothesis, a byte-level
-round trip, the R7 table of malformed inputs, and the planner's throughput."""
+"""Tests of the layout (kvoffload_ref.specs and kvoffload_ref.planner): the worked examples, the plain placement
+rule compared by Hypothesis, a byte-level round trip, the R7 table of malformed inputs, and the planner's
+throughput."""
 
 from __future__ import annotations
 
@@ -17,16 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload_ref.errors import InvalidTransferError
-from kvoffload_ref.layout import (
-    CopyPlan,
+from kvoffload_ref.placement import plan_moves
+from kvoffload_ref.planner import CopyPlan, Planner, plan_copies
+from kvoffload_ref.specs import (
     CPULoadStoreSpec,
     GPULoadStoreSpec,
     KVCacheLayout,
     LayerRef,
-    Planner,
     TensorGeometry,
     check_geometry,
-    plan_copies,
 )
 
 Triple = tuple[int, int, int]
@@ -187,27 +187,11 @@ def test_layout_accepts_lists_and_is_hashable() -> None:
 def naive_plan(layout: KVCacheLayout, direction: str, src: GPULoadStoreSpec | CPULoadStoreSpec,
                dst: GPULoadStoreSpec | CPULoadStoreSpec, *, gpu: Sequence[TensorGeometry],
                cpu: Sequence[TensorGeometry], bpc: int) -> list[Triple]:
-    """Reference §2.3/§2.4 in plain Python, one sub-block at a time (no validation)."""
+    """Reference §2.3/§2.4 in plain Python: the placement rule (``kvoffload_ref.placement``), as addresses."""
     gpu_spec, cpu_spec = (src, dst) if direction == "store" else (dst, src)
     assert isinstance(gpu_spec, GPULoadStoreSpec) and isinstance(cpu_spec, CPULoadStoreSpec)
-    gpu_ids, cpu_ids = gpu_spec.block_ids.tolist(), cpu_spec.block_ids.tolist()
-    out: list[Triple] = []
-    gpu_off = cpu_off = 0
-    for g, refs in enumerate(layout.groups):
-        size, skip = gpu_spec.group_sizes[g], gpu_spec.block_indices[g] % bpc
-        if size == 0:
-            continue
-        count = math.ceil((size + skip) / bpc)
-        blocks, chunks = gpu_ids[gpu_off:gpu_off + size], cpu_ids[cpu_off:cpu_off + count]
-        for ref in refs:
-            t, sub = ref.tensor_idx, layout.tensor_page_bytes[ref.tensor_idx]
-            gpu_addrs = [gpu[t].ptr + b * gpu[t].row_stride for b in blocks]
-            every = [cpu[t].ptr + c * cpu[t].row_stride + j * sub for c in chunks for j in range(bpc)]
-            for ga, ca in zip(gpu_addrs, every[skip:skip + size], strict=True):
-                out.append((ga, ca, ref.page_size_bytes) if direction == "store" else (ca, ga, ref.page_size_bytes))
-        gpu_off, cpu_off = gpu_off + size, cpu_off + count
-    assert (gpu_off, cpu_off) == (len(gpu_ids), len(cpu_ids))
-    return out
+    return [m.addresses(direction, gpu, cpu)  # type: ignore[arg-type]  # "store" or "load"
+            for m in plan_moves(layout, bpc, gpu_spec, cpu_spec)]
 
 
 def naive_writes_twice(layout: KVCacheLayout, direction: str, gpu_spec: GPULoadStoreSpec,

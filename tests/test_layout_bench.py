@@ -14,7 +14,7 @@ from test_layout import naive_plan, triples
 
 from kvoffload_ref.bench.common import FULL
 from kvoffload_ref.bench.planner import SHAPE_COPIED, SHAPE_PAGE, SHAPES, ShapeCase, shape_case
-from kvoffload_ref.layout import Direction
+from kvoffload_ref.specs import Direction
 
 SHAPE_IDS = list(SHAPES)
 DIRECTIONS: list[Direction] = ["store", "load"]

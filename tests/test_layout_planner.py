@@ -12,17 +12,8 @@ from _support import make_worker
 
 import kvoffload_ref as kv
 from kvoffload_ref.errors import InvalidTransferError
-from kvoffload_ref.layout import (
-    CopyPlan,
-    CPULoadStoreSpec,
-    Direction,
-    GPULoadStoreSpec,
-    KVCacheLayout,
-    LayerRef,
-    Planner,
-    TensorGeometry,
-    plan_copies,
-)
+from kvoffload_ref.planner import CopyPlan, Planner, plan_copies
+from kvoffload_ref.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, KVCacheLayout, LayerRef, TensorGeometry
 
 PAGE = 256
 ROWS = 512

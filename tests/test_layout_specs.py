@@ -11,9 +11,19 @@ import numpy as np
 import pytest
 
 from kvoffload_ref.errors import InvalidTransferError
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef, check_int
 from kvoffload_ref.planner import Planner
-from kvoffload_ref.specs import TensorGeometry, check_id_array, check_positive, check_seconds, check_timeout
+from kvoffload_ref.specs import (
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    KVCacheLayout,
+    LayerRef,
+    TensorGeometry,
+    check_id_array,
+    check_positive,
+    check_seconds,
+    check_timeout,
+)
+from kvoffload_ref.validate import check_int
 
 # ----------------------------------------------------------------------------------------------- check_int
 

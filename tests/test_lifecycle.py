@@ -18,7 +18,6 @@ from kvoffload_ref.lifecycle import (
     HandlerInput,
     HandlerState,
     Policy,
-    ProofDecision,
     ProofOutcome,
     Refusal,
     RegionInput,
@@ -66,7 +65,7 @@ def test_lifecycle_missing_pair_raises_lifecycle_error() -> None:
 
 def test_lifecycle_members_hash_by_identity_and_behave_as_plain_enums() -> None:
     """The enums hash in C (by identity) for the table lookups; nothing else about them changes."""
-    enums = [Action, ProofDecision, ProofOutcome, Policy, Fate, *(c for m in MACHINES.values() for c in m[:2])]
+    enums = [Action, ProofOutcome, Policy, Fate, *(c for m in MACHINES.values() for c in m[:2])]
     for cls in enums:
         assert issubclass(cls, enum.Enum)
         for member in cls:
@@ -122,13 +121,13 @@ def test_lifecycle_handler_drain_stops_at_first_failure(event: HandlerInput) -> 
 
 @pytest.mark.rule("R13")
 def test_lifecycle_proof_never_on_the_clean_path() -> None:
-    assert lifecycle.decide_proof(True, False) is ProofDecision.NOT_NEEDED
-    assert lifecycle.decide_proof(False, False) is ProofDecision.ATTEMPT
+    assert lifecycle.decide_proof(True, False) is ProofOutcome.NOT_NEEDED
+    assert lifecycle.decide_proof(False, False) is None  # attempt the proof
 
 
 @pytest.mark.rule("R14")
 def test_lifecycle_proof_skipped_after_interrupt_and_quarantines() -> None:
-    assert lifecycle.decide_proof(False, True) is ProofDecision.SKIPPED
+    assert lifecycle.decide_proof(False, True) is ProofOutcome.SKIPPED
     for policy in Policy:
         assert lifecycle.decide_fate(ProofOutcome.SKIPPED, policy) is Fate.QUARANTINE
 
@@ -141,3 +140,28 @@ def test_lifecycle_fate_releases_only_what_is_proven_under_quarantine(outcome: P
     assert lifecycle.decide_fate(outcome, Policy.QUARANTINE) is expected
     if outcome is not ProofOutcome.SKIPPED:
         assert lifecycle.decide_fate(outcome, Policy.RELEASE) is Fate.RELEASE
+
+
+def test_lifecycle_proof_outcome_is_the_reports_device_sync_spelling() -> None:
+    from typing import get_args
+
+    from kvoffload_ref.results import DeviceSync
+
+    assert list(get_args(DeviceSync)) == [outcome.value for outcome in ProofOutcome]
+
+
+def test_lifecycle_shutdown_policy_takes_a_policy_or_its_string() -> None:
+    from kvoffload_ref.errors import InvalidTransferError
+    from kvoffload_ref.results import ShutdownPolicy
+
+    for policy in Policy:
+        by_enum, by_str = ShutdownPolicy(1.0, policy), ShutdownPolicy(timeout=1.0, on_unproven=policy.value)
+        assert by_enum == by_str and hash(by_enum) == hash(by_str)
+        assert by_str.policy is policy and by_str.on_unproven == policy.value
+        assert repr(by_str) == f"ShutdownPolicy(timeout=1.0, on_unproven={policy.value!r})"
+        assert eval(repr(by_str), {"ShutdownPolicy": ShutdownPolicy}) == by_str
+        assert pickle.loads(pickle.dumps(by_str)) == by_str
+    assert ShutdownPolicy().policy is Policy.QUARANTINE
+    for bad in ("QUARANTINE", "drop", None, 1):
+        with pytest.raises(InvalidTransferError, match=r"^on_unproven must be 'quarantine' or 'release', got "):
+            ShutdownPolicy(on_unproven=bad)  # type: ignore[arg-type]

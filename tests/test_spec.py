@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pathlib
 
-from kvoffload_ref import diagram, lifecycle, spec
+from kvoffload_ref import lifecycle
 from kvoffload_ref.cli import main
+from kvoffload_ref.docgen import diagram, spec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -20,8 +20,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload_ref.backends.base import Backend, Event
 from kvoffload_ref.errors import DeviceError
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload_ref.lifecycle import HandlerState, ProofOutcome, WorkerState
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload_ref.testing import ConformanceError, Setup, make_machine, reference_factory
 from kvoffload_ref.testing.adapter import WorkerLike
 from kvoffload_ref.testing.campaign import quiet_logs

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload_ref.backends.base import Backend
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.testing import ConformanceError, Setup, make_machine, reference_factory, setups
 from kvoffload_ref.testing.adapter import SimDevice, WorkerLike
 from kvoffload_ref.testing.campaign import quiet_logs

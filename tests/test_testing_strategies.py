@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.faults import HANG_POINTS
-from kvoffload_ref.layout import TensorGeometry, plan_copies
+from kvoffload_ref.planner import plan_copies
+from kvoffload_ref.specs import TensorGeometry
 from kvoffload_ref.testing import (
     INVALID_CASES,
     Setup,

@@ -9,18 +9,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvoffload_ref import layout, specs, validate
+from kvoffload_ref import specs, validate
 from kvoffload_ref.errors import InvalidTransferError
 
 PUBLIC = ["check_int", "check_seconds", "check_positive", "check_timeout", "check_job_ids", "check_id_array"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)
-def test_validate_specs_and_layout_re_export_the_same_validators(name: str) -> None:
+def test_validate_specs_re_exports_the_same_validators(name: str) -> None:
     assert name in validate.__all__ and name in specs.__all__
     assert getattr(specs, name) is getattr(validate, name)
-    if name in layout.__all__:
-        assert getattr(layout, name) is getattr(validate, name)
 
 
 def test_validate_check_job_ids_accepts_any_ints() -> None:

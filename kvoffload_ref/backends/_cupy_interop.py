@@ -24,7 +24,7 @@ from typing import Any, Final, TypeGuard
 import numpy as np
 
 from kvoffload_ref.errors import InvalidTransferError
-from kvoffload_ref.layout import TensorGeometry
+from kvoffload_ref.specs import TensorGeometry
 
 __all__ = [
     "ByteView",
@@ -65,7 +65,7 @@ class ByteView:
 
     @property
     def geometry(self) -> TensorGeometry:
-        """The view as the planner's :class:`~kvoffload_ref.layout.TensorGeometry`."""
+        """The view as the planner's :class:`~kvoffload_ref.specs.TensorGeometry`."""
         return TensorGeometry(ptr=self.ptr, rows=self.rows, row_bytes=self.row_bytes, row_stride=self.row_stride)
 
     @property

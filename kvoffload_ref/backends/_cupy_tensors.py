@@ -22,7 +22,7 @@ from kvoffload_ref.backends._cupy_runtime import (
     CudaCalls,
 )
 from kvoffload_ref.errors import DeviceError, InvalidTransferError
-from kvoffload_ref.layout import TensorGeometry
+from kvoffload_ref.specs import TensorGeometry
 
 __all__ = ["copy_from_host", "copy_to_host", "view_tensor"]
 

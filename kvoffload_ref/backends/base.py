@@ -20,15 +20,14 @@ from typing import Final, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.errors import DeviceError, LifecycleError
-from kvoffload_ref.layout import TensorGeometry
+from kvoffload_ref.errors import LifecycleError, SimHang
 from kvoffload_ref.shield import Shield
+from kvoffload_ref.specs import TensorGeometry
 
 __all__ = [
     "RESOURCE_KINDS",
     "CALL_POINTS",
     "Backend",
-    "PerCallBatches",
     "CallHook",
     "DescriptorBuffer",
     "Event",
@@ -40,6 +39,7 @@ __all__ = [
     "Stream",
     "Tag",
     "TensorGeometry",
+    "give_up_past_horizon",
     "poll_until",
     "record_and_poll",
 ]
@@ -310,6 +310,11 @@ class Backend(Protocol):
 
     Every method may raise ``DeviceError`` (with a CUDA-style ``.status``) unless it says otherwise. Release
     calls (``destroy_*``, ``free_descriptors``, ``untrack_host``) never fail; ``host_unregister`` may.
+
+    The batched calls a teardown or a drain of thousands of transfers wants (``destroy_events``,
+    ``free_descriptors_many``, ``query_prefix``) are an optional extension: :class:`~kvoffload_ref.backends.
+    batched.BatchedBackend`; callers go through :mod:`kvoffload_ref.backends.batched`, which falls back to one call
+    each for a backend without them.
     """
 
     name: str
@@ -317,6 +322,20 @@ class Backend(Protocol):
     @property
     def ledger(self) -> Ledger:
         """The resources the library acquired through this backend."""
+        ...
+
+    @property
+    def hang_horizon(self) -> float | None:
+        """Seconds (on :meth:`monotonic`) after which a wait without a timeout gives up on hung work, for a device
+        that models hangs (the simulated one); None on a real device, whose waits have no such bound."""
+        ...
+
+    def check_unbounded_wait(self, started: float, now: float, what: str) -> None:
+        """Called by a wait without a timeout each time it polled ``what`` and found it not done (``started`` and
+        ``now`` on :meth:`monotonic`): raise this device's hang error once the wait outlived :attr:`hang_horizon`
+        (the simulated device: :class:`~kvoffload_ref.errors.SimHang`). A real device never raises. Makes no
+        other call and reports no ``on_call`` point (a pure check).
+        """
         ...
 
     # -- device memory (the user's; not in the ledger) --------------------------------------------------------
@@ -366,10 +385,6 @@ class Backend(Protocol):
         """Free a descriptor buffer. Never fails."""
         ...
 
-    def free_descriptors_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
-        """Free several descriptor buffers in one call (a teardown frees thousands). Never fails."""
-        ...
-
     # -- streams and events -----------------------------------------------------------------------------------
     def current_stream(self) -> Stream:
         """The calling thread's current stream: where its kernels run."""
@@ -408,23 +423,8 @@ class Backend(Protocol):
         """Destroy an event. Never fails."""
         ...
 
-    def destroy_events(self, events: Sequence[Event]) -> None:
-        """Destroy several events in one call (a teardown destroys thousands). Never fails."""
-        ...
-
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
         """Record the event on the stream; the event completes when the work queued before it has run."""
-        ...
-
-    def query_prefix(self, events: Sequence[Event]) -> int:
-        """How many of ``events``, from the first, completed without error: each counts as observed done, exactly
-        as if ``query`` had returned True for it (a drain of thousands of transfers asks once). ``events`` were
-        recorded on one stream, in this order (a handler's queue of end events).
-
-        Stops at the first event that is not done, or whose ``query`` would raise or is instrumented (a fault
-        plan, an ``on_call`` hook): the caller queries that one alone, so errors, injected faults and hooks keep
-        their per-call meaning. Never raises.
-        """
         ...
 
     def query(self, event: Event) -> bool:
@@ -468,32 +468,11 @@ class Backend(Protocol):
         ...
 
 
-class PerCallBatches:
-    """The batched calls of the protocol for a device that offers nothing cheaper than one call each (CuPy: one
-    CUDA call per event anyway)."""
-
-    def destroy_events(self: Backend, events: Sequence[Event]) -> None:
-        """One ``destroy_event`` per event."""
-        for event in events:
-            self.destroy_event(event)
-
-    def free_descriptors_many(self: Backend, bufs: Sequence[DescriptorBuffer]) -> None:
-        """One ``free_descriptors`` per buffer."""
-        for buf in bufs:
-            self.free_descriptors(buf)
-
-    def query_prefix(self: Backend, events: Sequence[Event]) -> int:
-        """One ``query`` per event, stopping at the first that is not done or raises (not raised here: the caller
-        queries that event alone and sees the error)."""
-        count = 0
-        for event in events:
-            try:
-                if not self.query(event):
-                    break
-            except DeviceError:
-                break
-            count += 1
-        return count
+def give_up_past_horizon(horizon: float, started: float, now: float, what: str) -> None:
+    """``Backend.check_unbounded_wait`` for a device that models hangs: :class:`~kvoffload_ref.errors.SimHang` once
+    a wait without a timeout, begun at ``started``, is still not done ``horizon`` seconds later."""
+    if now - started >= horizon:
+        raise SimHang(f"wait() without a timeout: {what} did not complete within {horizon} s")
 
 
 def poll_until(backend: Backend, done: Callable[[], bool], deadline: float | None) -> bool:

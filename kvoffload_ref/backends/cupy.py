@@ -37,7 +37,7 @@ from kvoffload_ref.backends._cupy_interop import check_shape, describe, parse_st
 from kvoffload_ref.backends._cupy_kernel import CopyEngine
 from kvoffload_ref.backends._cupy_runtime import CudaCalls, CupyEvent, CupyStream, gpu_usable, status_of, tag_text
 from kvoffload_ref.backends._cupy_tensors import copy_from_host, copy_to_host, view_tensor
-from kvoffload_ref.backends.base import DescriptorBuffer, Event, Ledger, PerCallBatches, Stream, Tag, record_and_poll
+from kvoffload_ref.backends.base import DescriptorBuffer, Event, Ledger, Stream, Tag, record_and_poll
 from kvoffload_ref.errors import (
     CUDA_ERROR_INVALID_RESOURCE_HANDLE,
     CUDA_ERROR_NOT_READY,
@@ -45,7 +45,7 @@ from kvoffload_ref.errors import (
     DeviceError,
     InvalidTransferError,
 )
-from kvoffload_ref.layout import TensorGeometry
+from kvoffload_ref.specs import TensorGeometry
 
 __all__ = [
     "DEFAULT_KERNEL_MAX_MEAN_BYTES",
@@ -61,7 +61,7 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 
-class CupyBackend(PerCallBatches):
+class CupyBackend:
     """The Backend protocol (``kvoffload_ref.backends.base.Backend``) on one CUDA device through CuPy.
 
     Construction compiles and loads the copy kernel (``warm_up``; NVRTC, cached on disk by CuPy) unless
@@ -143,6 +143,14 @@ class CupyBackend(PerCallBatches):
     def ledger(self) -> Ledger:
         """The resources the library acquired through this backend (R16)."""
         return self._ledger
+
+    @property
+    def hang_horizon(self) -> None:
+        """None: a real device's waits have no hang horizon."""
+        return None
+
+    def check_unbounded_wait(self, started: float, now: float, what: str) -> None:
+        """Never raises: a real device's wait without a timeout waits as long as the work takes."""
 
     @property
     def device(self) -> int:

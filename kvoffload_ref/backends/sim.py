@@ -59,6 +59,7 @@ from kvoffload_ref.backends.base import (
     Stream,
     Tag,
     TensorGeometry,
+    give_up_past_horizon,
     poll_until,
     record_and_poll,
 )
@@ -118,6 +119,14 @@ class SimBackend(SimCore):
     def hang_horizon(self) -> float:
         """Virtual seconds after which a wait without a bound on hung work gives up with SimHang."""
         return self._hang_horizon
+
+    def check_unbounded_wait(self, started: float, now: float, what: str) -> None:
+        """SimHang once a wait without a timeout outlived :attr:`hang_horizon` (a pure check: no hook, no lock).
+
+        Raises:
+            SimHang: ``now - started >= hang_horizon``.
+        """
+        give_up_past_horizon(self._hang_horizon, started, now, what)
 
     @property
     def violations(self) -> list[Violation]:

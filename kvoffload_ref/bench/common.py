@@ -18,7 +18,7 @@ from typing import Final, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.layout import GPULoadStoreSpec
+from kvoffload_ref.specs import GPULoadStoreSpec
 
 __all__ = [
     "BPC", "FULL", "KiB", "LAYERS", "MiB", "QUICK", "BenchRun", "Goal", "Result", "Sizes", "best_of",

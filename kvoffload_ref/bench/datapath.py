@@ -34,7 +34,7 @@ from kvoffload_ref.bench.common import (
     one_group_gpu_spec,
     result,
 )
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import CPUOffloadingWorker, create_worker
 
 __all__ = ["bench_data_path", "data_path_rig", "figures", "round_trip"]

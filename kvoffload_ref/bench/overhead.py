@@ -20,7 +20,7 @@ from typing import Final
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.bench.common import LAYERS, BenchRun, Goal, KiB, MiB, Result, result
 from kvoffload_ref.bench.datapath import data_path_rig, round_trip
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import CPUOffloadingWorker, create_worker
 
 __all__ = ["bench_locking", "bench_race_check", "figures"]

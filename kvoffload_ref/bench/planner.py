@@ -1,6 +1,6 @@
 """Bench figures of the copy planner: its rate at three sizes against a naive loop, and its scaling.
 
-The planner is measured the way the handler runs it on every submission: a :class:`~kvoffload_ref.layout.Planner`
+The planner is measured the way the handler runs it on every submission: a :class:`~kvoffload_ref.planner.Planner`
 built once over the geometry (as each handler builds one), then per transfer ``Planner.prepare`` (validates the
 specs completely, R7) and ``PreparedPlan.write`` into three int64 arrays allocated once and reused (as the handler
 writes into its pooled descriptor buffers). On a realistic layout: 32 layer tensors in one KV-cache group, 16 KiB
@@ -8,13 +8,13 @@ pages, ``blocks_per_chunk = 4``, scattered GPU block ids, the first CPU chunk ha
 direction. Descriptors = blocks x 32 refs, for [1k, 64k, 640k / quick: 1k, 8k, 80k] descriptors. Reference: a
 naive per-(ref, block) Python loop computing the same descriptors (no validation), then turning its three lists
 into int64 arrays, measured on the *same* sizes (not extrapolated); its output is checked equal to the planner's.
-The one-call :func:`~kvoffload_ref.layout.plan_copies` (validates the geometry too, returns new arrays) is timed
+The one-call :func:`~kvoffload_ref.planner.plan_copies` (validates the geometry too, returns new arrays) is timed
 as well and reported in the notes. Plus the scaling figure: planner time at the largest size over the middle one.
 
 *Layout shapes.* :data:`SHAPES` are four more layouts -- 8 layers at ``blocks_per_chunk`` 4, 2 layers at 16, 64
 layers at 4, 3 groups of 4 layers at 1 -- with 2 KiB pages (1984 bytes copied per layer), GPU blocks in order, CPU
 chunks in reverse, each group entering its first chunk at sub-block 1 when ``blocks_per_chunk > 1``. Each is timed
-through :func:`~kvoffload_ref.layout.plan_copies` in both directions at the same three sizes (best of 7 runs, 3
+through :func:`~kvoffload_ref.planner.plan_copies` in both directions at the same three sizes (best of 7 runs, 3
 from 100k descriptors on, after a warm-up); a figure is the slower direction's rate, and its reference is the
 realistic layout's ``plan_copies`` rate at the same size, measured above in the same run (the ratio says whether
 a shape is a slow path). Goals: >= 2 M/s at the small size (a sanity floor: the fixed per-call cost dominates),
@@ -43,17 +43,8 @@ from kvoffload_ref.bench.common import (
     label,
     result,
 )
-from kvoffload_ref.layout import (
-    CopyPlan,
-    CPULoadStoreSpec,
-    Direction,
-    GPULoadStoreSpec,
-    KVCacheLayout,
-    LayerRef,
-    Planner,
-    TensorGeometry,
-    plan_copies,
-)
+from kvoffload_ref.planner import CopyPlan, Planner, plan_copies
+from kvoffload_ref.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, KVCacheLayout, LayerRef, TensorGeometry
 
 __all__ = [
     "GOAL_PLANNER_RATE", "GOAL_PLANNER_VS_LOOP", "GOAL_SCALING", "GOAL_SHAPE_SMALL_RATE", "SHAPES", "ShapeCase",
@@ -212,7 +203,7 @@ def _planner_goal(which: str) -> tuple[str, list[Goal]]:
 
 @dataclasses.dataclass(frozen=True)
 class ShapeCase:
-    """One layout shape's transfer: the arguments of :func:`~kvoffload_ref.layout.plan_copies` but the direction.
+    """One layout shape's transfer: the arguments of :func:`~kvoffload_ref.planner.plan_copies` but the direction.
 
     Attributes:
         layout: ``groups`` groups of ``refs`` layers, one tensor each, 2 KiB pages.

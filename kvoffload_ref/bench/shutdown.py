@@ -29,7 +29,7 @@ from kvoffload_ref.backends.base import Stream
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.bench.common import BPC, BenchRun, Goal, KiB, Result, Sizes, label, one_group_gpu_spec, result
 from kvoffload_ref.faults import Fault, FaultPlan
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import DEFAULT_TIMEOUT, CPUOffloadingWorker, ShutdownPolicy, ShutdownReport, create_worker
 
 __all__ = ["GOAL_DRAIN_S", "GOAL_OVERSHOOT_S", "bench_drain", "bench_hung_shutdown", "figures"]

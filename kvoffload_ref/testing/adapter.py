@@ -21,8 +21,9 @@ import numpy.typing as npt
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Ledger, Stream, Tag
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.faults import Fault, FaultPlan, FaultPoint
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
+from kvoffload_ref.reference import create_reference_worker
 from kvoffload_ref.shared_region import SharedRegion
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
 from kvoffload_ref.worker import ShutdownPolicy, create_worker
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "WorkerLike",
     "initial_gpu_bytes",
     "reference_factory",
+    "reference_worker_factory",
 ]
 
 Bytes = npt.NDArray[np.uint8]
@@ -431,22 +433,39 @@ class SimDevice:
         return self.plan.lost() is not None
 
 
-def reference_factory(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
-    """Build kvoffload_ref's own worker (``create_worker``) for a setup (over a one-rank SharedRegion when the
-    setup asks for one; the region is released again if the worker cannot be built, R2)."""
-    region = None
-    if setup.shared_region:
-        region = SharedRegion.open(f"kvoffload-kit-{os.getpid()}-{next(_ENGINES)}", backend=backend,
-                                   layout=setup.layout, blocks_per_chunk=setup.blocks_per_chunk,
-                                   num_cpu_chunks=setup.num_cpu_chunks, rank=0, world_size=1)
+def _open_shared_region(backend: Backend, setup: Setup) -> SharedRegion | None:
+    """The one-rank SharedRegion a setup asks for (None: the factory builds a private region)."""
+    if not setup.shared_region:
+        return None
+    return SharedRegion.open(f"kvoffload-kit-{os.getpid()}-{next(_ENGINES)}", backend=backend, layout=setup.layout,
+                             blocks_per_chunk=setup.blocks_per_chunk, num_cpu_chunks=setup.num_cpu_chunks, rank=0,
+                             world_size=1)
+
+
+def _build(create: Callable[..., WorkerLike], backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """``create(...)`` with the setup's options, over a shared region when asked (released again if the worker
+    cannot be built, R2)."""
+    region = _open_shared_region(backend, setup)
     try:
-        return create_worker(backend, gpu, setup.layout, blocks_per_chunk=setup.blocks_per_chunk,
-                             num_cpu_chunks=setup.num_cpu_chunks, policy=setup.policy,
-                             pin_chunk_bytes=setup.pin_chunk_bytes, region=region)
+        return create(backend, gpu, setup.layout, blocks_per_chunk=setup.blocks_per_chunk,
+                      num_cpu_chunks=setup.num_cpu_chunks, policy=setup.policy,
+                      pin_chunk_bytes=setup.pin_chunk_bytes, region=region)
     except BaseException:
         if region is not None:
             region.release()
         raise
+
+
+def reference_factory(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """Build kvoffload_ref's own worker (``create_worker``) for a setup (over a one-rank SharedRegion when the
+    setup asks for one; the region is released again if the worker cannot be built, R2)."""
+    return _build(create_worker, backend, gpu, setup)
+
+
+def reference_worker_factory(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """Build the normative reference worker (``kvoffload_ref.reference.create_reference_worker``) for a setup,
+    as :func:`reference_factory` builds the engine: the worked example of a factory (docs/conformance.md)."""
+    return _build(create_reference_worker, backend, gpu, setup)
 
 
 #: Numbers the engine ids of the shared regions the reference factory opens (unique within the process).

@@ -23,6 +23,7 @@ it): the policy's consistency, the drain counts and the ledger are checked.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from hypothesis import note
 from hypothesis import strategies as st
@@ -30,9 +31,9 @@ from hypothesis.stateful import precondition, rule
 
 from kvoffload_ref.errors import DeviceError, WorkerClosedError
 from kvoffload_ref.testing.adapter import ReportLike
+from kvoffload_ref.testing.machine_base import MachineBase
 from kvoffload_ref.testing.model import plan_moves
 from kvoffload_ref.testing.shutdown import Expectations, report_problems
-from kvoffload_ref.testing.shutdown_rules import ShutdownRules
 from kvoffload_ref.testing.threads import CallPause, Runner, paused_or_done
 
 __all__ = ["INTERLEAVINGS", "ConcurrentRules"]
@@ -44,8 +45,17 @@ SHUTDOWN_THREAD = "kit-shutdown"
 _NO_PREDICTION = Expectations(must_release=False, must_quarantine=False, clean=False, unclean=False)
 
 
-class ConcurrentRules(ShutdownRules):
-    """Rule: concurrent_shutdown."""
+class ConcurrentRules(MachineBase):
+    """Rule: concurrent_shutdown.
+
+    A mixin over :class:`~kvoffload_ref.testing.machine_base.MachineBase`, composed with the others in
+    :class:`~kvoffload_ref.testing.machine.OffloadingMachine`; it shuts down through
+    :class:`~kvoffload_ref.testing.shutdown_rules.ShutdownRules` and checks through
+    :class:`~kvoffload_ref.testing.invariants.Checks` (declared below for the type checker only).
+    """
+
+    if TYPE_CHECKING:  # from ShutdownRules
+        def _call_shutdown(self) -> ReportLike: ...
 
     @precondition(lambda self: self.phase == "open" and self.age >= self.lifetime and self.capabilities.threads)
     @rule(data=st.data(), interleaving=st.sampled_from(INTERLEAVINGS))

@@ -46,7 +46,7 @@ import numpy as np
 from kvoffload_ref.backends.base import Tag
 from kvoffload_ref.errors import DeadlineExceeded, WorkerClosedError
 from kvoffload_ref.faults import Fault
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.testing.adapter import Setup, SimDevice, WorkerFactory, WorkerLike, reference_factory
 from kvoffload_ref.testing.explorer_checks import Outcome, check_case
 from kvoffload_ref.worker import ShutdownPolicy

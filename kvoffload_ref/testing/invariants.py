@@ -28,7 +28,9 @@ __all__ = ["Checks"]
 
 
 class Checks(MachineBase):
-    """What the rules check (results, memory, reports) and the invariants."""
+    """What the rules check (results, memory, reports) and the invariants: a mixin over
+    :class:`~kvoffload_ref.testing.machine_base.MachineBase`, composed with the rules in
+    :class:`~kvoffload_ref.testing.machine.OffloadingMachine`."""
 
     def _check_result(self, result: ResultLike) -> None:
         model = self.current_model

@@ -32,7 +32,7 @@ from typing import Any
 
 import hypothesis
 from hypothesis import strategies as st
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from kvoffload_ref.errors import SimHang
 from kvoffload_ref.testing.adapter import (
@@ -42,12 +42,15 @@ from kvoffload_ref.testing.adapter import (
     reference_factory,
 )
 from kvoffload_ref.testing.concurrent_rules import ConcurrentRules
-from kvoffload_ref.testing.machine_base import ConformanceError, Counters
+from kvoffload_ref.testing.invariants import Checks
+from kvoffload_ref.testing.machine_base import ConformanceError, Counters, MachineBase
+from kvoffload_ref.testing.rules import TransferRules
 from kvoffload_ref.testing.settings import bounded_shrinking, kit_settings
 from kvoffload_ref.testing.shutdown import (
     MARGIN,
     SLACK,
 )
+from kvoffload_ref.testing.shutdown_rules import ShutdownRules
 from kvoffload_ref.testing.strategies import (
     setups,
 )
@@ -55,13 +58,14 @@ from kvoffload_ref.testing.strategies import (
 __all__ = ["MARGIN", "SLACK", "ConformanceError", "Counters", "OffloadingMachine", "factory_import", "make_machine"]
 
 
-class OffloadingMachine(ConcurrentRules):
+class OffloadingMachine(ConcurrentRules, ShutdownRules, TransferRules, Checks, MachineBase, RuleBasedStateMachine):
     """Drives one worker (built by ``worker_factory``) on the kit's simulated device; see the module docstring.
 
-    The rules are in :mod:`~kvoffload_ref.testing.rules`, :mod:`~kvoffload_ref.testing.shutdown_rules` and
-    :mod:`~kvoffload_ref.testing.concurrent_rules`, the
-    checks and invariants in :mod:`~kvoffload_ref.testing.invariants`, the state and helpers in
-    :mod:`~kvoffload_ref.testing.machine_base`.
+    Composed of independent mixins over :class:`~kvoffload_ref.testing.machine_base.MachineBase` (the state and
+    helpers), one per file: the rules in :mod:`~kvoffload_ref.testing.rules` (``TransferRules``),
+    :mod:`~kvoffload_ref.testing.shutdown_rules` (``ShutdownRules``) and :mod:`~kvoffload_ref.testing.
+    concurrent_rules` (``ConcurrentRules``), the checks and invariants in :mod:`~kvoffload_ref.testing.invariants`
+    (``Checks``). Hypothesis collects the rules and invariants from the whole MRO.
     """
 
     @classmethod

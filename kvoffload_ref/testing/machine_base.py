@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine
 
 from kvoffload_ref.errors import SimHang
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload_ref.testing.adapter import (
     Capabilities,
     Firing,

@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-*Placement.* :func:`plan_moves` is a naive, independent re-statement of the reference's placement rule (§2.3/
-§2.4): which bytes of which GPU row go to which bytes of which CPU row. It never calls ``layout.plan_copies``.
+*Placement.* :func:`~kvoffload_ref.placement.plan_moves` (re-exported here) is the plain-Python placement rule
+(§2.3/§2.4, ``kvoffload_ref.placement``): which bytes of which GPU row go to which bytes of which CPU row. It never
+calls the vectorized planner.
 
 *Memory.* Each side (GPU, CPU) is a :class:`Side`: per tensor the *eventual* bytes (``value``: what the memory
 holds once all work submitted so far has run, in the order the rules guarantee), ``known`` (the eventual value is
@@ -32,7 +33,8 @@ from typing import Final, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
+from kvoffload_ref.placement import Move, plan_moves
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
 
 __all__ = ["COMPUTE", "Model", "ModelTransfer", "Move", "Side", "plan_moves"]
 
@@ -44,50 +46,6 @@ Mask = npt.NDArray[np.bool_]
 COMPUTE: Final = -2
 #: ``Side.last`` value for bytes never written.
 NOBODY: Final = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class Move:
-    """``size`` bytes of tensor ``tensor``: GPU row ``gpu_row`` bytes [0, size) <-> CPU row ``cpu_row`` bytes
-    [cpu_col, cpu_col + size)."""
-
-    tensor: int
-    gpu_row: int
-    cpu_row: int
-    cpu_col: int
-    size: int
-
-    def at(self, side: str) -> tuple[int, int, int]:
-        """(row, first byte, end byte) of this move on ``side`` ("gpu" or "cpu")."""
-        if side == "gpu":
-            return self.gpu_row, 0, self.size
-        return self.cpu_row, self.cpu_col, self.cpu_col + self.size
-
-
-def plan_moves(layout: KVCacheLayout, blocks_per_chunk: int, gpu_spec: GPULoadStoreSpec,
-               cpu_spec: CPULoadStoreSpec) -> list[Move]:
-    """The byte moves of one valid transfer, by the naive rule (one loop per group, ref and block).
-
-    Group ``g`` of size ``n`` and block index ``i`` takes the next ``n`` GPU ids and the next
-    ``ceil((n + i) / blocks_per_chunk)`` CPU ids; its ``k``-th block sits at sub-block position ``i + k`` of
-    those chunks. Empty groups use no ids.
-    """
-    gpu_ids, cpu_ids = gpu_spec.block_ids.tolist(), cpu_spec.block_ids.tolist()
-    moves: list[Move] = []
-    gpu_off = cpu_off = 0
-    for g, refs in enumerate(layout.groups):
-        n, skip = gpu_spec.group_sizes[g], gpu_spec.block_indices[g]
-        if n == 0:
-            continue
-        for ref in refs:
-            page = layout.tensor_page_bytes[ref.tensor_idx]
-            for k in range(n):
-                pos = skip + k
-                moves.append(Move(ref.tensor_idx, gpu_ids[gpu_off + k], cpu_ids[cpu_off + pos // blocks_per_chunk],
-                                  (pos % blocks_per_chunk) * page, ref.page_size_bytes))
-        gpu_off += n
-        cpu_off += -(-(n + skip) // blocks_per_chunk)
-    return moves
 
 
 class Side:

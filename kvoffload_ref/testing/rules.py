@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 from hypothesis import note
@@ -17,8 +17,7 @@ from kvoffload_ref.faults import TRANSFER_HANG_POINTS
 from kvoffload_ref.testing.adapter import (
     initial_gpu_bytes,
 )
-from kvoffload_ref.testing.invariants import Checks
-from kvoffload_ref.testing.machine_base import worker_open
+from kvoffload_ref.testing.machine_base import MachineBase, worker_open
 from kvoffload_ref.testing.model import Model, ModelTransfer, plan_moves
 from kvoffload_ref.testing.races import Label, RaceModel
 from kvoffload_ref.testing.shutdown import (
@@ -32,6 +31,9 @@ from kvoffload_ref.testing.strategies import (
     invalid_for,
     specs_for,
 )
+
+if TYPE_CHECKING:
+    from kvoffload_ref.testing.adapter import ResultLike
 
 __all__ = ["CLOCK_STEPS", "COMPLETION_SLOTS", "COMPUTE_DELAYS", "FAULT_SLOTS", "WAIT_TIMEOUTS", "TransferRules"]
 
@@ -51,8 +53,17 @@ _INVALID_CASES: Final = {flight: tuple(c for c in INVALID_CASES if flight or c !
                          for flight in (False, True)}
 
 
-class TransferRules(Checks):
-    """Rules: build/restart, submissions, get_finished, wait, the device."""
+class TransferRules(MachineBase):
+    """Rules: build/restart, submissions, get_finished, wait, the device.
+
+    A mixin over :class:`~kvoffload_ref.testing.machine_base.MachineBase`, composed with the others in
+    :class:`~kvoffload_ref.testing.machine.OffloadingMachine`; it uses the checks of
+    :class:`~kvoffload_ref.testing.invariants.Checks` (declared below for the type checker only).
+    """
+
+    if TYPE_CHECKING:  # from Checks
+        def _check_result(self, result: ResultLike) -> None: ...
+        def _check_memory(self) -> None: ...
 
     # -- initialize ---------------------------------------------------------------------------------------------
     @initialize(data=st.data())

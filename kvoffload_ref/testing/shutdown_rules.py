@@ -7,6 +7,7 @@ import contextlib
 import gc
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hypothesis import note
 from hypothesis import strategies as st
@@ -16,10 +17,10 @@ from kvoffload_ref.errors import SimHang, WorkerClosedError
 from kvoffload_ref.testing.adapter import (
     ReportLike,
 )
-from kvoffload_ref.testing.machine_base import ConformanceError
-from kvoffload_ref.testing.rules import TransferRules
+from kvoffload_ref.testing.machine_base import ConformanceError, MachineBase
 from kvoffload_ref.testing.shutdown import (
     SLACK,
+    Expectations,
     expectations,
     interrupted_problems,
 )
@@ -27,8 +28,16 @@ from kvoffload_ref.testing.shutdown import (
 __all__ = ["ShutdownRules"]
 
 
-class ShutdownRules(TransferRules):
-    """Rules: shutdown, interrupt_shutdown, shutdown_again, use_after_shutdown, drop_worker."""
+class ShutdownRules(MachineBase):
+    """Rules: shutdown, interrupt_shutdown, shutdown_again, use_after_shutdown, drop_worker.
+
+    A mixin over :class:`~kvoffload_ref.testing.machine_base.MachineBase`, composed with the others in
+    :class:`~kvoffload_ref.testing.machine.OffloadingMachine`; it uses the report check of
+    :class:`~kvoffload_ref.testing.invariants.Checks` (declared below for the type checker only).
+    """
+
+    if TYPE_CHECKING:  # from Checks
+        def _check_report(self, report: ReportLike, start: float, expect: Expectations) -> None: ...
 
     # -- shutdown -----------------------------------------------------------------------------------------------
     @precondition(lambda self: self.phase == "open" and self.age >= self.lifetime)

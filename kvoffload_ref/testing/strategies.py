@@ -19,7 +19,7 @@ from typing import Final, Literal, TypeVar, cast
 from hypothesis import strategies as st
 
 from kvoffload_ref.faults import HANG_POINTS, POINTS, Fault, FaultKind, FaultPoint
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.testing.adapter import Setup
 from kvoffload_ref.worker import ShutdownPolicy
 

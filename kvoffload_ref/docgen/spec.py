@@ -15,7 +15,7 @@ import pathlib
 import re
 from collections.abc import Iterator
 
-from kvoffload_ref import diagram
+from kvoffload_ref.docgen import diagram
 
 __all__ = ["check", "rule_citations", "rules_in_spec", "write"]
 

@@ -21,7 +21,7 @@ from kvoffload_ref.backends.base import Event
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.errors import DeviceError
 from kvoffload_ref.faults import Fault, FaultPlan
-from kvoffload_ref.layout import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import CPUOffloadingWorker, ShutdownPolicy, ShutdownReport, create_worker
 
 __all__ = ["GUARANTEES", "ROWS", "Guarantee", "check", "guarantee_table", "render", "run_scenario", "vllm_cells",
@@ -219,7 +219,8 @@ GUARANTEES: tuple[Guarantee, ...] = (
               vllm_before="store handler", vllm_after="worker"),
     Guarantee("One handler raises during shutdown", "logged, kept in the report, the other handler still shut "
               "down (R9)", fault="transfer end event fails during the shutdown drain (store job 1)"),
-    Guarantee("Hung transfer at shutdown", "bounded by one timeout (R11)", fault="event never completes (load job 3)"),
+    Guarantee("Hung transfer at shutdown", "bounded by one timeout (R11); the region is quarantined until exit "
+              '(R12) under the default policy, released under "release"', fault="event never completes (load job 3)"),
     Guarantee("Memory possibly under DMA after a failed transfer", "quarantined until exit (R12), unless policy "
               '"release"', fault="device sync error (after a failed transfer)"),
     Guarantee("Failed transfer", "`success=False` with the error, and the ones behind it (R5)",
@@ -234,7 +235,7 @@ GUARANTEES: tuple[Guarantee, ...] = (
               vllm_before="—", vllm_after="—"),
 )
 
-_README_BEGIN = "<!-- guarantees: generated from kvoffload_ref/failure_modes.py -->"
+_README_BEGIN = "<!-- guarantees: generated from kvoffload_ref/docgen/failure_modes.py -->"
 _README_END = "<!-- /guarantees -->"
 
 
@@ -300,7 +301,8 @@ def render() -> str:
         "Each fault is injected on the simulated device into a worker with two stores and two loads in flight",
         f"(shutdown timeout {TIMEOUT:.0f} s, virtual clock). The vLLM columns describe upstream behaviour (before and",
         "after PR #51622); the kvoffload_ref columns are produced by running the scenario",
-        "(`kvoffload_ref/failure_modes.py`; regenerate with `kvoffload-ref failure-modes --write`, CI checks it).",
+        "(`kvoffload_ref/docgen/failure_modes.py`; regenerate with `kvoffload-ref failure-modes --write`, CI checks",
+        "it).",
         "\"use-after-free\" counts the sim's violations: copies touching memory released under them.",
         "",
         "| fault | vLLM before #51622 | vLLM after #51622 | kvoffload_ref (quarantine policy) | "
