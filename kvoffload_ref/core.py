@@ -41,13 +41,9 @@ included -- still leads to ``_finish``, where ``_stop_waiting`` abandons a handl
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
-import signal
 import threading
-from collections.abc import Iterator
-from typing import Any, Final
+from typing import Final
 
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends.base import Backend, ResourceKind, Stream
@@ -62,7 +58,7 @@ from kvoffload_ref.lifecycle import (
     WorkerInput,
     WorkerState,
 )
-from kvoffload_ref.process import ProcessOwner
+from kvoffload_ref.process import ProcessOwner, finalize_safely, sigint_deferred
 from kvoffload_ref.region import HostRegion
 from kvoffload_ref.results import DeviceSync, RegionFate, ShutdownPolicy, ShutdownReport
 from kvoffload_ref.shield import Shield, finish_all
@@ -168,7 +164,7 @@ class WorkerCore:
         try:
             if run.interrupt is not None:
                 self._stop_waiting(run, shield)
-            with _sigint_deferred() as deferred:
+            with sigint_deferred() as deferred:
                 failed, _ = finish_all([("release the worker's resources", lambda: self._release(run, shield))],
                                        shield)
                 run.errors.extend(failed)
@@ -289,39 +285,6 @@ class Call:
             core.shutdown()  # R19: the shutdown a signal handler asked for while this call held the lock
 
 
-class _Deferred:
-    """What ``_sigint_deferred`` held back."""
-
-    def __init__(self) -> None:
-        # Invariant: the KeyboardInterrupt that SIGINT would have raised meanwhile, or None.
-        self.interrupt: BaseException | None = None
-
-
-@contextlib.contextmanager
-def _sigint_deferred() -> Iterator[_Deferred]:
-    """R14: hold back SIGINT (Ctrl-C) while the release runs, then deliver it to the previous handler.
-
-    Only the main thread receives signals in Python, and only it may change their handlers; elsewhere (and when
-    the application installed no Python-level SIGINT handler) this does nothing.
-    """
-    deferred = _Deferred()
-    received: list[int] = []
-    previous: Any = None
-    if threading.current_thread() is threading.main_thread():
-        with contextlib.suppress(ValueError, TypeError):
-            previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield deferred
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
-    if received and callable(previous):
-        try:
-            previous(signal.SIGINT, None)
-        except BaseException as exc:  # the default handler raises KeyboardInterrupt: the caller re-raises it
-            deferred.interrupt = exc
-
-
 class ShutdownRun:
     """Scratch state of one shutdown sequence, turned into the report at the end."""
 
@@ -352,41 +315,13 @@ _REGION_FATE: Final[dict[RegionState | None, RegionFate]] = {
     RegionState.RELEASED: "released", RegionState.QUARANTINED: "quarantined"}
 
 
-# Invariant: True while the cyclic garbage collector runs (set by _track_gc), in whichever thread runs it.
-_GC_RUNNING = False
-
-
-def _track_gc(phase: str, info: dict[str, int]) -> None:
-    global _GC_RUNNING  # noqa: PLW0603  # one flag for the process: the collector is process-wide
-    _GC_RUNNING = phase == "start"
-
-
-gc.callbacks.append(_track_gc)
-
-
 def finalize(core: WorkerCore) -> None:
     """R15: shut down a worker that was dropped (or alive at exit) without shutdown().
 
-    The garbage collector may run this at any allocation, also while this thread holds a library lock (the ledger's,
-    say). So when called from the collector, the shutdown runs in a thread of its own and this thread waits for it
-    at most the policy's timeout plus a second: normally it has finished by then (the outcome is as deterministic as
-    an inline shutdown); if this thread held a lock the shutdown needs, the wait ends and the shutdown completes as
-    soon as the lock is released, instead of deadlocking. The worker's own lock cannot be held here: a thread
+    Run through ``process.finalize_safely`` (from the collector: in a thread of its own, joined with a bound, so it
+    cannot deadlock on a library lock this thread holds). The worker's own lock cannot be held here: a thread
     holding it is inside one of the worker's methods, so the worker is alive (R19).
     """
     if core.owner.inherited() or core.state is not WorkerState.OPEN:
         return  # R21: a forked child's copy touches nothing of the parent's, and takes no lock the fork copied
-    if not _GC_RUNNING:
-        _finalize_now(core)
-        return
-    thread = threading.Thread(target=_finalize_now, args=(core,), name="kvoffload_ref-finalizer")
-    thread.start()
-    thread.join(min(core.policy.timeout + 1.0, threading.TIMEOUT_MAX))  # join() refuses more (OverflowError)
-
-
-def _finalize_now(core: WorkerCore) -> None:
-    logger.warning("CPUOffloadingWorker was not shut down; shutting it down from its finalizer")
-    try:
-        core.shutdown()
-    except Exception:
-        logger.error("Shutdown from the finalizer failed", exc_info=True)
+    finalize_safely(core.shutdown, core.policy.timeout, "CPUOffloadingWorker")

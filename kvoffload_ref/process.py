@@ -25,22 +25,37 @@ views stay valid and see zeros; the parent's pages are untouched) and every desc
 ``/dev/null`` (so whoever holds the descriptor number may still close it). The parent's own descriptors and
 mappings are not touched: a child's close, munmap or exit can no longer affect them.
 
+The other process-lifetime mechanics both workers use live here too: :func:`sigint_deferred` (a Ctrl-C held back
+while a release runs, R14) and :func:`finalize_safely` (a finalizer the garbage collector may run at any
+allocation, R15).
+
 This module imports nothing of the package but the error taxonomy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import itertools
 import logging
 import mmap
 import os
-from collections.abc import Callable
-from typing import Final
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Final
 
 from kvoffload_ref.errors import WorkerClosedError
 
-__all__ = ["ProcessOwner", "cut_off_from_children", "keep_in_children"]
+__all__ = [
+    "ProcessOwner",
+    "SigintDeferred",
+    "cut_off_from_children",
+    "finalize_safely",
+    "keep_in_children",
+    "sigint_deferred",
+]
 
 logger = logging.getLogger("kvoffload_ref.process")
 
@@ -184,3 +199,82 @@ def _cut_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_cut_in_child)
+
+
+# -- a Ctrl-C held back (R14) and a finalizer the collector may run (R15) ------------------------------------------
+class SigintDeferred:
+    """What :func:`sigint_deferred` held back."""
+
+    def __init__(self) -> None:
+        # Invariant: the KeyboardInterrupt that SIGINT would have raised meanwhile, or None.
+        self.interrupt: BaseException | None = None
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[SigintDeferred]:
+    """R14: hold back SIGINT (Ctrl-C) while a release runs, then deliver it to the previous handler.
+
+    Only the main thread receives signals in Python, and only it may change their handlers; elsewhere (and when
+    the application installed no Python-level SIGINT handler) this does nothing.
+
+    Yields:
+        Where the KeyboardInterrupt the previous handler raised on delivery is kept, for the caller to re-raise.
+    """
+    deferred = SigintDeferred()
+    received: list[int] = []
+    previous: Any = None
+    if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, TypeError):
+            previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield deferred
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if received and callable(previous):
+        try:
+            previous(signal.SIGINT, None)
+        except BaseException as exc:  # the default handler raises KeyboardInterrupt: the caller re-raises it
+            deferred.interrupt = exc
+
+
+# Invariant: True while the cyclic garbage collector runs (set by _track_gc), in whichever thread runs it.
+_GC_RUNNING = False
+
+
+def _track_gc(phase: str, info: dict[str, int]) -> None:
+    global _GC_RUNNING  # noqa: PLW0603  # one flag for the process: the collector is process-wide
+    _GC_RUNNING = phase == "start"
+
+
+gc.callbacks.append(_track_gc)
+
+
+def finalize_safely(shutdown: Callable[[], object], timeout: float, what: str) -> None:
+    """R15: run a dropped worker's ``shutdown``, safely from wherever a finalizer runs.
+
+    The garbage collector may run a finalizer at any allocation, also while this thread holds a library lock (a
+    ledger's, say). So when called from the collector, the shutdown runs in a thread of its own and this thread
+    waits for it at most ``timeout`` plus a second: normally it has finished by then; if this thread held a lock the
+    shutdown needs, the wait ends and the shutdown completes as soon as the lock is released, instead of
+    deadlocking. An ``Exception`` from the shutdown is logged, never raised.
+
+    Args:
+        shutdown: the worker's shutdown.
+        timeout: the shutdown's own bound (its policy's timeout).
+        what: the worker's class name, for the log line.
+    """
+
+    def now() -> None:
+        logger.warning("%s was not shut down; shutting it down from its finalizer", what)
+        try:
+            shutdown()
+        except Exception:
+            logger.error("Shutdown from the finalizer failed", exc_info=True)
+
+    if not _GC_RUNNING:
+        now()
+        return
+    thread = threading.Thread(target=now, name="kvoffload_ref-finalizer")
+    thread.start()
+    thread.join(min(timeout + 1.0, threading.TIMEOUT_MAX))  # join() refuses more (OverflowError)

@@ -26,13 +26,11 @@ from types import TracebackType
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref import core as _engine_core  # only for the collector flag the finalizer reads (R15)
 from kvoffload_ref import errors, lifecycle, results
 from kvoffload_ref.backends import base
 from kvoffload_ref.backends.base import POLL_FIRST_SLEEP, POLL_MAX_SLEEP, Backend, Stream
-from kvoffload_ref.core import _sigint_deferred
 from kvoffload_ref.lifecycle import Action, Fate, ProofOutcome, RegionState, WorkerInput, WorkerState
-from kvoffload_ref.process import ProcessOwner
+from kvoffload_ref.process import ProcessOwner, finalize_safely, sigint_deferred
 from kvoffload_ref.reference_handler import ReferenceHandler
 from kvoffload_ref.region import DEFAULT_PIN_CHUNK_BYTES, HostRegion
 from kvoffload_ref.results import ShutdownPolicy, ShutdownReport, TransferResult
@@ -188,7 +186,7 @@ class _Core:
                 run.clean = run.clean and self.store.clean and self.load.clean
                 if run.proof is ProofOutcome.NOT_NEEDED:
                     run.proof = lifecycle.decide_proof(run.clean, True) or ProofOutcome.SKIPPED  # never None here
-            with _sigint_deferred() as deferred:
+            with sigint_deferred() as deferred:
                 failed, _ = finish_all([("release the worker's resources", lambda: self._release(run, shield))],
                                        shield)
                 run.errors.extend(failed)
@@ -244,19 +242,7 @@ def _finalize(core: _Core) -> None:
     if core.owner.inherited() or core.state is not WorkerState.OPEN:
         return
 
-    def now() -> None:
-        logger.warning("ReferenceWorker was not shut down; shutting it down from its finalizer")
-        try:
-            core.shutdown()
-        except Exception:
-            logger.error("Shutdown from the finalizer failed", exc_info=True)
-
-    if not _engine_core._GC_RUNNING:
-        now()
-        return
-    thread = threading.Thread(target=now, name="kvoffload_ref-reference-finalizer")
-    thread.start()
-    thread.join(min(core.policy.timeout + 1.0, threading.TIMEOUT_MAX))
+    finalize_safely(core.shutdown, core.policy.timeout, "ReferenceWorker")
 
 
 class ReferenceWorker:
