@@ -210,7 +210,7 @@ class WorkerCore:
                 if not isinstance(exc, Exception):
                     run.interrupt = run.interrupt or exc
             run.clean &= handler.clean
-            error = handler.report().error
+            error = handler.drain_error
             if error is not None and error is not run.interrupt:
                 logger.error("Failed to shut down %s offloading handler", name, exc_info=error)
                 run.errors.append(f"{name}: {error!r}")

@@ -168,6 +168,8 @@ class DirectionHandler:
         # Invariant: the jobs the shutdown drain took over without reporting them (results dropped at its start,
         # proven by it, abandoned by it), in submission order: the report lists them (R8, R14).
         self._outcomes: list[JobOutcome] = []
+        # Invariant: the transfers the drain proved, in order (between the unreaped and the abandoned outcomes).
+        self._drained: list[_Transfer] = []
         # Invariant: True while some queued transfer is broken (its end event unrecorded): prefixes stop there.
         self._broken = False
         # Invariant: the first failure of the shutdown drain (None before it or if there was none).
@@ -349,10 +351,8 @@ class DirectionHandler:
         proven = list(itertools.islice(queue, count))
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
-        if action is Action.REPORT:
-            results = [TransferResult(h.job_id, True, h.nbytes, self._seconds(h)) for h in proven]
-        else:
-            results = [TransferResult(h.job_id, True, h.nbytes) for h in proven]
+        results = [TransferResult(h.job_id, True, h.nbytes, self._seconds(h)) for h in proven] \
+            if action is Action.REPORT else []
         for _ in range(count):
             queue.popleft().resolved = True
         self._events += itertools.chain.from_iterable(map(_EVENTS, proven))
@@ -361,7 +361,7 @@ class DirectionHandler:
             self._resolved += results
         elif action is Action.COUNT_DRAINED:
             self._counts["drained"] += count
-            self._outcomes += [JobOutcome(r, "drained") for r in results]
+            self._drained += proven  # their outcomes are built only when the report is (a teardown drains thousands)
         self._counts["completed"] += count
 
     def _seconds(self, transfer: _Transfer) -> float | None:
@@ -463,7 +463,19 @@ class DirectionHandler:
     def report(self) -> HandlerReport:
         """What the shutdown drain established so far (also after an interrupt)."""
         return HandlerReport(self._counts["drained"], self._counts["abandoned"], self._drain_error,
-                             tuple(self._outcomes))
+                             self._jobs_outcomes())
+
+    def _jobs_outcomes(self) -> tuple[JobOutcome, ...]:
+        """Every job this handler's drain took over, in submission order: unreaped, drained, abandoned."""
+        unreaped = [o for o in self._outcomes if o.ended == "unreaped"]
+        abandoned = [o for o in self._outcomes if o.ended == "abandoned"]
+        drained = (JobOutcome(TransferResult(t.job_id, True, t.nbytes), "drained") for t in self._drained)
+        return (*unreaped, *drained, *abandoned)
+
+    @property
+    def drain_error(self) -> BaseException | None:
+        """The first failure of the shutdown drain (None before it or if there was none)."""
+        return self._drain_error
 
     @property
     def clean(self) -> bool:
