@@ -24,8 +24,9 @@ from kvoffload_ref.errors import (
 )
 from kvoffload_ref.faults import Fault, FaultPlan, FaultyBackend
 from kvoffload_ref.quarantine import QuarantinedItem, quarantined
+from kvoffload_ref.reference import ReferenceWorker, create_reference_worker
 from kvoffload_ref.region import HostRegion
-from kvoffload_ref.results import JobOutcome, TransferResult
+from kvoffload_ref.results import JobOutcome, TransferResult, poisoned_cpu_chunks, poisoned_gpu_blocks
 from kvoffload_ref.shared_region import SharedRegion
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import (
@@ -58,6 +59,7 @@ __all__ = [
     "OffloadError",
     "OwnershipError",
     "QuarantinedItem",
+    "ReferenceWorker",
     "SharedRegion",
     "SimBackend",
     "ShutdownDeferred",
@@ -68,8 +70,11 @@ __all__ = [
     "Violation",
     "WorkerClosedError",
     "WorkerStats",
+    "create_reference_worker",
     "create_worker",
     "get_backend",
+    "poisoned_cpu_chunks",
+    "poisoned_gpu_blocks",
     "quarantined",
 ]
 

@@ -1,5 +1,5 @@
 """The ``kvoffload-ref`` command line: ``demo``, ``bench``, ``fuzz``, ``explore``, ``diagram``, ``spec``,
-``failure-modes``.
+``failure-modes``, ``trace-plot``.
 
 Exit status: 0 success; 1 a check failed (a demo check, a missed bench goal under ``--check``, a conformance
 violation, out-of-date docs); 2 bad usage (bad arguments, an unimportable ``--factory``, Hypothesis missing for
@@ -30,7 +30,7 @@ __all__ = ["main"]
 #: The factory ``fuzz`` checks when none is named: kvoffload_ref's own worker.
 REFERENCE_FACTORY = "kvoffload_ref.testing.adapter:reference_factory"
 #: Capabilities a factory may lack (``fuzz --without``).
-CAPABILITIES = ("finalizer", "stats", "interrupts")
+CAPABILITIES = ("finalizer", "stats", "interrupts", "threads", "attribution", "ordering")
 
 
 def _checkout(root: str, needs: Sequence[str], command: str) -> pathlib.Path | None:
@@ -163,13 +163,25 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvoffload-ref", description="kvoffload_ref: a reference KV-cache offloading worker (GPU <-> pinned CPU)")
     parser.add_argument("--version", action="version", version=f"kvoffload-ref {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _command(sub, "demo", "round trips, a hung shutdown, the release-policy hazard and a caught DMA race, on the "
-             "simulated device",
-             "Four acts on the simulated device, each explained before it runs, every check printed: round trips "
+    demo_cmd = _command(
+             sub, "demo", "round trips, a hung shutdown, the release-policy hazard, a caught DMA race and a TP=4 -> "
+             "TP=2 canonical round trip, on the simulated device",
+             "Five acts on the simulated device, each explained before it runs, every check printed: round trips "
              "with every byte verified, a never-completing load shut down within its timeout (quarantine), the "
              "same under the vLLM #51622 'release' policy (the use-after-free it allows), and a racy offload "
              "schedule (a load into GPU blocks a pending store reads) flagged by the race detector, clean with a "
-             "wait() in between. Exit 1 if a check fails.")
+             "wait() in between, and the canonical layout (R24): a TP=4 model stores, a TP=2 model loads back "
+             "byte-exact. Exit 1 if a check fails.")
+    demo_cmd.add_argument("--trace", metavar="FILE", default=None,
+                          help="also write every act's timeline as Chrome trace-event JSON (Perfetto)")
+    plot = _command(sub, "trace-plot", "draw a timeline (Chrome trace JSON) as a PNG (needs matplotlib)",
+                    "Draw a trace written by the simulated device or the CuPy backend (SimBackend(trace=True), "
+                    "demo --trace, the layer-wise example's --trace): one row per stream, a bar per copy, compute "
+                    "work, wait; markers for faults and violations. Needs matplotlib: "
+                    'pip install "kvoffload_ref[plot]". Exit 2 without it or for an unreadable trace.')
+    plot.add_argument("trace", help="the trace JSON")
+    plot.add_argument("out", help="the PNG to write")
+    plot.add_argument("--title", default=None, help="the picture's title (default: the trace's source)")
     _command(sub, "diagram", "print the lifecycle state machines as Mermaid text",
              "Print the worker's, the handler's and the region's state machines (generated from "
              "kvoffload_ref/lifecycle.py) as Mermaid stateDiagram-v2 text.")
@@ -271,11 +283,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fuzz": _fuzz,
         "explore": _explore,
         "failure-modes": lambda a: _failure_modes(a.check, a.write, a.root),
-        "demo": lambda a: demo(),
+        "demo": lambda a: demo(a.trace),
+        "trace-plot": lambda a: _trace_plot(a.trace, a.out, a.title),
         "spec": lambda a: _spec(not a.write, a.root),
         "diagram": _diagram,
     }
     return commands[args.command](args)
+
+
+def _trace_plot(trace: str, out: str, title: str | None) -> int:
+    """``kvoffload-ref trace-plot``: 0 written, 2 matplotlib missing or the trace unreadable."""
+    from kvoffload_ref import trace_plot  # noqa: PLC0415  (matplotlib is optional: imported only here)
+    return trace_plot.main(trace, out, title)
 
 
 def _diagram(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``kvoffload-ref demo``: the main job on the simulated device, in four acts, every check printed.
+"""``kvoffload-ref demo``: the main job on the simulated device, in five acts, every check printed.
 
 1. Round trips: a realistic layout (8 layers in two KV-cache groups), a few hundred store and load jobs, every
    byte verified; the bandwidth printed is the simulated device's *modelled* figure, not a measurement.
@@ -8,6 +8,8 @@
    simulated device detects the use-after-free.
 4. A racy schedule (a load into GPU blocks a pending store still reads) is flagged as a ``dma_race`` naming both
    jobs (R20); the same schedule with a ``wait()`` in between is clean.
+5. The canonical layout (R24, ``demo_canonical``): a TP=4 model stores in canonical mode into a shared region, a
+   TP=2 model loads the pages back, byte-exact.
 
 Each act says what it does, and which error lines it is about to log, before it runs. Exit status 0 only if every
 check held.
@@ -23,6 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.backends.trace_format import write_merged
+from kvoffload_ref.demo_canonical import canonical_act
 from kvoffload_ref.faults import Fault, FaultPlan
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import CPUOffloadingWorker, ShutdownPolicy, ShutdownReport, create_worker
@@ -75,7 +79,7 @@ def _round_trip(checks: _Checks) -> None:
     print(f"Act 1 -- round trips: {JOBS} stores of {BLOCKS_PER_JOB} blocks x {NUM_LAYERS} layers to pinned CPU "
           f"memory and {JOBS} loads back into other GPU blocks, every byte compared. No errors are expected.")
     rng = np.random.default_rng(42)
-    be = SimBackend()
+    be = _device("act 1: round trips")
     source = [rng.integers(0, 256, (GPU_BLOCKS, PAGE), dtype=np.uint8) for _ in range(NUM_LAYERS)]
     gpu = [be.from_host(a) for a in source]
     chunks_per_job = BLOCKS_PER_JOB // BPC
@@ -123,7 +127,8 @@ def _hung_shutdown(checks: _Checks, on_unproven: str) -> None:
     print(f"\nAct {act} -- {what}")
     print("  The [log ...] lines below are expected: the library logs the hung load it abandons and the device "
           "proof that times out.")
-    be = SimBackend(FaultPlan([Fault("copy", "hang", direction="load", job_id=2)]))
+    be = _device(f"act {act}: hung load, {on_unproven}", FaultPlan([Fault("copy", "hang", direction="load",
+                                                                          job_id=2)]))
     layout = _layout()
     gpu = [be.empty_device((GPU_BLOCKS, PAGE)) for _ in range(NUM_LAYERS)]
     policy = ShutdownPolicy(timeout=2.0, on_unproven=on_unproven)
@@ -171,7 +176,7 @@ def _racy_schedule(checks: _Checks) -> None:
     blocks = np.arange(BLOCKS_PER_JOB, dtype=np.int64)
     chunks = np.arange(BLOCKS_PER_JOB // BPC * 2, dtype=np.int64)
     for waited in (False, True):
-        be = SimBackend()
+        be = _device(f"act 4: {'with' if waited else 'without'} wait()")
         gpu = [be.empty_device((GPU_BLOCKS, PAGE)) for _ in range(NUM_LAYERS)]
         with create_worker(be, gpu, _layout(), blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS) as w:
             w.submit_store(1, _gpu_spec(blocks), CPULoadStoreSpec(chunks))
@@ -207,12 +212,44 @@ class _NoTraceback(logging.Formatter):
         return text if not record.exc_info else f"{text} ({record.exc_info[1]!r})"
 
 
-def demo() -> int:
-    """Run the demo's four acts on the simulated device, printing each check.
+#: The devices made while ``demo(trace=...)`` runs, by act (empty when not tracing).
+_TRACED: list[tuple[str, SimBackend]] = []
+_TRACING: list[bool] = [False]
+
+
+def _device(act: str, faults: FaultPlan | None = None) -> SimBackend:
+    """A simulated device for one act (recording a timeline when the demo traces)."""
+    be = SimBackend(faults, trace=_TRACING[0])
+    if _TRACING[0]:
+        _TRACED.append((act, be))
+    return be
+
+
+def demo(trace: str | None = None) -> int:
+    """Run the demo's five acts on the simulated device, printing each check.
+
+    Args:
+        trace: None, or a path: write the acts' timelines there as one Chrome trace-event JSON (one process per
+            act's device; open it in Perfetto or chrome://tracing).
 
     Returns:
         The exit status: 0 only if every check held.
+
+    Raises:
+        OSError: the trace file cannot be written.
     """
+    _TRACING[0], _TRACED[:] = trace is not None, []
+    try:
+        status = _acts()
+        if trace is not None:
+            write_merged(trace, [(act, be.trace_document()) for act, be in _TRACED])
+            print(f"timeline of every act written to {trace} (open it in https://ui.perfetto.dev)")
+        return status
+    finally:
+        _TRACING[0], _TRACED[:] = False, []
+
+
+def _acts() -> int:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(_NoTraceback("  [log %(levelname)s] %(message)s"))
     logging.getLogger("kvoffload_ref").addHandler(handler)
@@ -221,5 +258,6 @@ def demo() -> int:
     _hung_shutdown(checks, "quarantine")
     _hung_shutdown(checks, "release")
     _racy_schedule(checks)
+    canonical_act(checks.check, 5)
     print(f"\n{checks.passed} checks passed, {len(checks.failed)} failed")
     return 0 if not checks.failed else 1

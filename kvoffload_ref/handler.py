@@ -31,6 +31,7 @@ The handler is not thread-safe by itself: the worker serialises every call into 
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import functools
@@ -43,13 +44,24 @@ from typing import Any, TypeVar
 from kvoffload_ref import lifecycle
 from kvoffload_ref.backends import batched
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag, poll_until
+from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
 from kvoffload_ref.planner import Planner, PreparedPlan
 from kvoffload_ref.quarantine import QuarantinedItem, quarantine
-from kvoffload_ref.results import HandlerReport, HandlerStats, JobOutcome, TransferResult
+from kvoffload_ref.results import (
+    TRANSFER_TYPE,
+    HandlerReport,
+    HandlerStats,
+    JobOutcome,
+    JobOutcomes,
+    TransferResult,
+    failed_in_order,
+    stopped_outcomes,
+)
 from kvoffload_ref.shield import Shield, finish_all
-from kvoffload_ref.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, KVCacheLayout, TensorGeometry
+from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
+from kvoffload_ref.validate import Int64Array
 
 __all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "JobOutcome", "TransferResult"]  # the values: results
 
@@ -111,6 +123,7 @@ class _Transfer:
     events: tuple[Event, Event]  # (start, end)
     descriptors: DescriptorBuffer | None  # None for a zero-op transfer
     nbytes: int
+    dst_blocks: Int64Array  # R22: the destination's block ids (GPU blocks of a load, CPU chunks of a store)
     # Invariant: True once the transfer left the queue (proven, failed or abandoned).
     resolved: bool = False
     # Invariant: why its end event could not be recorded after the device took its copy (it can never be proven
@@ -127,7 +140,10 @@ class _Transfer:
 
 
 _EVENTS = operator.attrgetter("events")
+_JOB_ID = operator.attrgetter("job_id")
+_NBYTES = operator.attrgetter("nbytes")
 _DESCRIPTORS = operator.attrgetter("descriptors")
+_END = operator.itemgetter(1)  # of the events
 
 
 class DirectionHandler:
@@ -135,12 +151,15 @@ class DirectionHandler:
 
     def __init__(self, backend: Backend, direction: Direction, layout: KVCacheLayout,
                  gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry], blocks_per_chunk: int,
-                 *, compute_stream: Stream | None = None, prewarm: int = 0) -> None:
+                 *, compute_stream: Stream | None = None, prewarm: int = 0,
+                 canonical: CanonicalLayout | None = None) -> None:
         """Build a handler: its planner, its stream, and ``prewarm`` transfers' worth of events up front.
 
         Args:
             compute_stream: the stream whose queued work every transfer waits for (R4); None = the backend's
                 current stream now.
+            canonical: this rank's canonical mappings (R24): the planner copies their fragments, stores only
+                the pages this rank writes; None: plain mode.
 
         Raises:
             InvalidTransferError: the geometry does not fit the layout (nothing was created).
@@ -148,9 +167,10 @@ class DirectionHandler:
         """
         self._backend = backend
         self.direction: Direction = direction
+        self._kind = TRANSFER_TYPE[direction]  # ``TransferResult.transfer_type`` of this direction
         self._machine = f"{direction} handler"  # the lifecycle machine's name in error messages
         # Invariant: holds geometry only (addresses and strides, validated once here), never the region (R1).
-        self._planner = Planner(layout, gpu, cpu, blocks_per_chunk)
+        self._planner = Planner(layout, gpu, cpu, blocks_per_chunk, canonical)
         # Invariant: the stream R4's wait is recorded on; fixed for the handler's life.
         self._compute = compute_stream if compute_stream is not None else backend.current_stream()
         # Invariant: submission order, all on self._stream; none is proven yet.
@@ -166,10 +186,14 @@ class DirectionHandler:
         self._descriptors: list[DescriptorBuffer] = []
         self._counts = collections.Counter[str]()
         # Invariant: the jobs the shutdown drain took over without reporting them (results dropped at its start,
-        # proven by it, abandoned by it), in submission order: the report lists them (R8, R14).
+        # proven by it, abandoned by it), in submission order: the report lists them (R8, R14). Only appended to:
+        # the unreaped at the drain's start, the drained as it proves them, the abandoned when it stops.
+        # Invariant: the report's jobs, in submission order: those known before the drain began (_outcomes), then
+        # those the drain proved (ids and bytes: no outcome object until a report is read), then those it stopped at.
         self._outcomes: list[JobOutcome] = []
-        # Invariant: the transfers the drain proved, in order (between the unreaped and the abandoned outcomes).
-        self._drained: list[_Transfer] = []
+        self._drained_ids: array.array[int] = array.array("q")
+        self._drained_bytes: array.array[int] = array.array("q")
+        self._stopped: list[JobOutcome] = []
         # Invariant: True while some queued transfer is broken (its end event unrecorded): prefixes stop there.
         self._broken = False
         # Invariant: the first failure of the shutdown drain (None before it or if there was none).
@@ -186,8 +210,7 @@ class DirectionHandler:
             raise
 
     # -- submission -----------------------------------------------------------------------------------------------
-    def submit(self, job_id: int, src: GPULoadStoreSpec | CPULoadStoreSpec,
-               dst: GPULoadStoreSpec | CPULoadStoreSpec) -> None:
+    def submit(self, job_id: int, src: object, dst: object) -> None:
         """Queue one transfer (see the module docstring for what is queued).
 
         Raises:
@@ -201,10 +224,10 @@ class DirectionHandler:
         """
         if self._step(HandlerInput.SUBMIT) is not Action.ENQUEUE:  # every other pair is refused
             return
-        plan = self._planner.prepare(self.direction, src, dst)  # R7: every check happens here, before any take
+        plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
         taken, shield = _Taken(), Shield()
         try:
-            transfer = self._enqueue(job_id, plan, taken)
+            transfer = self._enqueue(job_id, plan, taken, dst.block_ids)  # type: ignore[attr-defined]
         except BaseException as exc:
             if not taken.copy_queued:
                 self._undo(taken)  # R14: no copy on the device: no trace, the id stays free
@@ -219,7 +242,7 @@ class DirectionHandler:
         self._counts["submitted"] += 1
         shield.reraise()
 
-    def _enqueue(self, job_id: int, plan: PreparedPlan, taken: _Taken) -> _Transfer:
+    def _enqueue(self, job_id: int, plan: PreparedPlan, taken: _Taken, dst_blocks: Int64Array) -> _Transfer:
         backend, tag, stream = self._backend, (self.direction, job_id), self._stream
         assert stream is not None  # Invariant: an accepting handler has its stream
         descriptors = None
@@ -230,7 +253,7 @@ class DirectionHandler:
         backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
         backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
-        transfer = taken.transfer = _Transfer(job_id, (start, end), descriptors, plan.nbytes)
+        transfer = taken.transfer = _Transfer(job_id, (start, end), descriptors, plan.nbytes, dst_blocks)
         taken.marker = marker
         if descriptors is None:
             backend.record(end, stream, tag=tag)  # no copy: until this returns, an interrupt leaves no trace
@@ -276,6 +299,12 @@ class DirectionHandler:
         """Whether the job is in flight here or completed but not yet reported."""
         return job_id in self._jobs
 
+    def end_events(self, job_ids: set[int]) -> list[Event]:
+        """R23: the end events of the listed jobs still queued (a broken transfer's was never recorded). A pooled
+        event is re-recorded only after its transfer left the queue, and a stream wait captures the record current
+        at the call, so what a caller's stream waits for never changes."""
+        return [t.end for t in self._queue if t.job_id in job_ids and t.broken is None]
+
     def get_finished(self) -> list[TransferResult]:
         """Reap what is proven (or failed) without blocking; report each job once, in submission order (R5)."""
         self.reap()
@@ -296,8 +325,9 @@ class DirectionHandler:
         resolved, every listed job here is (R6)."""
         return next((t for t in reversed(self._queue) if t.job_id in job_ids), None)
 
-    def settle(self, mark: _Transfer) -> bool:
+    def settle(self, mark: object) -> bool:
         """Observe the queue's heads without blocking, up to ``mark``; whether ``mark`` is resolved now."""
+        assert isinstance(mark, _Transfer)  # Invariant: the worker passes what last_of returned
         self._reap(mark)
         return mark.resolved
 
@@ -314,7 +344,7 @@ class DirectionHandler:
         if self._broken:
             window = itertools.takewhile(lambda t: t.broken is None, window)
         if mark is None:
-            ends = [transfer.events[1] for transfer in window]
+            ends = list(map(_END, map(_EVENTS, window)))
         else:
             ends = []
             for transfer in window:
@@ -347,21 +377,22 @@ class DirectionHandler:
         """The ``count`` oldest transfers were proven by their own end events. HEAD_PROVEN is a self-loop in every
         state that allows it, so one table step decides for the whole run: report them, or count them drained."""
         action = self._step(HandlerInput.HEAD_PROVEN)
-        queue = self._queue
-        proven = list(itertools.islice(queue, count))
+        queue, kind = self._queue, self._kind
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
-        results = [TransferResult(h.job_id, True, h.nbytes, self._seconds(h)) for h in proven] \
-            if action is Action.REPORT else []
+        if action is Action.REPORT:
+            self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h), transfer_type=kind)
+                               for h in itertools.islice(queue, count)]
+        self._events += itertools.chain.from_iterable(map(_EVENTS, itertools.islice(queue, count)))
+        self._descriptors += filter(None, map(_DESCRIPTORS, itertools.islice(queue, count)))  # None: no copy
+        # The drain reads no timings: a drained head leaves only its id and byte count (two C arrays); its outcome
+        # is built when a report is read, so a teardown of thousands allocates nothing per job.
+        if action is Action.COUNT_DRAINED:
+            self._drained_ids.extend(map(_JOB_ID, itertools.islice(queue, count)))
+            self._drained_bytes.extend(map(_NBYTES, itertools.islice(queue, count)))
+            self._counts["drained"] += count
         for _ in range(count):
             queue.popleft().resolved = True
-        self._events += itertools.chain.from_iterable(map(_EVENTS, proven))
-        self._descriptors += filter(None, map(_DESCRIPTORS, proven))  # None: a zero-op transfer
-        if action is Action.REPORT:
-            self._resolved += results
-        elif action is Action.COUNT_DRAINED:
-            self._counts["drained"] += count
-            self._drained += proven  # their outcomes are built only when the report is (a teardown drains thousands)
         self._counts["completed"] += count
 
     def _seconds(self, transfer: _Transfer) -> float | None:
@@ -378,20 +409,13 @@ class DirectionHandler:
         if action is Action.REPORT_FAILED:
             self._report_failed(exc)
         elif action is Action.ABANDON:
-            self._abandon(exc)
+            self._abandon(exc, head_failed=True)
 
     def _report_failed(self, exc: DeviceError) -> None:
         """The head and everything behind it have unknown completion: reported failed, resources unproven."""
         failed = self._take_queue()
         self._counts["failed"] += len(failed)
-        head = failed[0]
-        exc = _detached(exc)  # a stored error must not keep the frames (and the worker) it was raised through
-        self._resolved.append(TransferResult(head.job_id, False, error=exc))
-        for transfer in failed[1:]:
-            behind = DeviceError(f"{self.direction} job {transfer.job_id} was queued behind job "
-                                 f"{head.job_id}, which failed: its data cannot be trusted", exc.status)
-            behind.__cause__ = exc
-            self._resolved.append(TransferResult(transfer.job_id, False, error=behind))
+        self._resolved += failed_in_order(self.direction, [(t.job_id, t.dst_blocks) for t in failed], exc)  # R22
 
     def _take_queue(self) -> list[_Transfer]:
         """Empty the queue into the unproven bin; returns what was queued."""
@@ -450,27 +474,22 @@ class DirectionHandler:
         if self._step(event) is Action.ABANDON:
             self._abandon(error)
 
-    def _abandon(self, error: BaseException | None) -> None:
-        """Stop draining: every queued transfer's completion is unknown (R10)."""
+    def _abandon(self, error: BaseException | None, *, head_failed: bool = False) -> None:
+        """Stop draining: every queued transfer's completion is unknown (R10), but a failed head's; each names the
+        blocks it poisoned (R22)."""
         remaining = self._take_queue()
         self._counts["abandoned"] += len(remaining)
         self._drain_error = self._drain_error or error
-        self._outcomes += [JobOutcome(TransferResult(t.job_id, False, error=error), "abandoned") for t in remaining]
+        self._stopped += stopped_outcomes(self.direction, [(t.job_id, t.dst_blocks) for t in remaining], error,
+                                   head_failed=head_failed)
         if error is not None and remaining:
             logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
                          len(remaining) - 1, exc_info=error)
 
     def report(self) -> HandlerReport:
         """What the shutdown drain established so far (also after an interrupt)."""
-        return HandlerReport(self._counts["drained"], self._counts["abandoned"], self._drain_error,
-                             self._jobs_outcomes())
-
-    def _jobs_outcomes(self) -> tuple[JobOutcome, ...]:
-        """Every job this handler's drain took over, in submission order: unreaped, drained, abandoned."""
-        unreaped = [o for o in self._outcomes if o.ended == "unreaped"]
-        abandoned = [o for o in self._outcomes if o.ended == "abandoned"]
-        drained = (JobOutcome(TransferResult(t.job_id, True, t.nbytes), "drained") for t in self._drained)
-        return (*unreaped, *drained, *abandoned)
+        jobs = JobOutcomes(self._outcomes, self._drained_ids, self._drained_bytes, self._kind, self._stopped)
+        return HandlerReport(self._counts["drained"], self._counts["abandoned"], self._drain_error, jobs)
 
     @property
     def drain_error(self) -> BaseException | None:

@@ -16,8 +16,8 @@ the policy, whether what may still be under DMA is released or quarantined (R12)
 
 Two rules for this file:
 
-1. Every transition lives here. ``worker.py``, ``handler.py`` and ``region.py`` report what happened (an input)
-   and do what the table decides; they never decide a transition themselves.
+1. Every transition lives here. ``reference.py`` (the worker level and the reference handler), ``handler.py`` and
+   ``region.py`` report what happened (an input) and do what the table decides; they never decide one themselves.
 2. This file knows nothing about devices, clocks or I/O: it imports only ``enum``/``typing`` and the error
    taxonomy. The docs diagram is generated from these tables.
 
@@ -33,34 +33,13 @@ from typing import Final, NamedTuple, TypeVar
 
 from kvoffload_ref.errors import LifecycleError, OffloadError, OwnershipError, WorkerClosedError
 
-__all__ = [
-    "FATE",
-    "HANDLER_TABLE",
-    "PROOF_DECISION",
-    "REGION_TABLE",
-    "WORKER_TABLE",
-    "Action",
-    "Fate",
-    "HandlerInput",
-    "HandlerState",
-    "Policy",
-    "ProofOutcome",
-    "Refusal",
-    "RegionInput",
-    "RegionState",
-    "Transition",
-    "WorkerInput",
-    "WorkerState",
-    "decide_fate",
-    "decide_proof",
-    "step",
-]
+__all__ = ["FATE", "HANDLER_TABLE", "PROOF_DECISION", "REGION_TABLE", "WORKER_TABLE", "Action", "Fate",
+           "HandlerInput", "HandlerState", "Policy", "ProofOutcome", "Refusal", "RegionInput", "RegionState",
+           "Transition", "WorkerInput", "WorkerState", "decide_fate", "decide_proof", "step"]
 
 
 class _IdentityHash:
-    """Enum mixin: members hash by identity, in C. ``enum.Enum.__hash__`` is Python code (it hashes the member's
-    name), and every table lookup hashes two members. Members are singletons compared by identity, so every
-    lookup finds exactly what it found before; only the hash values differ."""
+    """Enum mixin: members (singletons) hash by identity, in C, not by name in Python: table lookups are hot."""
 
     __hash__ = object.__hash__
 
@@ -70,7 +49,7 @@ class Action(_IdentityHash, enum.Enum):
 
     PROCEED = "proceed"  # carry out the call normally
     NOTHING = "nothing"  # the call has no effect (idempotent repeats)
-    RETURN_EMPTY = "return_empty"  # return an empty result at once (get_finished/wait after shutdown began)
+    RETURN_EMPTY = "return_empty"  # return at once, empty (get_finished/wait/order_after after shutdown began)
     RETURN_REPORT = "return_report"  # return the stored shutdown report (second shutdown, R8)
     AWAIT_REPORT = "await_report"  # wait for the running shutdown to finish, then return its report (R8, R19)
     RUN_SHUTDOWN = "run_shutdown"  # run the shutdown sequence (R9-R14)
@@ -115,6 +94,7 @@ class WorkerInput(_IdentityHash, enum.Enum):
     GET_FINISHED = "get_finished"
     WAIT = "wait"
     SNAPSHOT = "snapshot"  # cpu_snapshot
+    ORDER = "order_after"  # order_after: make a caller's stream wait for queued jobs on the device (R23)
     SHUTDOWN = "shutdown"  # shutdown() called (by the user, the context manager or the finalizer)
     SHUTDOWN_COMPLETE = "shutdown_complete"  # the sequence ran to its end
     INTERRUPTED = "interrupted"  # a BaseException cut the sequence short (R14)
@@ -130,6 +110,7 @@ WORKER_TABLE: Final[Table] = {
     (_W.OPEN, _WI.GET_FINISHED): Transition(_W.OPEN, Action.PROCEED),
     (_W.OPEN, _WI.WAIT): Transition(_W.OPEN, Action.PROCEED),
     (_W.OPEN, _WI.SNAPSHOT): Transition(_W.OPEN, Action.PROCEED),
+    (_W.OPEN, _WI.ORDER): Transition(_W.OPEN, Action.PROCEED),
     (_W.OPEN, _WI.SHUTDOWN): Transition(_W.SHUTTING_DOWN, Action.RUN_SHUTDOWN),
     (_W.OPEN, _WI.SHUTDOWN_COMPLETE): _NOT_SHUTTING_DOWN,
     (_W.OPEN, _WI.INTERRUPTED): _NOT_SHUTTING_DOWN,
@@ -137,6 +118,7 @@ WORKER_TABLE: Final[Table] = {
     (_W.SHUTTING_DOWN, _WI.GET_FINISHED): Transition(_W.SHUTTING_DOWN, Action.RETURN_EMPTY),
     (_W.SHUTTING_DOWN, _WI.WAIT): Transition(_W.SHUTTING_DOWN, Action.RETURN_EMPTY),
     (_W.SHUTTING_DOWN, _WI.SNAPSHOT): _CLOSED_SNAPSHOT,
+    (_W.SHUTTING_DOWN, _WI.ORDER): Transition(_W.SHUTTING_DOWN, Action.RETURN_EMPTY),
     (_W.SHUTTING_DOWN, _WI.SHUTDOWN): Transition(_W.SHUTTING_DOWN, Action.AWAIT_REPORT),
     (_W.SHUTTING_DOWN, _WI.SHUTDOWN_COMPLETE): Transition(_W.CLOSED, Action.PROCEED),
     (_W.SHUTTING_DOWN, _WI.INTERRUPTED): Transition(_W.CLOSED, Action.PROCEED),
@@ -144,6 +126,7 @@ WORKER_TABLE: Final[Table] = {
     (_W.CLOSED, _WI.GET_FINISHED): Transition(_W.CLOSED, Action.RETURN_EMPTY),
     (_W.CLOSED, _WI.WAIT): Transition(_W.CLOSED, Action.RETURN_EMPTY),
     (_W.CLOSED, _WI.SNAPSHOT): _CLOSED_SNAPSHOT,
+    (_W.CLOSED, _WI.ORDER): Transition(_W.CLOSED, Action.RETURN_EMPTY),
     (_W.CLOSED, _WI.SHUTDOWN): Transition(_W.CLOSED, Action.RETURN_REPORT),
     (_W.CLOSED, _WI.SHUTDOWN_COMPLETE): _NOT_SHUTTING_DOWN,
     (_W.CLOSED, _WI.INTERRUPTED): _NOT_SHUTTING_DOWN,
@@ -303,16 +286,7 @@ S = TypeVar("S", bound=enum.Enum)
 
 
 def step(table: Table, machine: str, state: S, event: enum.Enum) -> tuple[S, Action]:
-    """Look up one transition.
-
-    Args:
-        table: one of the tables above.
-        machine: its name, for the error message ("worker", "handler", "region").
-        state: the current state.
-        event: the input that happened.
-
-    Returns:
-        ``(next_state, action)``.
+    """One transition of ``table`` (``machine`` names it in errors): ``(next_state, action)``.
 
     Raises:
         The refusal's error type (e.g. WorkerClosedError) when the pair is refused; LifecycleError when the pair

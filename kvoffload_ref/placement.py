@@ -7,7 +7,11 @@ reference worker (``kvoffload_ref.reference``) builds its descriptors from it, t
 memory with it, and the vectorized :class:`~kvoffload_ref.planner.Planner` is differential-tested against it
 (tests/test_placement.py). No numpy loops, no caching: one loop per group, ref and block.
 
-Pure: imports only ``kvoffload_ref.specs`` and ``kvoffload_ref.errors``.
+In canonical mode (R24) :func:`canonical_moves` expands each block's move into one move per fragment of its
+tensor's mapping (the CPU sub-block being the canonical page), dropping a store's blocks whose CPU canonical page
+this rank does not write; :func:`check_transfer` does it when given the mappings.
+
+Pure: imports only ``kvoffload_ref.specs``, ``kvoffload_ref.canonical_plan`` and ``kvoffload_ref.errors``.
 """
 
 from __future__ import annotations
@@ -15,34 +19,36 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.errors import InvalidTransferError
 from kvoffload_ref.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, KVCacheLayout, TensorGeometry
 
-__all__ = ["Move", "check_transfer", "plan_moves"]
+__all__ = ["Move", "canonical_moves", "check_transfer", "plan_moves"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Move:
-    """``size`` bytes of tensor ``tensor``: GPU row ``gpu_row`` bytes [0, size) <-> CPU row ``cpu_row`` bytes
-    [cpu_col, cpu_col + size)."""
+    """``size`` bytes of tensor ``tensor``: GPU row ``gpu_row`` bytes [gpu_col, gpu_col + size) <-> CPU row
+    ``cpu_row`` bytes [cpu_col, cpu_col + size)."""
 
     tensor: int
     gpu_row: int
     cpu_row: int
     cpu_col: int
     size: int
+    gpu_col: int = 0  # Invariant: 0 but in canonical mode, where it is a fragment's offset in the GPU page.
 
     def at(self, side: str) -> tuple[int, int, int]:
         """(row, first byte, end byte) of this move on ``side`` ("gpu" or "cpu")."""
         if side == "gpu":
-            return self.gpu_row, 0, self.size
+            return self.gpu_row, self.gpu_col, self.gpu_col + self.size
         return self.cpu_row, self.cpu_col, self.cpu_col + self.size
 
     def addresses(self, direction: Direction, gpu: Sequence[TensorGeometry],
                   cpu: Sequence[TensorGeometry]) -> tuple[int, int, int]:
         """The move as one copy descriptor ``(src address, dst address, size)`` on this geometry."""
         g, c = gpu[self.tensor], cpu[self.tensor]
-        gpu_addr = g.ptr + self.gpu_row * g.row_stride
+        gpu_addr = g.ptr + self.gpu_row * g.row_stride + self.gpu_col
         cpu_addr = c.ptr + self.cpu_row * c.row_stride + self.cpu_col
         return (gpu_addr, cpu_addr, self.size) if direction == "store" else (cpu_addr, gpu_addr, self.size)
 
@@ -73,8 +79,31 @@ def plan_moves(layout: KVCacheLayout, blocks_per_chunk: int, gpu_spec: GPULoadSt
     return moves
 
 
+def canonical_moves(layout: KVCacheLayout, direction: str, moves: list[Move], canonical: CanonicalLayout,
+                    blocks_per_chunk: int) -> list[Move]:
+    """R24, plainly: each block's move (of :func:`plan_moves`) as one move per fragment of its tensor's mapping.
+
+    The block at sub-block ``j`` of CPU chunk ``c`` is canonical page ``c * blocks_per_chunk + j``, at byte
+    ``j * canonical_page`` of the row; a store drops it unless this rank writes that page (``is_writer``); a load
+    keeps every block. Moves come in the order of ``moves``, then fragment.
+    """
+    out: list[Move] = []
+    for m in moves:
+        mapping = canonical.mappings[m.tensor]
+        sub = m.cpu_col // layout.tensor_page_bytes[m.tensor]
+        if direction == "store" and not mapping.is_writer(m.cpu_row * blocks_per_chunk + sub):
+            continue  # another rank stores this canonical page
+        base = sub * mapping.canonical_page_size
+        for run in mapping.runs:
+            for i in range(run.num_fragments):
+                out.append(Move(m.tensor, m.gpu_row, m.cpu_row, base + run.canonical_offset + i * run.canonical_stride,
+                                run.fragment_size, run.local_offset + i * run.local_stride))
+    return out
+
+
 def check_transfer(layout: KVCacheLayout, direction: str, src_spec: object, dst_spec: object,
-                   gpu_rows: Sequence[int], cpu_rows: Sequence[int], blocks_per_chunk: int) -> list[Move]:
+                   gpu_rows: Sequence[int], cpu_rows: Sequence[int], blocks_per_chunk: int,
+                   canonical: CanonicalLayout | None = None) -> list[Move]:
     """Validate one transfer against the layout (R7) and return its moves.
 
     Args:
@@ -83,9 +112,10 @@ def check_transfer(layout: KVCacheLayout, direction: str, src_spec: object, dst_
         src_spec, dst_spec: the caller's specs (anything: their types are checked here).
         gpu_rows, cpu_rows: rows of each GPU tensor and of each CPU view.
         blocks_per_chunk: GPU pages per CPU row.
+        canonical: this rank's canonical mappings (R24), or None (plain mode).
 
     Returns:
-        :func:`plan_moves` of the transfer.
+        :func:`plan_moves` of the transfer (in canonical mode, :func:`canonical_moves` of them).
 
     Raises:
         InvalidTransferError: an unknown direction, a spec of the wrong type, a group count other than the
@@ -131,4 +161,4 @@ def check_transfer(layout: KVCacheLayout, direction: str, src_spec: object, dst_
                                        "expected each destination written once per transfer (a repeated source "
                                        "is fine)")
         seen.add(key)
-    return moves
+    return moves if canonical is None else canonical_moves(layout, direction, moves, canonical, bpc)

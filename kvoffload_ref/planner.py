@@ -37,6 +37,10 @@ validates the geometry once and precomputes each group's per-ref factors, so a c
 (completely: R7) and does the arithmetic. It plans in two steps -- :meth:`Planner.prepare` validates and knows the
 descriptor count, :meth:`PreparedPlan.write` fills caller-provided (reused) int64 arrays -- so that no output is
 allocated per transfer. :func:`plan_copies` is the one-call form: validate everything, return new arrays.
+
+*Canonical mode* (R24, ``Planner(..., canonical=...)``, docs/canonical.md): the CPU sub-block of each tensor is its
+canonical page and each (block, ref) copy becomes the mapping's fragments, with a store's blocks filtered by writer
+(:class:`CanonicalPlan`); the validation is the same.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
+from kvoffload_ref.canonical_plan import CanonicalLayout, check_canonical, cpu_pages, writer_mask
 from kvoffload_ref.destinations import GroupSpan, RepeatTest, cpu_duplicate, gpu_duplicate
 from kvoffload_ref.errors import InvalidTransferError
 from kvoffload_ref.specs import (
@@ -62,7 +68,7 @@ from kvoffload_ref.specs import (
 )
 from kvoffload_ref.validate import readonly
 
-__all__ = ["CopyPlan", "Planner", "PreparedPlan", "plan_copies"]
+__all__ = ["CanonicalPlan", "CopyPlan", "Planner", "PreparedPlan", "plan_copies"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -333,6 +339,86 @@ class PreparedPlan:
             pos = end
 
 
+class CanonicalPlan(PreparedPlan):
+    """A :class:`PreparedPlan` in canonical mode (R24): each (block, ref) copy is the ref's tensor mapping's
+    fragments at the block's base addresses (the CPU sub-block being the canonical page), block-major; a store
+    keeps only the blocks whose CPU canonical page ``chunk_id * blocks_per_chunk + j`` this rank writes. The
+    fragments were unrolled once per mapping and stacked per group when the planner was built; per transfer a
+    Python loop runs over groups (and over refs only where a group's refs differ in fragment count or writers),
+    numpy over refs, blocks and fragments.
+    """
+
+    __slots__ = ("_keep",)
+
+    def __init__(self, planner: Planner, gpu_ids: Int64Array, cpu_ids: Int64Array, slices: list[_Slice],
+                 store: bool, canonical: CanonicalLayout) -> None:
+        super().__init__(planner, gpu_ids, cpu_ids, slices, store)
+        bpc = planner.blocks_per_chunk
+        # Invariant: _keep[i][r]: the blocks of slice i that ref r copies (None: all of them; loads never filter).
+        # Refs whose mappings have the same writers share one mask object (the write checks ``is``).
+        self._keep: list[list[npt.NDArray[np.bool_] | None]] = []
+        self.num_ops = self.nbytes = 0
+        for s in slices:
+            fragments, nbytes, filtered = planner._totals[s.group]
+            if not (store and filtered):  # every block copies (a load, or one writer per page)
+                self._keep.append(planner._unfiltered[s.group])
+                self.num_ops += s.size * fragments
+                self.nbytes += s.size * nbytes
+                continue
+            pos = s.skip + np.arange(s.size, dtype=np.int64)
+            pages = cpu_ids[s.cpu_off + pos // bpc] * bpc + pos % bpc  # the CPU canonical page ids
+            keep: list[npt.NDArray[np.bool_] | None] = []
+            masks: dict[tuple[int, int], npt.NDArray[np.bool_]] = {}
+            for t in planner.layout._group_refs[s.group].tensors.tolist():
+                mapping = canonical.mappings[t]
+                writers = (mapping.num_writers, mapping.writer_index)
+                mask = None
+                if store and mapping.num_writers > 1:
+                    mask = masks[writers] if writers in masks else masks.setdefault(writers,
+                                                                                   writer_mask(mapping, pages))
+                active = s.size if mask is None else int(np.count_nonzero(mask))
+                keep.append(mask)
+                self.num_ops += active * mapping.num_fragments
+                self.nbytes += active * mapping.copied_bytes
+            self._keep.append(keep)
+
+    def _write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> None:
+        """Group-major, then ref, then block, then fragment."""
+        gpu_out, cpu_out = (src, dst) if self._store else (dst, src)
+        planner = self._planner
+        canonical, bpc = planner.canonical, planner.blocks_per_chunk
+        assert canonical is not None  # Invariant: a CanonicalPlan is made by a canonical planner only
+        pos = 0
+        for s, keep in zip(self._slices, self._keep, strict=True):
+            cols = planner._columns[s.group]
+            shape = (len(cols.refs.tensors), s.size)
+            gpu_base, cpu_base = np.empty(shape, dtype=np.int64), np.empty(shape, dtype=np.int64)
+            _fill_gpu(gpu_base, cols.gpu_ptr, cols.gpu_stride, self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
+            _fill_cpu(cpu_base, cols, self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.skip, bpc)
+            tables = planner._fragments[s.group]
+            if tables is not None and all(mask is keep[0] for mask in keep):  # one op per column for all refs
+                mask = keep[0]
+                g, c = (gpu_base, cpu_base) if mask is None else (gpu_base[:, mask], cpu_base[:, mask])
+                end = pos + g.size * tables[0].shape[1]
+                cube = (g.shape[0], g.shape[1], tables[0].shape[1])  # refs x blocks x fragments
+                np.add(g[:, :, None], tables[0][:, None, :], out=gpu_out[pos:end].reshape(cube))
+                np.add(c[:, :, None], tables[1][:, None, :], out=cpu_out[pos:end].reshape(cube))
+                same = tables[2][:, :1]  # one size per ref (as NHD rows are): a broadcast fill, much faster
+                np.copyto(sizes[pos:end].reshape(cube), same[:, :, None] if (tables[2] == same).all()
+                          else tables[2][:, None, :])
+                pos = end
+                continue
+            for r, (t, mask) in enumerate(zip(cols.refs.tensors.tolist(), keep, strict=True)):
+                local, can, frag = canonical.mappings[t].fragments()
+                g, c = (gpu_base[r], cpu_base[r]) if mask is None else (gpu_base[r][mask], cpu_base[r][mask])
+                end = pos + len(g) * len(frag)
+                block_major = (len(g), len(frag))
+                np.add(g[:, None], local[None, :], out=gpu_out[pos:end].reshape(block_major))
+                np.add(c[:, None], can[None, :], out=cpu_out[pos:end].reshape(block_major))
+                sizes[pos:end].reshape(block_major)[...] = frag
+                pos = end
+
+
 class Planner:
     """The copy planner for one fixed layout, tensor geometry and ``blocks_per_chunk`` (a handler's).
 
@@ -347,28 +433,57 @@ class Planner:
         gpu: geometry of each GPU tensor (copied: later changes to the sequence do not matter).
         cpu: geometry of each CPU view.
         blocks_per_chunk: GPU pages per CPU row, >= 1.
+        canonical: this rank's canonical mappings (R24): the CPU rows are then ``canonical page *
+            blocks_per_chunk`` and plans are :class:`CanonicalPlan` s; None: plain mode.
 
     Raises:
-        InvalidTransferError: what :func:`check_geometry` raises.
+        InvalidTransferError: what :func:`check_geometry` raises, or mappings that do not fit the layout
+            (:func:`~kvoffload_ref.canonical_plan.check_canonical`).
     """
 
     def __init__(self, layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry],
-                 blocks_per_chunk: int) -> None:
+                 blocks_per_chunk: int, canonical: CanonicalLayout | None = None) -> None:
         bpc = check_int("blocks_per_chunk", blocks_per_chunk, minimum=1)
-        gpu_cols, cpu_cols = geometry_columns(layout, gpu, cpu, bpc)
+        # Invariant: None (plain mode) or this rank's mappings, fitting the layout (R24; see canonical_plan).
+        self.canonical = check_canonical(layout, canonical)
+        gpu_cols, cpu_cols = geometry_columns(layout, gpu, cpu, bpc, cpu_pages(layout, canonical))
         self.layout = layout
         self.blocks_per_chunk = bpc
         self._gpu = _Side.of("GPU", "GPULoadStoreSpec", gpu_cols)
         self._cpu = _Side.of("CPU", "CPULoadStoreSpec", cpu_cols)
-        pages = np.array(layout.tensor_page_bytes, dtype=np.int64)
+        pages = np.array(cpu_pages(layout, canonical), dtype=np.int64)  # the CPU sub-block of each tensor
         # Invariant: _columns[g] describes layout.groups[g] on this geometry.
         self._columns = tuple(_GroupColumns.of(refs, self._gpu, self._cpu, pages, bpc)
                               for refs in layout._group_refs)
+        # Invariant: in canonical mode, _fragments[g] is (local, canonical, sizes) offsets as refs x fragments
+        # tables of layout.groups[g] (unrolled once) when its refs' mappings have as many fragments; else None.
+        self._fragments = tuple(self._tables(refs) for refs in layout._group_refs)
+        # Invariant: in canonical mode, per group: (fragments per block over its refs, bytes per block, whether some
+        # ref's mapping has several writers) and a no-filter mask list (one None per ref); else unused.
+        self._totals = tuple(self._sums(refs) for refs in layout._group_refs)
+        self._unfiltered: tuple[list[npt.NDArray[np.bool_] | None], ...] = tuple(
+            [None] * len(refs.tensors) for refs in layout._group_refs)
         # Invariant: _distinct[g] is the sorted distinct tensors of layout.groups[g] (what a destination key names).
         self._distinct = tuple(np.unique(refs.tensors) for refs in layout._group_refs)
         # Invariant: each tests ids below its side's largest row count (ids are range-checked before).
         self._gpu_repeats = RepeatTest(int(self._gpu.rows.max()))
         self._cpu_repeats = RepeatTest(int(self._cpu.rows.max()))
+
+    def _sums(self, refs: GroupRefs) -> tuple[int, int, bool]:
+        if self.canonical is None:
+            return 0, 0, False
+        mappings = [self.canonical.mappings[t] for t in refs.tensors.tolist()]
+        return (sum(m.num_fragments for m in mappings), sum(m.copied_bytes for m in mappings),
+                any(m.num_writers > 1 for m in mappings))
+
+    def _tables(self, refs: GroupRefs) -> tuple[Int64Array, Int64Array, Int64Array] | None:
+        if self.canonical is None:
+            return None
+        unrolled = [self.canonical.mappings[t].fragments() for t in refs.tensors.tolist()]
+        if len({len(u[0]) for u in unrolled}) != 1:
+            return None
+        return readonly(np.stack([u[0] for u in unrolled])), readonly(np.stack([u[1] for u in unrolled])), \
+            readonly(np.stack([u[2] for u in unrolled]))
 
     def prepare(self, direction: Direction, src_spec: GPULoadStoreSpec | CPULoadStoreSpec,
                 dst_spec: GPULoadStoreSpec | CPULoadStoreSpec) -> PreparedPlan:
@@ -398,6 +513,8 @@ class Planner:
             self._check_cpu_destinations(slices, cpu_ids)
         else:
             self._check_gpu_destinations(slices, gpu_ids)
+        if self.canonical is not None:
+            return CanonicalPlan(self, gpu_ids, cpu_ids, slices, store, self.canonical)
         return PreparedPlan(self, gpu_ids, cpu_ids, slices, store)
 
     def _check_gpu_destinations(self, slices: list[_Slice], ids: Int64Array) -> None:

@@ -44,11 +44,13 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
-from kvoffload_ref.errors import WorkerClosedError
+from kvoffload_ref.errors import LifecycleError, WorkerClosedError
 
 __all__ = [
+    "CallGuard",
+    "Deferring",
     "ProcessOwner",
     "SigintDeferred",
     "cut_off_from_children",
@@ -86,6 +88,44 @@ class ProcessOwner:
             raise WorkerClosedError(
                 f"{what} belongs to process {self.pid}; this process ({os.getpid()}) is a forked child, which must "
                 "not use it (R21): build its own worker and region instead")
+
+
+class Deferring(Protocol):
+    """What :class:`CallGuard` guards: a worker's lock, its owner, and the shutdown a signal handler asked for."""
+
+    lock: Any  # a threading.RLock
+    owner: ProcessOwner
+    shutdown_requested: bool
+
+    def carry_out_deferred(self) -> None: ...
+
+
+class CallGuard:
+    """One public call of a worker under its lock (the mechanism of R19 and R21).
+
+    Entering refuses a forked child (R21) and a re-entry on a thread already inside a call of the same worker -- a
+    signal handler that interrupted it, where only ``shutdown()`` may be called (the worker defers it). Leaving
+    releases the lock and then carries out the shutdown such a handler asked for.
+    """
+
+    __slots__ = ("_worker",)
+
+    def __init__(self, worker: Deferring) -> None:
+        self._worker = worker
+
+    def __enter__(self) -> None:
+        worker = self._worker
+        worker.owner.check("this worker")
+        if worker.lock._is_owned():
+            raise LifecycleError("a worker method was called from a signal handler on a thread that is inside "
+                                 "another call of the same worker; only shutdown() may be called there (R19)")
+        worker.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        worker = self._worker
+        worker.lock.release()
+        if worker.shutdown_requested:
+            worker.carry_out_deferred()
 
 
 # -- cutting shared files off in forked children --------------------------------------------------------------------

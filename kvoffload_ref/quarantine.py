@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["QuarantinedItem", "quarantine", "quarantined"]
+__all__ = ["QuarantinedItem", "keeper", "quarantine", "quarantined"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,3 +59,20 @@ def quarantined() -> list[QuarantinedItem]:
     """Everything quarantined in this process so far (oldest first)."""
     with _QUARANTINE_LOCK:
         return list(_QUARANTINE)
+
+
+def keeper(mark: Callable[[Any, int], object], kind: str, items: list[object], reason: str) -> Callable[[], None]:
+    """A release step that quarantines ``items`` (R12): each is marked in the ledger (``mark(kind, id(item))``,
+    e.g. ``Ledger.quarantine``), then registered here, oldest first. An item leaves each list once done, so a retry
+    of the step after an interrupt (``shield.Shield.run``) resumes where it stopped."""
+    marked, registered = list(items), list(items)
+
+    def keep() -> None:
+        while marked:
+            mark(kind, id(marked[0]))
+            marked.pop(0)
+        while registered:
+            quarantine(QuarantinedItem(kind, repr(registered[0]), reason, registered[0]))
+            registered.pop(0)
+
+    return keep

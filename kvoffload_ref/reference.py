@@ -1,128 +1,233 @@
-"""The reference worker: the normative statement of what an offloading worker does (with ``reference_handler.py``).
+"""The reference worker: the normative statement of what a KV-cache offloading worker does.
 
-**This file is the rule; ``worker.py`` is the fast implementation.** The conformance kit, the call-point explorer
-and the differential test run both, and where they disagree the reference is right. Read it top to bottom
-together with ``lifecycle.py`` (the state machines as data): every transition below goes through
-``lifecycle.step`` on ``WORKER_TABLE``/``HANDLER_TABLE`` (the region's through its own methods), every shutdown
-decision through ``decide_proof``/``decide_fate``, and each rule is carried out where its R-number stands.
+**This file is the rule; ``worker.py`` is the fast implementation.** Its worker level (``build_core`` and ``Core``:
+the calls, the lock, the shutdown sequence) is the one both run: ``CPUOffloadingWorker`` builds the same ``Core``
+over its fast direction handler (pools, batched calls, prefix queries, the vectorized planner) behind
+``handler_api.DirectionHandlerAPI``, and ``facade.py`` is the public face both share. The conformance kit, the
+call-point explorer and the differential test run both; where they disagree, the reference is right.
 
-What it is built from: the specs and the plain placement rule (one copy descriptor per ``placement.Move``), the
-Backend protocol's per-call methods (no batched release, no prefix query), ``HostRegion``, the shield, the result
-types, ``ProcessOwner``. One stream per direction, one ``threading.RLock``, no pools, no batching: each transfer
-creates its three events (compute marker, start, end) and its descriptor buffer, and frees them once proven.
+Read it top to bottom together with ``lifecycle.py`` (the state machines as data): every transition goes through
+``lifecycle.step`` (the region's through its own methods), every shutdown decision through ``decide_proof`` and
+``decide_fate``, and each rule is carried out where its R-number stands. Built from the specs, the plain placement
+rule (one copy descriptor per ``placement.Move``), the Backend protocol's per-call methods, ``HostRegion``, the
+shield, the result types and ``process`` (fork, signals, the collector). One stream per direction, one lock, no
+pools, no batching: each transfer creates its three events and its descriptor buffer and frees them once proven.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import logging
 import threading
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from types import TracebackType
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref import errors, lifecycle, results
-from kvoffload_ref.backends import base
-from kvoffload_ref.backends.base import POLL_FIRST_SLEEP, POLL_MAX_SLEEP, Backend, Stream
-from kvoffload_ref.lifecycle import Action, Fate, ProofOutcome, RegionState, WorkerInput, WorkerState
-from kvoffload_ref.process import ProcessOwner, finalize_safely, sigint_deferred
-from kvoffload_ref.reference_handler import ReferenceHandler
+from kvoffload_ref import errors, lifecycle
+from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, poll_until, wait_polling
+from kvoffload_ref.canonical import PageMapping
+from kvoffload_ref.canonical_plan import CanonicalLayout, check_canonical, cpu_pages
+from kvoffload_ref.facade import WorkerFacade, WorkerOptions, build_with_region, check_options
+from kvoffload_ref.handler_api import DirectionHandlerAPI
+from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, ProofOutcome, RegionState, WorkerInput, WorkerState
+from kvoffload_ref.placement import check_transfer
+from kvoffload_ref.process import CallGuard, ProcessOwner, finalize_safely, sigint_deferred
+from kvoffload_ref.quarantine import keeper
 from kvoffload_ref.region import DEFAULT_PIN_CHUNK_BYTES, HostRegion
-from kvoffload_ref.results import ShutdownPolicy, ShutdownReport, TransferResult
-from kvoffload_ref.shield import Shield, finish_all
-from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, check_geometry
-from kvoffload_ref.validate import check_int, check_job_ids, check_timeout
+from kvoffload_ref.results import (
+    TRANSFER_TYPE,
+    HandlerReport,
+    HandlerStats,
+    JobOutcome,
+    ShutdownPolicy,
+    ShutdownReport,
+    ShutdownRun,
+    TransferResult,
+    WorkerStats,
+    failed_in_order,
+    stopped_outcomes,
+)
+from kvoffload_ref.shield import Shield, each, finish_all
+from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry, check_geometry
+from kvoffload_ref.validate import Int64Array, check_int, check_job_ids, check_timeout
 
-__all__ = ["ReferenceStats", "ReferenceWorker", "create_reference_worker"]
+__all__ = ["Core", "ReferenceHandler", "ReferenceWorker", "build_core", "create_reference_worker"]
 
-logger = logging.getLogger("kvoffload_ref.reference")
-
-
-@dataclasses.dataclass(frozen=True)
-class ReferenceStats:
-    """A frozen snapshot of a reference worker (the fields of ``worker.WorkerStats``)."""
-
-    state: str
-    store: results.HandlerStats
-    load: results.HandlerStats
-    region: str
-    pinned: bool
-    ledger_live: Mapping[base.ResourceKind, int]
-
-
-class _Run:
-    """Scratch state of one shutdown sequence, turned into the report at its end."""
-
-    def __init__(self) -> None:
-        self.started = 0.0  # Invariant: the backend clock when the sequence began (0.0 until read).
-        self.clean = True
-        self.proof = ProofOutcome.NOT_NEEDED
-        self.interrupt: BaseException | None = None  # Invariant: the first BaseException that cut it short.
-        self.errors: list[str] = []
-        self.counts: dict[str, dict[str, int]] = {"quarantined": {}, "leaked": {}}
-
-    def add(self, table: str, kind: str, count: int) -> None:
-        if count:
-            self.counts[table][kind] = self.counts[table].get(kind, 0) + count
+logger = logging.getLogger("kvoffload_ref.worker")
+DIRECTIONS: Final[tuple[Direction, Direction]] = ("store", "load")
+NewHandler = Callable[[Backend, Direction, Stream, KVCacheLayout, Sequence[TensorGeometry], Sequence[TensorGeometry],
+                       int, CanonicalLayout | None], DirectionHandlerAPI]
 
 
-class _Core:
-    """Everything a reference worker holds; the finalizer references this, never the worker (R15)."""
+class ReferenceWorker(WorkerFacade):
+    """The reference worker: ``WorkerFacade``'s calls over a :class:`Core` with :class:`ReferenceHandler` s. The
+    arguments and errors: ``WorkerFacade``'s (this worker has no pools, so no ``prewarm``)."""
 
-    def __init__(self, backend: Backend, region: HostRegion, store: ReferenceHandler, load: ReferenceHandler,
-                 policy: ShutdownPolicy, compute: Stream) -> None:
-        self.backend, self.policy, self.compute = backend, policy, compute
-        # Invariant: owned by this worker (WORKER_OWNED) until shutdown releases or quarantines it (R1).
-        self.region = region
-        self.store, self.load = store, load
-        # Invariant: changed only through lifecycle.step(WORKER_TABLE, ...), under lock.
-        self.state = WorkerState.OPEN
-        # Invariant: set once, under lock, when the shutdown sequence ends.
-        self.report: ShutdownReport | None = None
-        # Invariant: the thread running the shutdown sequence (None before it begins).
-        self.shutdown_thread: int | None = None
+    def __init__(self, backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheLayout, *,
+                 blocks_per_chunk: int, region: HostRegion, policy: ShutdownPolicy | None = None,
+                 pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES, require_pinned: bool = False,
+                 compute_stream: object | None = None,
+                 canonical: CanonicalLayout | Sequence[PageMapping] | None = None) -> None:
+        options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, compute_stream, canonical)
+        self._attach(build_core(backend, gpu_tensors, layout, region, options, ReferenceHandler, type(self).__name__))
+
+
+def create_reference_worker(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheLayout, *,
+                            blocks_per_chunk: int, num_cpu_chunks: int, policy: ShutdownPolicy | None = None,
+                            region: HostRegion | None = None, pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
+                            require_pinned: bool = False, compute_stream: object | None = None,
+                            canonical: CanonicalLayout | Sequence[PageMapping] | None = None) -> ReferenceWorker:
+    """Build the region (``num_cpu_chunks`` rows per tensor; canonical rows in canonical mode, R24) unless ``region``
+    is given, then the worker (R1, R2). The other arguments, the result and the errors: as for
+    :class:`ReferenceWorker`."""
+    options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, None, canonical)  # R7 first
+    return build_with_region(
+        lambda r: ReferenceWorker(backend, gpu_tensors, layout, blocks_per_chunk=blocks_per_chunk, region=r,
+                                  policy=policy, pin_chunk_bytes=pin_chunk_bytes, require_pinned=require_pinned,
+                                  compute_stream=compute_stream, canonical=options.canonical),
+        backend, layout, blocks_per_chunk, num_cpu_chunks, region, check_canonical(layout, options.canonical))
+
+
+def build_core(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheLayout, region: HostRegion,
+               options: WorkerOptions, new_handler: NewHandler, name: str) -> Core:
+    """R1/R2/R7: check everything, then pin the region, build both handlers and adopt the region; a failure gives
+    back what was acquired, in reverse order, and the original exception propagates."""
+    region.check_backend(backend)
+    gpu = [backend.array_info(t) for t in gpu_tensors]
+    bpc = options.blocks_per_chunk
+    canonical = check_canonical(layout, options.canonical)  # R7/R24: the mappings verified and fitting the layout
+    check_geometry(layout, gpu, region.geometries(), bpc, cpu_pages(layout, canonical))  # R7: before device work
+    if region.state is not RegionState.CALLER_OWNED:  # R1: only a caller-owned region is handed over
+        lifecycle.step(lifecycle.REGION_TABLE, "region", region.state, lifecycle.RegionInput.ADOPT)
+    compute = backend.compute_stream(options.compute_stream)
+    logger.info("Allocating %d CPU tensors...", layout.num_tensors)
+    undo: list[tuple[str, Callable[[], object]]] = []  # R2: what to give back, in acquisition order
+    try:
+        if not region.pinned:
+            try:
+                region.pin(options.pin_chunk_bytes)
+                undo.append(("unpin the region", region.unpin))
+            except errors.DeviceError as exc:
+                if options.require_pinned:
+                    raise
+                logger.warning("Failed to pin the CPU region (status %d); transfers run from pageable memory",
+                               exc.status)
+        handlers = []
+        for direction in DIRECTIONS:  # R4: one handler, with its own stream, per direction
+            handlers.append(new_handler(backend, direction, compute, layout, gpu, region.geometries(), bpc, canonical))
+            undo.append((f"discard the {direction} handler", handlers[-1].discard))
+        region.adopt()  # R1: from here on the worker is the region's only owner
+    except BaseException:
+        finish_all(reversed(undo))  # R2: reverse order, every step; then the original exception propagates
+        raise
+    return Core(backend, region, handlers[0], handlers[1], options.policy, compute, name)
+
+
+class Core:
+    """Everything a worker holds; the finalizer references this, never the worker (R15)."""
+
+    def __init__(self, backend: Backend, region: HostRegion, store: DirectionHandlerAPI, load: DirectionHandlerAPI,
+                 policy: ShutdownPolicy, compute: Stream, name: str) -> None:
+        self.backend, self.store, self.load, self.policy, self.compute = backend, store, load, policy, compute
+        self.name = name  # the worker's class, for the finalizer's log line
+        self.region = region  # Invariant: WORKER_OWNED until shutdown releases or quarantines it (R1)
+        self.state = WorkerState.OPEN  # Invariant: changed only through lifecycle.step(WORKER_TABLE), under lock
+        self.report: ShutdownReport | None = None  # Invariant: set once, under lock, as the sequence ends
+        self.shutdown_thread: int | None = None  # Invariant: the thread running the sequence (None before)
         # Invariant: reentrant, so a signal handler's shutdown() on a thread inside a call finds it owned (R19).
         self.lock = threading.RLock()
         self.done = threading.Condition(self.lock)
-        # Invariant: a shutdown() a signal handler asked for inside a call; carried out as the call leaves (R19).
-        self.shutdown_requested = False
-        # Invariant: the process that built the worker; in a forked child everything is inert (R21).
-        self.owner = ProcessOwner()
+        self.shutdown_requested = False  # Invariant: a signal handler's shutdown() inside a call (R19)
+        self.owner = ProcessOwner()  # Invariant: the building process; in a forked child all is inert (R21)
+        self.call = CallGuard(self)  # R19/R21: every public call enters through it
 
     def transition(self, event: WorkerInput) -> Action:
         self.state, action = lifecycle.step(lifecycle.WORKER_TABLE, "worker", self.state, event)
         return action
 
-    @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
-        """One public call under the lock (R19), refused in a forked child (R21)."""
-        self.owner.check("this worker")  # R21
-        if self.lock._is_owned():  # type: ignore[attr-defined]  # R19: re-entered from a signal handler
-            raise errors.LifecycleError("a worker method was called from a signal handler on a thread inside another "
-                                        "call of the same worker; only shutdown() may be called there (R19)")
-        self.lock.acquire()
-        try:
-            yield
-        finally:
-            self.lock.release()
-            if self.shutdown_requested and self.state is WorkerState.OPEN:
-                self.shutdown()  # R19: the shutdown a signal handler asked for while this call held the lock
+    # -- the calls (R4-R8, R19) -------------------------------------------------------------------------------------
+    def submit(self, direction: Direction, job_id: int, src: object, dst: object) -> bool:
+        with self.call:  # R19: one step under the lock
+            self.transition(WorkerInput.SUBMIT)  # R8: refused once shutdown began
+            job = check_int("job_id", job_id)  # R7
+            if self.store.knows(job) or self.load.knows(job):  # R7: an id in flight in either direction
+                raise errors.InvalidTransferError(f"job_id {job} is already in flight; reuse an id only after "
+                                                  "get_finished() reported it")
+            (self.store if direction == "store" else self.load).submit(job, src, dst)
+        return True
 
-    # -- shutdown (R8-R14, R19) -------------------------------------------------------------------------------------
+    def get_finished(self) -> list[TransferResult]:
+        with self.call:
+            if self.transition(WorkerInput.GET_FINISHED) is Action.RETURN_EMPTY:
+                return []
+            self.store.reap()  # backend calls: an interrupt here leaves every result where it waits (R14)
+            self.load.reap()
+            return [*self.store.take_results(), *self.load.take_results()]  # R14: no backend call: one step
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None) -> None:
+        self.owner.check("this worker")  # R21
+        ids, limit = check_job_ids(job_ids), check_timeout(timeout)  # R7
+        started = self.backend.monotonic()
+        deadline = None if limit is None else started + limit
+        with self.call:
+            if self.transition(WorkerInput.WAIT) is Action.RETURN_EMPTY:
+                return
+            marks = [(h, h.last_of(ids)) for h in (self.store, self.load)]  # R6: FIFO: the last settles them all
+        for handler, mark in marks:  # R19: the lock is held for each poll, never across a sleep
+            if mark is not None:
+                wait_polling(self.backend, functools.partial(self._settle, handler, mark), started, deadline,
+                             f"{handler.direction} job {getattr(mark, 'job_id', '?')}")
+
+    def _settle(self, handler: DirectionHandlerAPI, mark: object) -> bool:
+        with self.call:  # True once ``mark`` resolved, or shutdown began in another thread (R19)
+            return self.transition(WorkerInput.WAIT) is Action.RETURN_EMPTY or handler.settle(mark)
+
+    def order_after(self, job_ids: Iterable[int], stream: object | None) -> None:
+        self.owner.check("this worker")  # R21
+        ids = check_job_ids(job_ids)  # R7
+        target = self.compute if stream is None else self.backend.compute_stream(stream)  # R7: refused if not one
+        with self.call:  # R19: one non-blocking step under the lock
+            if self.transition(WorkerInput.ORDER) is Action.RETURN_EMPTY:
+                return  # R23: after shutdown began it orders nothing (the report says what became of each job)
+            for handler in (self.store, self.load):
+                for end in handler.end_events(ids):  # R23: only jobs still queued; the rest order nothing
+                    self.backend.wait_event(target, end)  # on the device: the host never blocks
+
+    def snapshot(self) -> list[npt.NDArray[np.uint8]]:
+        with self.call:
+            self.transition(WorkerInput.SNAPSHOT)
+            return self.region.snapshot()
+
+    def stats(self) -> WorkerStats:
+        with self.call:
+            return WorkerStats(self.state.value, self.store.stats(), self.load.stats(), self.region.state.value,
+                               self.region.pinned, self.backend.ledger.live())
+
+    def finalize(self) -> None:
+        """R15: shut down a worker dropped (or alive at exit) without shutdown(), safely from the collector; R21:
+        inert in a forked child. The lock cannot be held here: a thread inside a call keeps the worker alive."""
+        if not self.owner.inherited() and self.state is WorkerState.OPEN:
+            finalize_safely(self.shutdown, self.policy.timeout, self.name)
+
+    def carry_out_deferred(self) -> None:
+        if self.state is WorkerState.OPEN:
+            self.shutdown()  # R19: the shutdown a signal handler asked for while a call held the lock
+
+    # -- the shutdown sequence (R8-R14, R19) ------------------------------------------------------------------------
     def shutdown(self) -> ShutdownReport:
         self.owner.check("this worker")  # R21
         me = threading.get_ident()
         if self.lock._is_owned() or (self.shutdown_thread == me and self.report is None):  # type: ignore[attr-defined]
-            self.shutdown_requested = self.shutdown_thread is None  # R19: deferred to the end of the call
+            self.shutdown_requested = self.shutdown_thread is None  # R19: carried out as the call returns
             raise errors.ShutdownDeferred("shutdown() was called on a thread inside a call of this worker (a signal "
                                           "handler interrupted it); the worker shuts down as that call returns, "
                                           "and a later shutdown() returns the report")
-        run = _Run()
+        run = ShutdownRun()
         try:
             with self.lock:
                 state, action = lifecycle.step(lifecycle.WORKER_TABLE, "worker", self.state, WorkerInput.SHUTDOWN)
@@ -137,16 +242,7 @@ class _Core:
                     return self.report
             run.started = self.backend.monotonic()
             deadline = run.started + self.policy.timeout  # R11: one deadline for the drains and the proof
-            for name, handler in (("store", self.store), ("load", self.load)):  # R9: store first, then load
-                try:
-                    handler.drain(deadline, interrupted=run.interrupt is not None)
-                except BaseException as exc:  # R9: teardown goes on; R14: an interrupt stops all waiting
-                    if not isinstance(exc, Exception):
-                        run.interrupt = run.interrupt or exc
-                run.clean &= handler.clean
-                if handler.error is not None and handler.error is not run.interrupt:
-                    logger.error("Failed to shut down %s offloading handler", name, exc_info=handler.error)
-                    run.errors.append(f"{name}: {handler.error!r}")
+            self._drain_both(deadline, run)
             self._prove(deadline, run)
         except BaseException as exc:  # R14: an interrupt anywhere before the release (the clock read included)
             if self.shutdown_thread != me or self.report is not None:
@@ -154,13 +250,27 @@ class _Core:
             run.interrupt = run.interrupt or exc
         return self._finish(run)
 
-    def _prove(self, deadline: float, run: _Run) -> None:
-        """R13: the device-level proof, only off the clean path; R14: skipped after an interrupt."""
+    def _drain_both(self, deadline: float, run: ShutdownRun) -> None:
+        """R9: store first, then load, whatever either raises; R14: an interrupt stops all waiting."""
+        for name, handler in (("store", self.store), ("load", self.load)):
+            try:
+                handler.drain(deadline, interrupted=run.interrupt is not None)
+            except BaseException as exc:  # the handler abandoned what it could not prove; teardown goes on (R9)
+                if not isinstance(exc, Exception):
+                    run.interrupt = run.interrupt or exc
+            run.clean &= handler.clean
+            if handler.drain_error is not None and handler.drain_error is not run.interrupt:
+                logger.error("Failed to shut down %s offloading handler", name, exc_info=handler.drain_error)
+                run.errors.append(f"{name}: {handler.drain_error!r}")
+
+    def _prove(self, deadline: float, run: ShutdownRun) -> None:
+        """R13: the device-level proof, only off the clean path (it shares the drains' deadline); R14: skipped after
+        an interrupt."""
         decided = lifecycle.decide_proof(run.clean, run.interrupt is not None)
         if decided is not None:  # NOT_NEEDED on the clean path, SKIPPED after an interrupt
             run.proof = decided
             return
-        streams = [self.compute, *(h.stream for h in (self.store, self.load) if h.stream is not None)]
+        streams = [self.compute, *self.store.streams_in_use(), *self.load.streams_in_use()]
         try:
             run.proof = ProofOutcome.OK if self.backend.prove_idle(streams, deadline) else ProofOutcome.TIMEOUT
         except errors.DeviceError as exc:
@@ -175,17 +285,13 @@ class _Core:
                 logger.warning("Device could not be proven idle (%s); quarantining what may still be under DMA",
                                run.proof.value)
 
-    def _finish(self, run: _Run) -> ShutdownReport:
+    def _finish(self, run: ShutdownRun) -> ShutdownReport:
         """R14: release or quarantine everything, store the report and close, whatever is raised meanwhile; a
         Ctrl-C is held back until the release is done."""
         shield = Shield()
         try:
-            if run.interrupt is not None:  # R14: the interrupt may have come before a drain began
-                finish_all([(f"abandon the {h.direction} handler", h.abandon_undrained)
-                            for h in (self.store, self.load)], shield)
-                run.clean = run.clean and self.store.clean and self.load.clean
-                if run.proof is ProofOutcome.NOT_NEEDED:
-                    run.proof = lifecycle.decide_proof(run.clean, True) or ProofOutcome.SKIPPED  # never None here
+            if run.interrupt is not None:
+                self._stop_waiting(run, shield)
             with sigint_deferred() as deferred:
                 failed, _ = finish_all([("release the worker's resources", lambda: self._release(run, shield))],
                                        shield)
@@ -200,12 +306,21 @@ class _Core:
         assert self.report is not None  # Invariant: _close stored it
         return self.report
 
-    def _release(self, run: _Run, shield: Shield) -> None:
+    def _stop_waiting(self, run: ShutdownRun, shield: Shield) -> None:
+        """R14: the interrupt may have come before a drain began: such a handler abandons everything now, without a
+        wait, and the proof is decided as skipped unless the clean path held."""
+        finish_all([(f"abandon the {h.direction} handler", h.abandon_undrained) for h in (self.store, self.load)],
+                   shield)
+        run.clean = run.clean and self.store.clean and self.load.clean
+        if run.proof is ProofOutcome.NOT_NEEDED:
+            run.proof = lifecycle.decide_proof(run.clean, True) or ProofOutcome.SKIPPED  # never None here
+
+    def _release(self, run: ShutdownRun, shield: Shield) -> None:
         """R10/R12/R3: both handlers, then the region, released or quarantined as decide_fate says. Never waits."""
         fate = lifecycle.decide_fate(run.proof, self.policy.policy)
         reason = f"device not proven idle (device_sync={run.proof.value})"
         for name, handler in (("store", self.store), ("load", self.load)):
-            kept, failed = handler.release(fate, shield, reason)
+            kept, failed = handler.release(fate, shield, reason=reason)
             run.errors.extend(f"{name} release: {f}" for f in failed)
             run.add("quarantined", "descriptor", kept)
         if fate is Fate.RELEASE:  # R3 (R12: everything was proven idle, or the release policy)
@@ -217,241 +332,258 @@ class _Core:
         for kind, count in kinds.items():
             run.add(table, kind, count)
 
-    def _close(self, run: _Run, shield: Shield) -> None:
+    def _close(self, run: ShutdownRun, shield: Shield) -> None:
         """Store the report and close (no backend call but the clock, retried through interrupts)."""
         try:
             elapsed = shield.run(self.backend.monotonic) - run.started
         except BaseException as exc:
             run.interrupt, elapsed = run.interrupt or exc, self.policy.timeout
         run.interrupt = run.interrupt or shield.interrupt
-        fate = {RegionState.RELEASED: "released", RegionState.QUARANTINED: "quarantined"}
         with self.lock:
-            self.report = ShutdownReport(
-                store=self.store.report(), load=self.load.report(), device_sync=run.proof.value,
-                region=fate.get(self.region.state, "absent"),  # type: ignore[arg-type]
-                quarantined=dict(run.counts["quarantined"]), leaked=dict(run.counts["leaked"]),
-                errors=tuple(run.errors), elapsed=elapsed, interrupted=run.interrupt is not None)
+            self.report = run.report(self.store.report(), self.load.report(), self.region.state, elapsed)
             self.transition(WorkerInput.INTERRUPTED if run.interrupt else WorkerInput.SHUTDOWN_COMPLETE)
             self.done.notify_all()
 
 
-def _finalize(core: _Core) -> None:
-    """R15: shut down a worker dropped (or alive at exit) without shutdown(); R21: inert in a forked child. Run by
-    the cyclic collector (maybe while this thread holds a library lock), the shutdown runs in a thread of its own,
-    joined at most the policy's timeout plus a second, so that it cannot deadlock."""
-    if core.owner.inherited() or core.state is not WorkerState.OPEN:
-        return
+# -- one direction (R4, R5, R10, R14) -----------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class _Transfer:
+    job_id: int
+    events: list[Event]  # Invariant: (compute marker, start, end) once submitted, created for this transfer alone
+    descriptors: DescriptorBuffer | None  # None for a transfer that copies nothing
+    nbytes: int
+    dst_blocks: Int64Array  # R22: the destination's block ids (GPU blocks of a load, CPU chunks of a store)
+    broken: errors.DeviceError | None = None  # Invariant: its end event could not be recorded: it fails at the head
+    resolved: bool = False  # Invariant: True once it left the queue (proven, failed or abandoned)
 
-    finalize_safely(core.shutdown, core.policy.timeout, "ReferenceWorker")
 
+class ReferenceHandler:
+    """One direction (R4): its stream, its FIFO of transfers, its results. The worker serialises calls (R19)."""
 
-class ReferenceWorker:
-    """The reference offloading worker, with the API of ``CPUOffloadingWorker``; every method is thread-safe (R19).
+    def __init__(self, backend: Backend, direction: Direction, compute: Stream, layout: KVCacheLayout,
+                 gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry], bpc: int,
+                 canonical: CanonicalLayout | None = None) -> None:
+        self.backend, self.direction, self.compute, self.layout, self.bpc = backend, direction, compute, layout, bpc
+        self.canonical = canonical  # Invariant: None (plain mode) or this rank's mappings, fitting the layout (R24)
+        self.gpu, self.cpu = gpu, cpu  # R1: geometries only, never the region
+        self.stream: Stream | None = backend.create_stream()  # Invariant: all of this direction's copies; R4
+        self.state = lifecycle.HandlerState.ACCEPTING  # Invariant: changed only through lifecycle.step
+        self.queue: collections.deque[_Transfer] = collections.deque()  # Invariant: submission order, unproven
+        self.results: list[TransferResult] = []  # Invariant: known, not yet handed over (R5), in order
+        self.jobs: set[int] = set()  # Invariant: the ids in the queue or in results: R7's "in flight"
+        self.spent: list[tuple[Callable[[Any], object], object]] = []  # Invariant: proven idle, not yet freed
+        self.unproven: list[_Transfer] = []  # Invariant: failed/abandoned: kept until the device-level proof (R13)
+        self.outcomes: list[JobOutcome] = []  # Invariant: jobs the drain took over, unreported (R14)
+        self.drain_error: BaseException | None = None  # Invariant: the drain's first failure
+        self.kind = TRANSFER_TYPE[direction]
+        self.counts: collections.Counter[str] = collections.Counter()
 
-    Args:
-        backend, gpu_tensors, layout, blocks_per_chunk, policy, pin_chunk_bytes, compute_stream: as for
-            ``CPUOffloadingWorker``.
-        region: a caller-owned HostRegion for this layout; on success the worker is its only owner (R1).
+    def step(self, event: HandlerInput) -> Action:
+        self.state, action = lifecycle.step(lifecycle.HANDLER_TABLE, f"{self.direction} handler", self.state, event)
+        return action
 
-    Raises:
-        InvalidTransferError: bad tensors, region or options (R7). OwnershipError: the region is not the caller's.
-        DeviceError: a device call failed; what was acquired is released in reverse order (R2).
-    """
-
-    def __init__(self, backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheLayout, *,
-                 blocks_per_chunk: int, region: HostRegion, policy: ShutdownPolicy | None = None,
-                 pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES, compute_stream: object | None = None) -> None:
-        bpc, pin_bytes = _check_options(blocks_per_chunk, policy, pin_chunk_bytes)
-        region.check_backend(backend)
-        gpu = [backend.array_info(t) for t in gpu_tensors]
-        check_geometry(layout, gpu, region.geometries(), bpc)  # R7: before any device work
-        if region.state is not RegionState.CALLER_OWNED:  # R1: only a caller-owned region is handed over
-            lifecycle.step(lifecycle.REGION_TABLE, "region", region.state, lifecycle.RegionInput.ADOPT)
-        compute = backend.compute_stream(compute_stream)
-        undo: list[tuple[str, Callable[[], object]]] = []  # R2: what to release, in acquisition order
+    def submit(self, job_id: int, src: object, dst: object) -> None:
+        if self.step(HandlerInput.SUBMIT) is not Action.ENQUEUE:  # R8: the table refuses every other state
+            return
+        moves = check_transfer(self.layout, self.direction, src, dst, [g.rows for g in self.gpu],
+                               [c.rows for c in self.cpu], self.bpc, self.canonical)  # R7, before any device work
+        backend, tag, stream = self.backend, (self.direction, job_id), self.stream
+        assert stream is not None  # Invariant: an accepting handler has its stream
+        transfer = _Transfer(job_id, [], None, sum(m.size for m in moves), dst.block_ids)  # type: ignore[attr-defined]
         try:
-            if not region.pinned:
-                try:
-                    region.pin(pin_bytes)
-                    undo.append(("unpin the region", region.unpin))
-                except errors.DeviceError as exc:
-                    logger.warning("Failed to pin the CPU region (status %d); transfers run from pageable memory",
-                                   exc.status)
-            handlers = []
-            for direction in ("store", "load"):
-                stream = backend.create_stream()  # R4: one stream per direction
-                undo.append((f"destroy the {direction} stream", functools.partial(backend.destroy_stream, stream)))
-                handlers.append(ReferenceHandler(backend, direction, stream, compute, layout, gpu,
-                                                 region.geometries(), bpc))
-            region.adopt()  # R1: from here on the worker is the region's only owner
-        except BaseException:
-            finish_all(reversed(undo))  # R2: reverse order, every step, then the original exception propagates
+            if moves:
+                buf = transfer.descriptors = backend.alloc_descriptors(len(moves), tag=tag)
+                for i, move in enumerate(moves):  # one descriptor per move of the placement rule
+                    buf.src[i], buf.dst[i], buf.sizes[i] = move.addresses(self.direction, self.gpu, self.cpu)
+            while len(transfer.events) < 3:
+                transfer.events.append(backend.create_event(tag=tag))
+            marker, start, end = transfer.events  # (compute marker, start, end)
+            backend.record(marker, self.compute, tag=tag)
+            backend.wait_event(stream, marker)  # R4: after the compute work queued so far
+            backend.record(start, stream, tag=tag)  # R4: after this direction's previous transfer (stream order)
+            if transfer.descriptors is None:
+                backend.record(end, stream, tag=tag)  # nothing to copy: until this returns, no trace is left
+            else:
+                backend.copy_batch(stream, transfer.descriptors, len(moves), tag=tag)
+        except BaseException:  # R14: the device did not take the copy: give everything back, the id stays free
+            finish_all([(f"release a {self.direction} {type(obj).__name__}", functools.partial(release, obj))
+                        for release, obj in reversed(self._resources(transfer))])
             raise
-        self._core = _Core(backend, region, handlers[0], handlers[1], policy or ShutdownPolicy(), compute)
-        self._finalizer = weakref.finalize(self, _finalize, self._core)  # R15: it references the core only
+        shield = Shield()
+        if transfer.descriptors is not None:  # R14: the device took the copy: the job is queued whole, whatever comes
+            try:  # retried through interrupts; an end event never recorded makes the job fail at the head (R5)
+                shield.run(functools.partial(backend.record, end, stream, tag=tag))
+            except BaseException as exc:
+                transfer.broken = errors.DeviceError(f"recording the end event of {self.direction} job {job_id} "
+                                                     f"failed: {exc!r}")
+        self.queue.append(transfer)
+        self.jobs.add(job_id)
+        self.counts["submitted"] += 1
+        shield.reraise()
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec) -> bool:
-        """Queue a GPU -> CPU copy; see :meth:`submit_load`."""
-        return self._submit(self._core.store, job_id, src_spec, dst_spec)
+    def knows(self, job_id: int) -> bool:
+        return job_id in self.jobs
 
-    def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        """Queue a CPU -> GPU copy, after this direction's previous one and the compute work queued so far (R4).
+    def end_events(self, job_ids: set[int]) -> list[Event]:
+        """R23: the end events of the listed jobs still queued here (a broken transfer's was never recorded)."""
+        return [t.events[2] for t in self.queue if t.job_id in job_ids and t.broken is None]
 
-        Returns:
-            True: the transfer is queued.
+    def reap(self) -> None:
+        self._reap(None)
 
-        Raises:
-            InvalidTransferError: bad input, nothing changed (R7). WorkerClosedError: shutdown began (R8), or a
-                forked child (R21). DeviceError: a device call failed before the copy was queued; nothing was.
-        """
-        return self._submit(self._core.load, job_id, src_spec, dst_spec)
+    def last_of(self, job_ids: set[int]) -> _Transfer | None:
+        return next((t for t in reversed(self.queue) if t.job_id in job_ids), None)
 
-    def _submit(self, handler: ReferenceHandler, job_id: int, src: object, dst: object) -> bool:
-        core = self._core
-        with core.call():  # R19: queued completely before shutdown begins, or refused
-            core.transition(WorkerInput.SUBMIT)  # R8: refused once shutdown began
-            job = check_int("job_id", job_id)  # R7
-            if job in core.store.jobs or job in core.load.jobs:  # R7: an id in flight in either direction
-                raise errors.InvalidTransferError(f"job_id {job} is already in flight; reuse an id only after "
-                                                  "get_finished() reported it")
-            handler.submit(job, src, dst)
-        return True
+    def settle(self, mark: object) -> bool:
+        assert isinstance(mark, _Transfer)  # Invariant: the worker passes what last_of returned
+        self._reap(mark)
+        return mark.resolved
 
-    def get_finished(self) -> list[TransferResult]:
-        """Results whose completion became known, each exactly once, store's first (R5, R19). Never blocks.
+    def _reap(self, mark: _Transfer | None) -> None:
+        """Observe heads, one ``query`` each, until one is pending or ``mark`` resolved; free what is proven."""
+        while self.queue and not (mark is not None and mark.resolved) and self._observe_head(self.backend.query):
+            pass
+        self._free_spent()
 
-        Returns:
-            The results; [] once shutdown began (R8).
-        """
-        core = self._core
-        with core.call():
-            if core.transition(WorkerInput.GET_FINISHED) is Action.RETURN_EMPTY:
-                return []
-            for h in (core.store, core.load):  # backend calls: an interrupt leaves every result where it waits
-                h.reap()
-                h.free_spent()
-            return [*core.store.take_results(), *core.load.take_results()]  # R14: no backend call: one step
+    def _free_spent(self) -> None:
+        each(lambda spent: spent[0](spent[1]), self.spent)  # R10: proven transfers' resources are idle
 
-    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
-        """Block until each listed job is proven complete or failed (R6); unknown ids are ignored. The lock is held
-        only while polling, never while sleeping (R19); once shutdown began elsewhere it returns at its next poll.
+    def _resources(self, transfer: _Transfer) -> list[tuple[Callable[[Any], object], object]]:
+        """(release call, resource) of a transfer: its events and its descriptor buffer."""
+        held: list[tuple[Callable[[Any], object], object]] = [(self.backend.destroy_event, e) for e in transfer.events]
+        return held + ([] if transfer.descriptors is None else [(self.backend.free_descriptors, transfer.descriptors)])
 
-        Args:
-            job_ids: the ids. timeout: seconds on the backend clock, or None.
-
-        Raises:
-            InvalidTransferError: bad ids or timeout (R7). DeadlineExceeded: the timeout passed first (R6).
-        """
-        core, backend = self._core, self._core.backend
-        core.owner.check("this worker")  # R21
-        ids, limit = check_job_ids(job_ids), check_timeout(timeout)
-        started = backend.monotonic()
-        deadline = None if limit is None else started + limit
-        with core.call():
-            if core.transition(WorkerInput.WAIT) is Action.RETURN_EMPTY:
-                return
-            # R6: in FIFO order, once the last listed job of a direction is resolved, all of them are
-            marks = [(h, next((t for t in reversed(h.queue) if t.job_id in ids), None)) for h in (core.store,
-                                                                                                    core.load)]
-        horizon = backend.hang_horizon if deadline is None else None  # the sim bounds hung work (R11's horizon)
-        longest = POLL_MAX_SLEEP if horizon is None else max(POLL_MAX_SLEEP, horizon / 64)
-        for handler, mark in marks:
-            pause = POLL_FIRST_SLEEP
-            while mark is not None:
-                with core.call():
-                    if core.transition(WorkerInput.WAIT) is Action.RETURN_EMPTY:
-                        return  # R19: shutdown began in another thread
-                    handler.reap(until=mark)
-                    if mark.resolved:
-                        break
-                now, what = backend.monotonic(), f"{handler.direction} job {mark.job_id}"
-                if deadline is not None and now >= deadline:
-                    raise errors.DeadlineExceeded(f"{what} not proven complete by the deadline")
-                if horizon is not None:
-                    backend.check_unbounded_wait(started, now, what)  # SimHang past the horizon
-                backend.sleep(pause if deadline is None else max(min(pause, deadline - now), 0.0))
-                pause = min(pause * 2, longest)
-
-    def cpu_snapshot(self) -> list[npt.NDArray[np.uint8]]:
-        """Copies of the CPU region, one 2-D uint8 array per tensor.
-
-        Raises:
-            WorkerClosedError: shutdown began.
-        """
-        core = self._core
-        with core.call():
-            core.transition(WorkerInput.SNAPSHOT)
-            return core.region.snapshot()
-
-    def stats(self) -> ReferenceStats:
-        """A frozen snapshot; works before and after shutdown."""
-        core = self._core
-        with core.call():
-            return ReferenceStats(core.state.value, core.store.stats(), core.load.stats(), core.region.state.value,
-                                  core.region.pinned, core.backend.ledger.live())
-
-    def shutdown(self) -> ShutdownReport:
-        """Shut down within the policy's timeout (R9-R14); idempotent (R8); safe from any thread (R19).
-
-        Returns:
-            The report; a later call returns the same one.
-
-        Raises:
-            BaseException: one that interrupted the shutdown, once everything is released or quarantined (R14).
-            ShutdownDeferred: called on a thread inside a call of this worker (a signal handler): the shutdown
-                runs as that call returns (R19). WorkerClosedError: called in a forked child (R21).
-        """
+    def _observe_head(self, observe: Callable[[Event], bool]) -> bool:
+        """Observe the head's end event once (R5): proven, failed, or (False) still pending."""
+        head = self.queue[0]
         try:
-            return self._core.shutdown()
+            if head.broken is not None:
+                raise head.broken
+            done = observe(head.events[2])
+        except errors.DeviceError as exc:
+            self._head_failed(exc)
+            return True
+        if done:
+            self._head_proven(head)
+        return done
+
+    def _head_proven(self, head: _Transfer) -> None:
+        """R5/R10: the head's own end event is done: reported (open) or counted drained (shutting down)."""
+        action = self.step(HandlerInput.HEAD_PROVEN)
+        seconds = None
+        if action is Action.REPORT:  # R14: the timing (a backend call) is read before the head moves
+            with contextlib.suppress(errors.DeviceError):
+                seconds = self.backend.elapsed(head.events[1], head.events[2])
+        self.queue.popleft()  # from here on no backend call: the head moves to the results as one step
+        head.resolved = True
+        self.spent += self._resources(head)
+        self.counts["completed"] += 1
+        if action is Action.REPORT:
+            self.results.append(TransferResult(head.job_id, True, head.nbytes, seconds, transfer_type=self.kind))
+        else:  # COUNT_DRAINED
+            self.counts["drained"] += 1
+            self.outcomes.append(JobOutcome(TransferResult(head.job_id, True, head.nbytes, transfer_type=self.kind),
+                                            "drained"))
+
+    def _head_failed(self, exc: errors.DeviceError) -> None:
+        """R5: open: the head and everything behind it are reported failed. R10: draining: the rest is abandoned."""
+        if self.step(HandlerInput.HEAD_FAILED) is Action.ABANDON:
+            return self._abandon(exc, head_failed=True)
+        failed = self._take_queue()
+        self.counts["failed"] += len(failed)
+        self.results += failed_in_order(self.direction, [(t.job_id, t.dst_blocks) for t in failed], exc)  # R22
+
+    def _take_queue(self) -> list[_Transfer]:
+        taken, self.queue = list(self.queue), collections.deque()
+        for t in taken:
+            t.resolved = True
+        self.unproven.extend(taken)  # completion unknown: never freed before the device-level proof (R13)
+        return taken
+
+    def take_results(self) -> list[TransferResult]:
+        handed, self.results = self.results, []  # R14: no backend call, so no interrupt splits it
+        self.jobs.difference_update(r.job_id for r in handed)
+        return handed
+
+    def drain(self, deadline: float, *, interrupted: bool = False) -> None:
+        self.step(HandlerInput.BEGIN_DRAIN)  # DROP_RESULTS: nothing is reported after shutdown began (R8) ...
+        self.outcomes += [JobOutcome(r, "unreaped") for r in self.results]  # ... but the report lists them (R14)
+        self.results, self.jobs = [], set()
+        backend = self.backend
+
+        def observe(event: Event) -> bool:  # R11: a bounded poll on the backend's clock, never a blocking wait
+            return poll_until(backend, lambda: backend.query(event), deadline)
+
+        try:
+            if interrupted and self.queue:
+                self._stop(HandlerInput.INTERRUPT, None)  # R14: stop all waiting
+            while self.queue:
+                head = self.queue[0]
+                if not self._observe_head(observe):
+                    self._stop(HandlerInput.DEADLINE, errors.DeadlineExceeded(
+                        f"{self.direction} job {head.job_id} was not proven complete within the shutdown timeout"))
+        except BaseException as exc:
+            self._stop(HandlerInput.INTERRUPT, exc)  # R14: the rest is abandoned, the interrupt propagates
+            raise
         finally:
-            if self._core.state is WorkerState.CLOSED:
-                self._finalizer.detach()
+            self.step(HandlerInput.QUEUE_EMPTY)
 
-    def __enter__(self) -> ReferenceWorker:
-        return self
+    def abandon_undrained(self) -> None:
+        if isinstance(lifecycle.HANDLER_TABLE[(self.state, HandlerInput.BEGIN_DRAIN)], lifecycle.Transition):
+            self.drain(0.0, interrupted=True)
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.shutdown()  # R15
+    def _stop(self, event: HandlerInput, error: BaseException | None) -> None:
+        if self.step(event) is Action.ABANDON:
+            self._abandon(error)
 
-    def __repr__(self) -> str:
-        core = self._core
-        return f"<ReferenceWorker {core.state.value} on {core.backend.name}, region {core.region.state.value}>"
+    def _abandon(self, error: BaseException | None, *, head_failed: bool = False) -> None:
+        """R10: every queued transfer's completion is unknown (but a failed head's); R22: each names its blocks."""
+        remaining = self._take_queue()
+        self.counts["abandoned"] += len(remaining)
+        self.drain_error = self.drain_error or error
+        self.outcomes += stopped_outcomes(self.direction, [(t.job_id, t.dst_blocks) for t in remaining], error,
+                                   head_failed=head_failed)
+        if error is not None and remaining:
+            logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
+                         len(remaining) - 1, exc_info=error)
 
+    @property
+    def clean(self) -> bool:
+        return not self.unproven and not self.queue
 
-def _check_options(blocks_per_chunk: object, policy: object, pin_chunk_bytes: object) -> tuple[int, int]:
-    """R7: the numeric options and the policy, checked before anything is built."""
-    if policy is not None and not isinstance(policy, ShutdownPolicy):
-        raise errors.InvalidTransferError(f"policy must be a ShutdownPolicy or None, got {type(policy).__name__}")
-    return (check_int("blocks_per_chunk", blocks_per_chunk, minimum=1),
-            check_int("pin_chunk_bytes", pin_chunk_bytes, minimum=1))
+    def streams_in_use(self) -> list[Stream]:
+        return [] if self.stream is None else [self.stream]
 
+    def release(self, fate: Fate, shield: Shield | None = None, *,
+                reason: str = "device not proven idle") -> tuple[int, list[str]]:
+        """R10: destroy the stream and every event, free proven transfers' descriptor buffers, and free (RELEASE) or
+        quarantine (R12) the unproven ones'. Every step runs whatever another raised (R14)."""
+        if self.step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
+            return 0, []
+        backend, streams = self.backend, self.streams_in_use()
+        events: list[object] = [e for t in self.unproven for e in t.events]
+        unproven: list[object] = [t.descriptors for t in self.unproven if t.descriptors is not None]
+        freed, kept = (unproven, []) if fate is Fate.RELEASE else ([], unproven)
+        self.stream, self.unproven = None, []
+        failed, _ = finish_all([
+            (f"destroy the {self.direction} stream", lambda: each(backend.destroy_stream, streams)),
+            (f"free the resources of proven {self.direction} transfers", self._free_spent),
+            (f"destroy {len(events)} {self.direction} events", lambda: each(backend.destroy_event, events)),
+            (f"free {len(freed)} {self.direction} descriptor buffers", lambda: each(backend.free_descriptors, freed)),
+            ("quarantine descriptor buffers", keeper(backend.ledger.quarantine, "descriptor", kept, reason)),
+        ], shield)
+        return len(kept), failed
 
-def create_reference_worker(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheLayout, *,
-                            blocks_per_chunk: int, num_cpu_chunks: int, policy: ShutdownPolicy | None = None,
-                            region: HostRegion | None = None, pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
-                            compute_stream: object | None = None) -> ReferenceWorker:
-    """Build the region (unless given) and the reference worker, as ``create_worker`` does (R1, R2).
+    def discard(self) -> None:
+        if self.stream is not None:  # R2: nothing was submitted; only the stream exists (retry-safe, R14)
+            self.backend.destroy_stream(self.stream)
+            self.stream = None
 
-    Args:
-        num_cpu_chunks: CPU rows per tensor of the region built here. region: a caller-owned region instead.
-        The others: as for :class:`ReferenceWorker`.
+    def report(self) -> HandlerReport:
+        return HandlerReport(self.counts["drained"], self.counts["abandoned"], self.drain_error, tuple(self.outcomes))
 
-    Returns:
-        The worker, owning its region.
-
-    Raises:
-        What :class:`ReferenceWorker` raises; a region built here is released first (R2).
-    """
-    _check_options(blocks_per_chunk, policy, pin_chunk_bytes)  # R7: before a region is mapped
-    check_int("num_cpu_chunks", num_cpu_chunks, minimum=1)
-    build = functools.partial(ReferenceWorker, backend, gpu_tensors, layout, blocks_per_chunk=blocks_per_chunk,
-                              policy=policy, pin_chunk_bytes=pin_chunk_bytes, compute_stream=compute_stream)
-    if region is not None:
-        return build(region=region)
-    built = HostRegion.allocate(backend, layout, blocks_per_chunk, num_cpu_chunks)
-    try:
-        return build(region=built)
-    except BaseException:
-        built.release()  # R2: the region built here goes too; the original exception propagates
-        raise
+    def stats(self) -> HandlerStats:
+        c = self.counts
+        return HandlerStats(self.direction, self.state.value, len(self.queue), len(self.results), c["submitted"],
+                            c["completed"], c["failed"], c["abandoned"], len(self.unproven),
+                            int(self.stream is not None), 0, 0)

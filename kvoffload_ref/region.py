@@ -13,6 +13,9 @@ pinned in a module-level registry until the process exits, so garbage collection
 
 Handlers never see a region: the worker gives them ``geometries()`` (addresses and strides) only.
 
+``pin`` registers the region in chunks of at most ``max_register_bytes`` (64 GiB by default) whose seams lie outside
+every CPU row (R25, ``seams.py``): the driver refuses a copy whose host span lies in two registrations.
+
 A region remembers the backend it was built on (``region.backend``); ``region.check_backend(backend)`` refuses
 another one (R7), since the region's memory is announced to -- and pinned through -- that backend only.
 
@@ -49,18 +52,20 @@ from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipErr
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
 from kvoffload_ref.process import ProcessOwner
 from kvoffload_ref.quarantine import QuarantinedItem, quarantine, quarantined
+from kvoffload_ref.seams import DEFAULT_MAX_REGISTER_BYTES, register_chunks
 from kvoffload_ref.shield import Shield
 from kvoffload_ref.specs import KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import INT64_MAX, check_int
 
 # QuarantinedItem, quarantine and quarantined live in kvoffload_ref.quarantine; re-exported here for compatibility.
-__all__ = ["DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine", "quarantined"]
+__all__ = ["DEFAULT_MAX_REGISTER_BYTES", "DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine",
+           "quarantined"]
 
 logger = logging.getLogger("kvoffload_ref.region")
 
 PAGE: Final = mmap.PAGESIZE
-#: Upstream registers at most 64 GiB per cudaHostRegister call (some drivers fail above that).
-DEFAULT_PIN_CHUNK_BYTES: Final = 64 << 30
+#: The workers' ``pin_chunk_bytes`` default: the same cap as a region's ``max_register_bytes`` (R25, seams.py).
+DEFAULT_PIN_CHUNK_BYTES: Final = DEFAULT_MAX_REGISTER_BYTES
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -244,8 +249,8 @@ class HostRegion:
     """Anonymous-mmap host memory for one worker's CPU tensors. Build with :meth:`allocate`."""
 
     def __init__(self, backend: Backend, mapping: mmap.mmap, offsets: Sequence[int],
-                 row_bytes: Sequence[int], num_cpu_chunks: int, *,
-                 row_strides: Sequence[int] | None = None) -> None:
+                 row_bytes: Sequence[int], num_cpu_chunks: int, *, row_strides: Sequence[int] | None = None,
+                 max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> None:
         """Wrap an existing mapping (use :meth:`allocate`). Announces it to the backend (ledger "mapping").
 
         Args:
@@ -255,12 +260,16 @@ class HostRegion:
             row_bytes: bytes of one row of each CPU tensor.
             num_cpu_chunks: rows per CPU tensor.
             row_strides: bytes between consecutive rows of each tensor (default: ``row_bytes``, contiguous).
+            max_register_bytes: the most bytes :meth:`pin` registers per call (R25; default 64 GiB).
 
         Raises:
-            InvalidTransferError: the tensors do not lie inside the mapping (see :func:`check_views`; R7).
+            InvalidTransferError: the tensors do not lie inside the mapping (see :func:`check_views`), or
+                ``max_register_bytes`` is not an int >= 1 (R7).
         """
         offsets, row_bytes, num_cpu_chunks, strides = check_views(len(mapping), offsets, row_bytes, num_cpu_chunks,
                                                                   row_strides)
+        # Invariant: the cap of one registration (R25); seams fall on row boundaries of every view (seams.py).
+        self.max_register_bytes = check_int("max_register_bytes", max_register_bytes, minimum=1)
         # Invariant: what the region holds; shared with the finalizer, which never holds the region itself.
         base = np.frombuffer(mapping, dtype=np.uint8)
         self._held = held = _Held(backend, mapping, base, self.log_rank)
@@ -281,8 +290,8 @@ class HostRegion:
         self._dropped.atexit = False  # at exit the backend may be gone; the OS takes the memory back anyway
 
     @classmethod
-    def allocate(cls, backend: Backend, layout: KVCacheLayout, blocks_per_chunk: int,
-                 num_cpu_chunks: int) -> HostRegion:
+    def allocate(cls, backend: Backend, layout: KVCacheLayout, blocks_per_chunk: int, num_cpu_chunks: int, *,
+                 max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> HostRegion:
         """Map and announce a region sized for ``layout`` (not pinned yet; the caller owns it).
 
         Args:
@@ -290,16 +299,18 @@ class HostRegion:
             layout: the KV-cache layout (one CPU tensor per layout tensor).
             blocks_per_chunk: GPU blocks per CPU chunk (>= 1).
             num_cpu_chunks: CPU rows per tensor (>= 1).
+            max_register_bytes: the most bytes :meth:`pin` registers per call (R25; default 64 GiB).
 
         Returns:
             A caller-owned HostRegion.
 
         Raises:
-            InvalidTransferError: sizes that are not ints in [1, 2**63 - 1], or a region of more bytes than an
-                address spans (2**63 - 1).
+            InvalidTransferError: sizes that are not ints in [1, 2**63 - 1], a region of more bytes than an
+                address spans (2**63 - 1), or a ``max_register_bytes`` that is not an int >= 1.
             OSError: the system cannot map that much memory (ENOMEM).
         """
         blocks_per_chunk, num_cpu_chunks = check_sizes(blocks_per_chunk, num_cpu_chunks)
+        check_int("max_register_bytes", max_register_bytes, minimum=1)  # R7: before anything is mapped
         row_bytes = [layout.cpu_row_bytes(t, blocks_per_chunk) for t in range(layout.num_tensors)]
         offsets, total = [], 0
         for rb in row_bytes:
@@ -310,7 +321,7 @@ class HostRegion:
                                        f"{total} bytes: expected at most {INT64_MAX}")
         mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return cls(backend, mapping, offsets, row_bytes, num_cpu_chunks)
+        return cls(backend, mapping, offsets, row_bytes, num_cpu_chunks, max_register_bytes=max_register_bytes)
 
     #: The rank named in unregister warnings (upstream's text carries one; a private region is rank 0).
     log_rank: int = 0
@@ -416,11 +427,32 @@ class HostRegion:
         return [view.copy() for view in self._views]
 
     # -- pinning --------------------------------------------------------------------------------------------------
-    def pin(self, chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES) -> None:
-        """Register the whole region with the device in chunks of at most ``chunk_bytes`` (page-rounded).
+    def registration_chunks(self, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
+        """The ``(address, size)`` of each registration :meth:`pin` makes, in order (R25, ``seams.py``): chunks of
+        at most the cap whose page-aligned seams lie outside every row of every CPU tensor (a row larger than the
+        cap is registered whole).
+
+        Args:
+            chunk_bytes: a cap for this call (the workers' ``pin_chunk_bytes``); the smaller of it and the region's
+                ``max_register_bytes`` applies. None: the region's.
+
+        Raises:
+            InvalidTransferError: ``chunk_bytes`` is not an int >= 1.
+        """
+        cap = self.max_register_bytes
+        if chunk_bytes is not None:
+            cap = min(cap, check_int("pin_chunk_bytes", chunk_bytes, minimum=1))
+        return register_chunks(self.ptr, self.nbytes, self._geometries, cap, PAGE)
+
+    def pin(self, chunk_bytes: int | None = None) -> None:
+        """Register the whole region with the device, one ``host_register`` per chunk of
+        :meth:`registration_chunks` (R25: no CPU row straddles two registrations).
 
         On a failure, the chunks already registered are unregistered in reverse order and the original
         exception propagates; a chunk whose rollback fails stays recorded, so release retries it.
+
+        Args:
+            chunk_bytes: a cap for this call besides the region's ``max_register_bytes`` (the smaller applies).
 
         Raises:
             DeviceError: a registration failed (after the rollback).
@@ -428,12 +460,11 @@ class HostRegion:
             WorkerClosedError: this is a forked child's copy of the region (R21).
         """
         self._check_owner()
-        chunk_bytes = check_int("pin_chunk_bytes", chunk_bytes, minimum=1)
-        step = max(PAGE, chunk_bytes // PAGE * PAGE)
+        chunks = self.registration_chunks(chunk_bytes)
         try:
-            for offset in range(0, self.nbytes, step):
-                self._backend.host_register(self.ptr + offset, min(step, self.nbytes - offset))
-                self._pinned.append(self.ptr + offset)
+            for ptr, nbytes in chunks:
+                self._backend.host_register(ptr, nbytes)
+                self._pinned.append(ptr)
         except BaseException:
             self.unpin()
             raise

@@ -1,18 +1,20 @@
 """The values a worker hands its caller: transfer results, the shutdown policy and report, the stats (R5, R8,
 R10-R14).
 
-Frozen dataclasses only, no behaviour beyond validating what the caller passes (``ShutdownPolicy``); the handler
-and the worker's core build them.
+Frozen dataclasses, no behaviour beyond validating what the caller passes (``ShutdownPolicy``); the handlers and
+the worker build them, the report through :class:`ShutdownRun` (the scratch state of one shutdown sequence).
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
-from collections.abc import Mapping
-from typing import Final, Literal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Final, Literal, overload
 
-from kvoffload_ref.errors import InvalidTransferError
-from kvoffload_ref.lifecycle import Policy
+from kvoffload_ref.backends.base import ResourceKind
+from kvoffload_ref.errors import DeviceError, InvalidTransferError
+from kvoffload_ref.lifecycle import Policy, ProofOutcome, RegionState
 from kvoffload_ref.validate import check_seconds
 
 __all__ = [
@@ -22,10 +24,19 @@ __all__ = [
     "HandlerReport",
     "HandlerStats",
     "JobOutcome",
+    "JobOutcomes",
     "RegionFate",
     "ShutdownPolicy",
     "ShutdownReport",
+    "ShutdownRun",
     "TransferResult",
+    "TRANSFER_TYPE",
+    "WorkerStats",
+    "destination_blocks",
+    "failed_in_order",
+    "poisoned_cpu_chunks",
+    "poisoned_gpu_blocks",
+    "stopped_outcomes",
 ]
 
 
@@ -39,6 +50,9 @@ class TransferResult:
         transfer_size: bytes copied (None when not proven).
         transfer_time: seconds between the transfer's start and end events (None when not proven or unknown).
         error: why it failed (None on success).
+        invalid_blocks: R22: on failure, the destination blocks whose contents are now undefined, sorted and
+            distinct -- for a load the GPU block ids it was to write, for a store the CPU chunk ids; () on success.
+        transfer_type: ("GPU", "CPU") for a store, ("CPU", "GPU") for a load (as vLLM's older results had it).
     """
 
     job_id: int
@@ -46,6 +60,8 @@ class TransferResult:
     transfer_size: int | None = None
     transfer_time: float | None = None
     error: BaseException | None = None
+    invalid_blocks: tuple[int, ...] = ()
+    transfer_type: tuple[str, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +70,8 @@ class HandlerReport:
 
     Attributes:
         drained: transfers proven complete during the shutdown drain (also when it was interrupted, R14).
-        abandoned: transfers left with unknown completion.
+        abandoned: transfers the drain did not prove: a head whose end event failed, and those it then left with
+            unknown completion (R10).
         error: the first failure of the drain (a DeviceError, DeadlineExceeded, or the interrupting
             BaseException), or None.
         jobs: every job of this direction the caller was never handed, in submission order, with how it ended:
@@ -64,10 +81,10 @@ class HandlerReport:
     drained: int = 0
     abandoned: int = 0
     error: BaseException | None = None
-    jobs: tuple[JobOutcome, ...] = ()
+    jobs: Sequence[JobOutcome] = ()
 
 
-Ended = Literal["unreaped", "drained", "abandoned"]
+Ended = Literal["unreaped", "drained", "failed", "abandoned"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +92,12 @@ class JobOutcome:
     """A job the caller was never handed by ``get_finished()``, as the shutdown report lists it (R8, R14).
 
     Attributes:
-        result: its result: for "unreaped" the one ``get_finished()`` would have returned; for "drained" a
-            success (``transfer_time`` None: the drain does not read timings); for "abandoned" a failure whose
-            error says why the drain stopped.
-        ended: "unreaped" (its completion was known before shutdown began, nobody reaped it), "drained" (proven
-            by the shutdown drain) or "abandoned" (completion unknown, R10).
+        result: its result: for "unreaped" the one ``get_finished()`` would have returned (a success or a
+            failure); for "drained" a success (``transfer_time`` None: the drain does not read timings); for
+            "failed" and "abandoned" a failure whose error says why, with its ``invalid_blocks`` (R22).
+        ended: "unreaped" (its result was known before shutdown began; nobody reaped it), "drained" (proven by the
+            shutdown drain), "failed" (the drain's head, whose own end event reported an error) or "abandoned"
+            (completion unknown: the drain stopped before proving it, R10).
     """
 
     result: TransferResult
@@ -189,3 +207,164 @@ class ShutdownReport:
     @property
     def unreported(self) -> tuple[JobOutcome, ...]:
         return (*self.store.jobs, *self.load.jobs)
+
+
+class JobOutcomes(Sequence[JobOutcome]):
+    """A handler's ``HandlerReport.jobs``, built when first read: the jobs known before the drain (``head``), those
+    the drain proved (ids and byte counts, kept as two int arrays), and those it stopped at (``tail``), in
+    submission order. A teardown of thousands of transfers so allocates no outcome nobody reads."""
+
+    def __init__(self, head: Sequence[JobOutcome], drained_ids: array.array[int], drained_bytes: array.array[int],
+                 kind: tuple[str, str], tail: Sequence[JobOutcome]) -> None:
+        # Invariant: copies (the handler keeps appending to its own); len(drained_ids) == len(drained_bytes).
+        self._parts = (tuple(head), array.array("q", drained_ids), array.array("q", drained_bytes), kind,
+                       tuple(tail))
+        self._built: tuple[JobOutcome, ...] | None = None  # Invariant: the whole list once built
+
+    def _all(self) -> tuple[JobOutcome, ...]:
+        if self._built is None:
+            head, ids, nbytes, kind, tail = self._parts
+            drained = (JobOutcome(TransferResult(job, True, size, transfer_type=kind), "drained")
+                       for job, size in zip(ids, nbytes, strict=True))
+            self._built = (*head, *drained, *tail)
+        return self._built
+
+    def __len__(self) -> int:
+        head, ids, _, _, tail = self._parts
+        return len(head) + len(ids) + len(tail)
+
+    @overload
+    def __getitem__(self, index: int) -> JobOutcome: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[JobOutcome, ...]: ...
+    def __getitem__(self, index: int | slice) -> JobOutcome | tuple[JobOutcome, ...]:
+        return self._all()[index]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and self._all() == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
+#: ``TransferResult.transfer_type`` of each direction.
+TRANSFER_TYPE: Final[Mapping[str, tuple[str, str]]] = {"store": ("GPU", "CPU"), "load": ("CPU", "GPU")}
+
+
+def destination_blocks(ids: Iterable[int]) -> tuple[int, ...]:
+    """R22: a transfer's destination block ids as ``invalid_blocks`` lists them: sorted, distinct."""
+    return tuple(sorted({int(i) for i in ids}))
+
+
+def failed_in_order(direction: str, failed: Sequence[tuple[int, Iterable[int]]],
+                    exc: DeviceError) -> list[TransferResult]:
+    """R5/R22: a failed head and every transfer queued behind it, as failed results naming what they poisoned.
+
+    Args:
+        direction: "store" or "load". failed: (job id, destination block ids) of each, head first.
+        exc: the head's error. It is stored without its tracebacks (a stored error must not keep the frames it was
+            raised through); each transfer behind the head gets a DeviceError caused by it.
+    """
+    link: BaseException | None = exc
+    while link is not None:
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    head, kind = failed[0][0], TRANSFER_TYPE[direction]
+    results = []
+    for job, blocks in failed:
+        error: DeviceError = exc
+        if job != head:
+            error = DeviceError(f"{direction} job {job} was queued behind job {head}, which failed: its data "
+                                "cannot be trusted", exc.status)
+            error.__cause__ = exc
+        results.append(TransferResult(job, False, error=error, invalid_blocks=destination_blocks(blocks),
+                                      transfer_type=kind))
+    return results
+
+
+def stopped_outcomes(direction: str, stopped: Sequence[tuple[int, Iterable[int]]], error: BaseException | None, *,
+                     head_failed: bool) -> list[JobOutcome]:
+    """R10/R22: the jobs a shutdown drain stopped at, as the report lists them: each a failure naming the blocks it
+    poisoned, ended "abandoned" (completion unknown) -- the first "failed" if its own end event reported ``error``.
+
+    Args:
+        direction: "store" or "load". stopped: (job id, destination block ids) of each, head first.
+        error: why the drain stopped (None: an interrupt before the drain began). head_failed: the head failed.
+    """
+    kind = TRANSFER_TYPE[direction]
+    return [JobOutcome(TransferResult(job, False, error=error, invalid_blocks=destination_blocks(blocks),
+                                      transfer_type=kind), "failed" if head_failed and i == 0 else "abandoned")
+            for i, (job, blocks) in enumerate(stopped)]
+
+
+def _poisoned(source: Iterable[TransferResult] | ShutdownReport, kind: tuple[str, str]) -> tuple[int, ...]:
+    results = [o.result for o in source.unreported] if isinstance(source, ShutdownReport) else list(source)
+    return destination_blocks(b for r in results if not r.success and r.transfer_type == kind
+                              for b in r.invalid_blocks)
+
+
+def poisoned_gpu_blocks(source: Iterable[TransferResult] | ShutdownReport) -> tuple[int, ...]:
+    """R22: the GPU blocks whose contents failed loads left undefined: recompute them before use.
+
+    Args:
+        source: results from ``get_finished()``, or a shutdown report (its ``unreported`` jobs).
+
+    Returns:
+        The sorted, distinct GPU block ids of every failed load in ``source``.
+    """
+    return _poisoned(source, TRANSFER_TYPE["load"])
+
+
+def poisoned_cpu_chunks(source: Iterable[TransferResult] | ShutdownReport) -> tuple[int, ...]:
+    """R22: the CPU chunks whose contents failed stores left undefined: never publish or load them.
+
+    Args:
+        source: results from ``get_finished()``, or a shutdown report (its ``unreported`` jobs).
+
+    Returns:
+        The sorted, distinct CPU chunk ids of every failed store in ``source``.
+    """
+    return _poisoned(source, TRANSFER_TYPE["store"])
+
+
+_REGION_FATE: Final[dict[RegionState, RegionFate]] = {
+    RegionState.RELEASED: "released", RegionState.QUARANTINED: "quarantined"}
+
+
+class ShutdownRun:
+    """Scratch state of one shutdown sequence, turned into the report at its end."""
+
+    def __init__(self) -> None:
+        self.started = 0.0  # Invariant: the backend clock when the sequence began (0.0 until read).
+        self.clean = True  # Invariant: every transfer drained so far was proven by its own end event (R13).
+        self.proof = ProofOutcome.NOT_NEEDED
+        self.interrupt: BaseException | None = None  # Invariant: the first BaseException that cut it short (R14).
+        self.errors: list[str] = []
+        # Invariant: "quarantined"/"leaked" -> ledger kind -> count, only counts > 0.
+        self.counts: dict[str, dict[str, int]] = {"quarantined": {}, "leaked": {}}
+
+    def add(self, table: str, kind: str, count: int) -> None:
+        if count:
+            self.counts[table][kind] = self.counts[table].get(kind, 0) + count
+
+    def report(self, store: HandlerReport, load: HandlerReport, region: RegionState, elapsed: float) -> ShutdownReport:
+        return ShutdownReport(
+            store=store, load=load, device_sync=self.proof.value,
+            region=_REGION_FATE.get(region, "absent"), quarantined=dict(self.counts["quarantined"]),
+            leaked=dict(self.counts["leaked"]), errors=tuple(self.errors), elapsed=elapsed,
+            interrupted=self.interrupt is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerStats:
+    """A frozen snapshot of a worker (for tests, invariants and dashboards)."""
+
+    state: str
+    store: HandlerStats
+    load: HandlerStats
+    region: str
+    pinned: bool
+    ledger_live: Mapping[ResourceKind, int]

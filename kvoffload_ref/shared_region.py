@@ -45,7 +45,7 @@ import numpy.typing as npt
 from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import InvalidTransferError, OwnershipError
 from kvoffload_ref.lifecycle import RegionState
-from kvoffload_ref.region import PAGE, HostRegion, check_sizes
+from kvoffload_ref.region import DEFAULT_MAX_REGISTER_BYTES, PAGE, HostRegion, check_sizes
 from kvoffload_ref.shared_file import (
     HEADER_BYTES,
     MAX_WORLD_SIZE,
@@ -215,7 +215,8 @@ class SharedRegion(HostRegion):
     """
 
     def __init__(self, backend: Backend, mapping: mmap.mmap, geometry: SharedGeometry, rank: int,
-                 shared: SharedFile, *, engine_id: str, is_creator: bool) -> None:
+                 shared: SharedFile, *, engine_id: str, is_creator: bool,
+                 max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> None:
         """Wrap an admitted descriptor and its mapping (use :meth:`open`)."""
         # Invariant: this rank's descriptor; its name is given up and it is closed by release (R3), or its name
         # given up and the descriptor kept by quarantine (R18).
@@ -226,7 +227,8 @@ class SharedRegion(HostRegion):
         self.log_rank = rank
         self.is_creator = is_creator
         super().__init__(backend, mapping, geometry.offsets(rank), geometry.row_bytes, geometry.num_chunks,
-                         row_strides=[geometry.row_stride] * len(geometry.row_bytes))
+                         row_strides=[geometry.row_stride] * len(geometry.row_bytes),
+                         max_register_bytes=max_register_bytes)
         # Invariant: gives up the name and closes the descriptor if the region is dropped unreleased, or is alive at
         # exit (``atexit``); in a forked child it does nothing (``SharedFile.abandon``, R21).
         self._finalizer = weakref.finalize(self, shared.abandon)
@@ -234,8 +236,8 @@ class SharedRegion(HostRegion):
     @classmethod
     def open(cls, engine_id: str, *, backend: Backend, layout: KVCacheLayout, blocks_per_chunk: int,
              num_cpu_chunks: int, rank: int, world_size: int, replicated: bool = False,
-             directory: str | os.PathLike[str] = DEFAULT_DIRECTORY,
-             timeout: float = DEFAULT_TIMEOUT) -> SharedRegion:
+             directory: str | os.PathLike[str] = DEFAULT_DIRECTORY, timeout: float = DEFAULT_TIMEOUT,
+             max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> SharedRegion:
         """Create or join engine ``engine_id``'s shared file, map it and return this rank's caller-owned region.
 
         The first rank to create the file (``O_EXCL``) is its creator; the others wait, bounded by ``timeout``,
@@ -253,6 +255,8 @@ class SharedRegion(HostRegion):
             replicated: every rank sees the same bytes instead of its own slice of each row.
             directory: an existing (tmpfs) directory for the file.
             timeout: real seconds to wait for the creator and for the file's lock (a finite number >= 0).
+            max_register_bytes: the most bytes ``pin`` registers per call (R25; default 64 GiB); every seam lies
+                outside this rank's rows.
 
         Returns:
             A caller-owned SharedRegion (not pinned yet).
@@ -260,8 +264,8 @@ class SharedRegion(HostRegion):
         Raises:
             InvalidTransferError: invalid arguments (checked before the file is touched: a size, rank or world size
                 that is not an int in range, a timeout that is not a finite number of seconds >= 0 -- a bool,
-                NaN, an infinity or an int too large for a float is refused), or a geometry mismatch with the file
-                (another rank's sizes).
+                NaN, an infinity or an int too large for a float is refused, a ``max_register_bytes`` that is not
+                an int >= 1), or a geometry mismatch with the file (another rank's sizes).
             OwnershipError: this rank is already open in a live process.
             DeadlineExceeded: the file was not ready (or its lock not free) within ``timeout``.
             OSError: a symlink at the path (ELOOP, at once), not enough free space (ENOSPC), a file that is not
@@ -270,6 +274,7 @@ class SharedRegion(HostRegion):
         geometry = SharedGeometry.of(layout, blocks_per_chunk, num_cpu_chunks, world_size, replicated)
         rank = check_int("rank", rank, minimum=0, maximum=geometry.world_size - 1)
         timeout = check_seconds("timeout", timeout)
+        check_int("max_register_bytes", max_register_bytes, minimum=1)  # R7: before the file is touched
         path = region_path(engine_id, directory)
         if not os.path.isdir(directory):
             raise FileNotFoundError(errno.ENOENT, "the shared region directory does not exist", os.fspath(directory))
@@ -279,13 +284,14 @@ class SharedRegion(HostRegion):
             mapping = _map_file(shared.fileno, geometry.file_size)
             guards.callback(_close_mapping, mapping)
             shared.mark_mapped(world_size, time.monotonic() + timeout)
-            region = cls(backend, mapping, geometry, rank, shared, engine_id=engine_id, is_creator=is_creator)
+            region = cls(backend, mapping, geometry, rank, shared, engine_id=engine_id, is_creator=is_creator,
+                         max_register_bytes=max_register_bytes)
             guards.pop_all()
         return region
 
     @classmethod
-    def allocate(cls, backend: Backend, layout: KVCacheLayout, blocks_per_chunk: int,
-                 num_cpu_chunks: int) -> HostRegion:
+    def allocate(cls, backend: Backend, layout: KVCacheLayout, blocks_per_chunk: int, num_cpu_chunks: int, *,
+                 max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> HostRegion:
         """Not for shared regions: they need an engine id, a rank and a world size.
 
         Raises:

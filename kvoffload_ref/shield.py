@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
-__all__ = ["ATTEMPTS", "Shield", "finish_all"]
+__all__ = ["ATTEMPTS", "Shield", "each", "finish_all"]
 
 logger = logging.getLogger("kvoffload_ref.shield")
 
@@ -87,3 +87,11 @@ def finish_all(steps: Iterable[tuple[str, Callable[[], object]]],
         except BaseException:
             failed.append(f"{what}: interrupted {ATTEMPTS} times")
     return failed, shield.interrupt
+
+
+def each(release: Callable[[Any], object], items: list[Any]) -> None:
+    """Release ``items`` from the end; an item leaves the list only once released, so a retry after an interrupt
+    (:meth:`Shield.run`) resumes where it stopped."""
+    while items:
+        release(items[-1])
+        items.pop()

@@ -377,8 +377,9 @@ def _columns(geoms: Sequence[TensorGeometry], side: str, row_bytes: Sequence[int
 
 
 def geometry_columns(layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry],
-                      bpc: int) -> tuple[Int64Array, Int64Array]:
-    """Validate both sides' geometry and return their ``(4, n)`` columns (see :func:`_columns`)."""
+                      bpc: int, cpu_pages: Sequence[int] | None = None) -> tuple[Int64Array, Int64Array]:
+    """Validate both sides' geometry and return their ``(4, n)`` columns (see :func:`_columns`); ``cpu_pages``:
+    each tensor's CPU sub-block when it is not its GPU page (canonical mode, R24)."""
     for side, geoms in (("GPU", gpu), ("CPU", cpu)):
         if not isinstance(geoms, Sequence):
             raise InvalidTransferError(f"{side} tensor geometries must be a sequence of TensorGeometry, "
@@ -387,12 +388,14 @@ def geometry_columns(layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: 
             raise InvalidTransferError(f"got {len(geoms)} {side} tensor geometries, expected "
                                        f"{layout.num_tensors} (one per layout tensor)")
     pages = layout.tensor_page_bytes
+    plain = cpu_pages is None or tuple(cpu_pages) == pages
+    subs, what = (pages, "tensor_page_bytes") if plain or cpu_pages is None else (cpu_pages, "canonical page")
     return (_columns(gpu, "gpu", pages, "tensor_page_bytes[{t}]"),
-            _columns(cpu, "cpu", [p * bpc for p in pages], "tensor_page_bytes[{t}] * blocks_per_chunk"))
+            _columns(cpu, "cpu", [p * bpc for p in subs], what + "[{t}] * blocks_per_chunk"))
 
 
 def check_geometry(layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry],
-                   blocks_per_chunk: int) -> None:
+                   blocks_per_chunk: int, cpu_pages: Sequence[int] | None = None) -> None:
     """Check that the GPU tensors and CPU views fit ``layout`` with ``blocks_per_chunk`` GPU pages per CPU row.
 
     Args:
@@ -400,10 +403,12 @@ def check_geometry(layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: Se
         gpu: one geometry per layout tensor; row_bytes must equal ``tensor_page_bytes[t]``.
         cpu: one geometry per layout tensor; row_bytes must equal ``tensor_page_bytes[t] * blocks_per_chunk``.
         blocks_per_chunk: GPU pages per CPU row, >= 1.
+        cpu_pages: each tensor's CPU sub-block, when it is not its GPU page (canonical mode: the canonical page,
+            R24); the CPU rows must then be ``cpu_pages[t] * blocks_per_chunk``.
 
     Raises:
         InvalidTransferError: counts differ from ``layout.num_tensors``, a row size differs from the layout, a
             row stride is smaller than its row, a tensor has no rows, or its addresses leave int64.
     """
-    geometry_columns(layout, gpu, cpu, check_int("blocks_per_chunk", blocks_per_chunk, minimum=1))
+    geometry_columns(layout, gpu, cpu, check_int("blocks_per_chunk", blocks_per_chunk, minimum=1), cpu_pages)
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the CuPy backend: the gpu-marked tests (CuPy arrays, then torch tensors and a torch stream when torch
-# is installed), then the benchmark (hard cap about 6.5 minutes in total).
+# is installed, order_after included), the layer-wise prefetch example, then the benchmark, then the sim's "h200"
+# cost profile against this GPU on three traced schedules (hard cap about 9.5 minutes in total: it fits one device
+# call of at most 600 s).
 #
 #   bash scripts/gpu_check.sh [REPORT.md]
 #
@@ -14,9 +16,11 @@ case "$report" in ""|/*) ;; *) report="$PWD/$report" ;; esac   # relative to the
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
 json_args=()
+trace_args=()
 if [ -n "$report" ]; then
     mkdir -p "$(dirname "$report")"
     json_args=(--json "${report%.*}.json")
+    trace_args=(--out "${report%.*}-traces")   # each schedule's sim and GPU timelines, one file each (Perfetto)
 fi
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,10 +55,17 @@ ok, why = gpu_usable(); print(ok, why); raise SystemExit(0 if ok else 1)'
         "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs tests/test_backends_cupy.py
     step "CuPy backend with torch tensors and a torch compute stream: gpu tests" 90 yes \
         "$PY" -m pytest -p no:cacheprovider -m gpu -v -rs tests/test_backends_cupy_torch.py
+    step "the layer-wise prefetch example on the GPU (order_after, R23)" 60 yes \
+        "$PY" docs/examples/layerwise_prefetch.py --backend cupy
     step "CuPy backend: CPU tests with this CuPy (fake runtime, pure parsing, NVRTC compile)" 30 yes \
         "$PY" -m pytest -p no:cacheprovider -m "not gpu" -q -rs tests/test_backends_cupy.py \
         tests/test_backends_cupy_interop.py
     step "benchmark" 100 yes "$PY" scripts/gpu_bench.py ${json_args[@]+"${json_args[@]}"}
+    # The sim's "h200" cost profile against this GPU: a scattered store, a concurrent store+load and the layer-wise
+    # example, traced on both (CUDA events / virtual clock); totals and ratios (goal within +-15 %; a miss means the
+    # profile in kvoffload_ref/backends/_simcost.py needs a refit to the benchmark above). Informational.
+    step "sim profile h200 vs this GPU: trace totals of three schedules" 60 no \
+        "$PY" scripts/sim_vs_gpu.py ${trace_args[@]+"${trace_args[@]}"}
     step "other modules' gpu tests (informational)" 50 no \
         "$PY" -m pytest -p no:cacheprovider -m gpu -q -rs --continue-on-collection-errors tests/ \
         --ignore=tests/test_backends_cupy.py --ignore=tests/test_backends_cupy_torch.py \

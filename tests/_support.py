@@ -8,14 +8,24 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+from hypothesis import HealthCheck, Phase, settings
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.testing.adapter import WorkerFactory, reference_factory, reference_worker_factory
 
 PAGE = 512
 GPU_BLOCKS = 64
 CPU_CHUNKS = 16
 BPC = 3
+
+#: The two workers the kit's checks run on (the engine, ``create_worker``, and the normative reference,
+#: ``create_reference_worker``): id -> (factory, its ``module:callable`` name). Parametrize over ``WORKERS``.
+FACTORIES: dict[str, tuple[WorkerFactory, str]] = {
+    "engine": (reference_factory, "kvoffload_ref.testing.adapter:reference_factory"),
+    "reference": (reference_worker_factory, "kvoffload_ref.testing.adapter:reference_worker_factory"),
+}
+WORKERS = list(FACTORIES)
 
 
 def small_layout(num_tensors: int = 2, page: int = PAGE) -> kv.KVCacheLayout:
@@ -61,3 +71,14 @@ def captured(caplog: Any, level: int = logging.DEBUG) -> Iterator[Any]:
 
 def messages(caplog: Any) -> list[str]:
     return [r.getMessage() for r in caplog.records]
+
+
+#: The CI budget the kit must catch a deliberately wrong worker in (examples of up to 50 steps).
+CATCH_BUDGET = 200
+
+
+def catch_budget(examples: int = CATCH_BUDGET) -> settings:
+    """The settings a test that must catch a wrong worker runs the machine under: derandomized, generation only,
+    no database, no shrinking, stop at the first bug."""
+    return settings(max_examples=examples, stateful_step_count=50, derandomize=True, database=None, deadline=None,
+                    phases=[Phase.generate], report_multiple_bugs=False, suppress_health_check=list(HealthCheck))

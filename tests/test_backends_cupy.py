@@ -1283,3 +1283,101 @@ def test_gpu_worker_shutdown_is_bounded_while_the_compute_stream_hangs() -> None
         spin.assert_quarantined_while_spinning(backend, report, flag, spin_done, DEADLINE)
     backend.destroy_event(spin_done)
     assert backend.ledger.live() == {}, "only quarantined resources may remain"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# R25: the memcpy path never merges a run across a registration seam (appended with issue 19, part 5)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.rule("R25")
+def test_fake_memcpy_path_splits_a_merged_run_at_a_registration_seam(fake: tuple[cb.CupyBackend,
+                                                                                  FakeRuntime]) -> None:
+    backend, rt = fake
+    page = 64
+    data = (np.arange(16 * page, dtype=np.uint8).reshape(16, page) * 7) % 251
+    dev, back = backend.from_host(data), backend.from_host(np.zeros((16, page), np.uint8))
+    g, gb = backend.array_info(dev), backend.array_info(back)
+    host = np.zeros((16, page), np.uint8)
+    hp = host.ctypes.data
+    backend.track_host(hp, host.nbytes)
+    backend.host_register(hp, 6 * page)             # rows 0..5
+    backend.host_register(hp + 6 * page, 10 * page)  # rows 6..15: the seam is at row 6
+    backend.copy_path = "memcpy"
+    rows = list(range(2, 12))  # one run on both sides, over the seam
+    stream = backend.create_stream()
+    store, n_store = descriptors(backend, [g.ptr + i * g.row_stride for i in rows], [hp + i * page for i in rows],
+                                 [page] * len(rows))
+    load, n_load = descriptors(backend, [hp + i * page for i in rows], [gb.ptr + i * gb.row_stride for i in rows],
+                               [page] * len(rows))
+    try:
+        before = len(rt.calls)
+        backend.copy_batch(stream, store, n_store, tag=("store", 1))  # the seam on the destination side
+        backend.copy_batch(stream, load, n_load, tag=("load", 2))     # and on the source side
+        runs = [(c[1], c[2], c[3]) for c in rt.calls[before:] if c[0] == "memcpyAsync"]
+        assert runs == [(hp + 2 * page, g.ptr + 2 * page, 4 * page), (hp + 6 * page, g.ptr + 6 * page, 6 * page),
+                        (gb.ptr + 2 * page, hp + 2 * page, 4 * page), (gb.ptr + 6 * page, hp + 6 * page, 6 * page)]
+        assert np.array_equal(host[rows], data[rows]) and not host[[0, 1, 12, 13, 14, 15]].any()
+        assert np.array_equal(backend.to_host(back)[rows], data[rows])
+        backend.host_unregister(hp + 6 * page)
+        backend.host_unregister(hp)
+        before = len(rt.calls)
+        backend.copy_batch(stream, store, n_store, tag=("store", 3))  # no registrations left: one run again
+        assert [c[3] for c in rt.calls[before:] if c[0] == "memcpyAsync"] == [10 * page]
+    finally:
+        backend.destroy_stream(stream)
+        backend.free_descriptors(store)
+        backend.free_descriptors(load)
+        backend.untrack_host(hp)
+
+
+@pytest.mark.rule("R25")
+def test_coalesce_breaks_runs_only_at_seams_and_discontinuities() -> None:
+    from kvoffload_ref.backends._cupy_copy import coalesce, registration_seams
+
+    src = np.array([0, 10, 20, 30, 100, 110], np.int64)
+    dst = np.array([1000, 1010, 1020, 1030, 1040, 1050], np.int64)
+    sizes = np.full(6, 10, np.int64)
+    seams = registration_seams({1000: 20, 1020: 500})   # a seam at dst 1020 (and bounds at 1000, 1520)
+    assert seams.tolist() == [1000, 1020, 1520]
+    runs = coalesce(src, dst, sizes, seams)
+    assert [r.tolist() for r in runs] == [[0, 20, 100], [1000, 1020, 1040], [20, 20, 20]]
+    assert [r.tolist() for r in coalesce(src, dst, sizes)] == [[0, 100], [1000, 1040], [40, 20]]
+    assert [r.tolist() for r in coalesce(src, dst, sizes, registration_seams({}))] == [[0, 100], [1000, 1040],
+                                                                                        [40, 20]]
+
+
+@pytest.mark.gpu
+@pytest.mark.rule("R25")
+@pytest.mark.parametrize("path", ["memcpy", "kernel"])
+def test_gpu_seam_crossing_plan_is_split_by_the_memcpy_path_byte_exact(gpu: cb.CupyBackend,
+                                                                       path: cb.CopyPath) -> None:
+    """A region registered in 4-row chunks; a store and a load of 16 contiguous rows (one run on both sides,
+    over three seams): the memcpy path splits the run at each seam (four cudaMemcpyAsync, none spanning two
+    registrations), the kernel path may cross them; either way the bytes are exact."""
+    import kvoffload_ref as kv
+    from kvoffload_ref.backends._cupy_copy import coalesce
+
+    assert path == "memcpy" or gpu.kernel_unavailable is None, gpu.kernel_unavailable
+    gpu.copy_path = path
+    page, rows = 4096, 16
+    layout = kv.KVCacheLayout(tensor_page_bytes=(page,), groups=((kv.LayerRef(0, page),),))
+    region = kv.HostRegion.allocate(gpu, layout, 1, rows, max_register_bytes=4 * page)
+    region.pin()
+    try:
+        assert region.pinned_ranges == 4
+        data = np.random.default_rng(25).integers(0, 256, (rows, page), dtype=np.uint8)
+        dev, back = gpu.from_host(data), gpu.from_host(np.zeros((rows, page), np.uint8))
+        g, gb = gpu.array_info(dev), gpu.array_info(back)
+        (c,) = region.geometries()
+        ids = np.arange(rows, dtype=np.int64)
+        sizes = np.full(rows, page, np.int64)
+        cpu = c.ptr + ids * c.row_stride
+        assert g.row_stride == page and c.row_stride == page, "one run on both sides"
+        split = coalesce(g.ptr + ids * page, cpu, sizes, gpu._spans.seams)
+        assert split[2].tolist() == [4 * page] * 4, "split at each seam"
+        assert run_copy(gpu, g.ptr + ids * g.row_stride, cpu, sizes, ("store", 1)) == path
+        (stored,) = region.snapshot()
+        assert np.array_equal(stored, data)
+        assert run_copy(gpu, cpu, gb.ptr + ids * gb.row_stride, sizes, ("load", 2)) == path
+        assert np.array_equal(gpu.to_host(back), data)
+    finally:
+        region.release()

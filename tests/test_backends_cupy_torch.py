@@ -230,3 +230,38 @@ def test_torch_tensor_refusals_name_the_tensor(backend: cb.CupyBackend) -> None:
         with pytest.raises(InvalidTransferError, match=r"^compute_stream: the stream is on cuda:1"):
             backend.compute_stream(torch.cuda.Stream(device=1))
     assert backend.compute_stream(torch.cuda.Stream()).ptr != 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.rule("R23")
+def test_torch_kernel_after_order_after_reads_exactly_the_loaded_bytes(backend: cb.CupyBackend) -> None:
+    """A torch kernel on a non-default stream, enqueued after ``order_after`` and without any host wait, reads the
+    bytes the load wrote: the load is held behind a spin on the model's stream (R4), the reader's clone waits for it
+    on the device."""
+    tensors = kv_cache(3)
+    model, reader = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(reader):  # loads torch's copy kernel now, not while the spin runs
+        [t[40:44].clone() for t in tensors]
+    torch.cuda.synchronize()
+    w = kv.create_worker(backend, tensors, layout(), blocks_per_chunk=BPC, num_cpu_chunks=16,
+                         policy=kv.ShutdownPolicy(timeout=5.0), compute_stream=model)
+    try:
+        assert w.submit_store(1, kv.GPULoadStoreSpec([4, 5, 6, 7] * 2, group_sizes=(4, 4), block_indices=(0, 0)),
+                              kv.CPULoadStoreSpec([0, 1, 2, 3]))
+        w.wait({1}, timeout=DEADLINE)
+        expected = [bits(t[4:8]).clone() for t in tensors]
+        with held(backend, model) as (flag, spin_done):
+            dst = kv.GPULoadStoreSpec([40, 41, 42, 43] * 2, group_sizes=(4, 4), block_indices=(0, 0))
+            assert w.submit_load(2, kv.CPULoadStoreSpec([0, 1, 2, 3]), dst)
+            w.order_after([2], stream=reader)
+            with torch.cuda.stream(reader):  # queued on the device behind the load's end
+                seen = [t[40:44].clone() for t in tensors]
+            assert backend.query(spin_done) is False, "the spin ended early: the test proved nothing"
+            flag.release()
+        reader.synchronize()
+        w.wait({2}, timeout=DEADLINE)
+        results = w.get_finished()
+    finally:
+        w.shutdown()
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True)]
+    for got, want in zip(seen, expected, strict=True):
+        assert torch.equal(bits(got), want), "the reader ran before the load wrote its blocks"

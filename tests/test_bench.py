@@ -14,9 +14,12 @@ from kvoffload_ref.bench import FIGURE_GROUPS, missed_goals, run_bench
 
 KEYS = [
     "planner_small", "planner_medium", "planner_large", "planner_scaling",
+    "planner_canonical_small", "planner_canonical_medium", "planner_canonical_large",
     *(f"planner_shape_{shape}_{size}" for shape in ("8layers_bpc4", "2layers_bpc16", "64layers_bpc4", "3groups_bpc1")
       for size in ("small", "medium", "large")),
     "datapath_4k", "datapath_64k",
+    *(f"calibration_{page}_{direction}" for page in ("4k", "64k", "1024k") for direction in ("store", "load")),
+    "profile_cost_4k",
     "shutdown_hung_virtual", "shutdown_hung_wall", "shutdown_hung_past_deadline",
     "shutdown_drain_phase", "shutdown_drain_total",
     "fuzz",
@@ -43,7 +46,8 @@ def test_quick_bench_reports_every_metric_and_writes_json(tmp_path: pathlib.Path
         assert isinstance(r["value"], float) and r["value"] >= 0, r
         assert isinstance(r["reference"], float) and r["reference"] > 0, r
         assert isinstance(r["ratio"], float) and math.isfinite(r["ratio"]) and r["ratio"] > 0, r
-        assert r["met"] in (True, False) or (r["met"] is None and r["key"] == "planner_small"), r
+        no_goal = ("planner_small", "planner_canonical_small")  # the fixed per-call cost dominates there
+        assert r["met"] in (True, False) or (r["met"] is None and r["key"] in no_goal), r
 
     machine = doc["machine"]
     assert isinstance(machine, dict)

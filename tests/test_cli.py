@@ -11,7 +11,7 @@ import kvoffload_ref
 from kvoffload_ref import cli
 
 SUBCOMMANDS = {
-    "demo": "Four acts on the simulated device",
+    "demo": "Five acts on the simulated device",
     "diagram": "state machines",
     "spec": "every rule in docs/spec.md is cited by a test",
     "failure-modes": "Run every failure scenario",
@@ -66,5 +66,6 @@ def test_cli_demo_explains_its_acts_and_lists_its_checks(capsys: pytest.CaptureF
     first_log = out.index("\n  [log ")
     assert acts == sorted(acts) and acts[1] < first_log
     assert "expected" in out[acts[1]:first_log]
-    assert out.count("check ok: ") == 19 and "19 checks passed, 0 failed" in out
+    assert out.count("check ok: ") == 22 and "22 checks passed, 0 failed" in out
+    assert "Act 5 -- the canonical layout (R24)" in out
     assert "modelled bandwidth" in out and "not a measurement" in out

@@ -3,13 +3,16 @@ usage), and the one-line hint when Hypothesis is missing. Kept fast: tiny step c
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from kvoffload_ref import cli
 from kvoffload_ref.cli import main
+from kvoffload_ref.testing.adapter import Capabilities
 from kvoffload_ref.testing.campaign import REPRO_BEGIN, REPRO_END
 
 MUTANT = "kvoffload_ref.testing.mutants:failures_reported_as_success"
@@ -98,3 +101,8 @@ def test_cli_fuzz_without_hypothesis_says_how_to_install_it() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and HINT in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cli_fuzz_without_offers_every_capability_of_the_kit() -> None:
+    kit = tuple(f.name for f in dataclasses.fields(Capabilities))
+    assert kit == cli.CAPABILITIES

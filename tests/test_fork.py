@@ -9,6 +9,7 @@ test instead of hanging it. Each test works in its own directory under /dev/shm,
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pathlib
@@ -28,12 +29,14 @@ import _shm_ranks as ranks
 import numpy as np
 import pytest
 from _fork_child import JOIN, PROMPT, Parent, fork_quietly, read_all, wait_exit
-from _support import small_layout
+from _support import FACTORIES, WORKERS, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.process import ProcessOwner
 from kvoffload_ref.region import PAGE
+from kvoffload_ref.testing.adapter import SimDevice
+from kvoffload_ref.testing.explorer import CONFIGS as SETUPS
 
 SHM = "/dev/shm"
 SCRIPT = pathlib.Path(__file__).resolve().parent / "_fork_child.py"
@@ -342,6 +345,37 @@ def test_fork_child_forked_during_a_worker_call_exits_promptly(shm_dir: str) -> 
         assert forked.check_parent(parent) == forked.PARENT_INTACT
     finally:
         parent.worker.shutdown()  # idempotent: after a failure, it still gives the file up
+
+
+#: What ``stats()`` of an inherited worker does in the child: the engine may return a read of its copy (inert too).
+STATS_IN_CHILD = {"engine": ("returned", "closed"), "reference": ("closed",)}
+
+
+@pytest.mark.rule("R21")
+@pytest.mark.parametrize("worker", WORKERS)
+def test_fork_inherited_worker_is_inert_in_a_forked_child(worker: str) -> None:
+    """Every public call of an inherited worker refuses in a child, naming the parent; its finalizer and shutdown
+    touch nothing of the parent's; the parent is unaffected (the engine and the reference worker)."""
+    factory, _ = FACTORIES[worker]
+    setup = SETUPS["clean"]
+    device = SimDevice(setup)
+    built = factory(device.backend, device.gpu, setup)
+    parent = os.getpid()
+
+    def child() -> list[str]:
+        calls = [built.get_finished, lambda: built.wait([1], 0.0), built.cpu_snapshot, built.stats, built.shutdown]
+        outcomes = [_outcome(call, parent) for call in calls]
+        live = dict(device.ledger.live())
+        del calls
+        gc.collect()
+        return [*outcomes, str(dict(device.ledger.live()) == live)]
+
+    found, _ = _in_child(child)
+    assert isinstance(found, list)
+    assert found.pop(3) in STATS_IN_CHILD[worker]
+    assert found == ["closed"] * 4 + ["True"]
+    assert built.shutdown().region == "released"
+    assert device.ledger.live() == {}
 
 
 # -- a child's real exit (a fresh interpreter forks; the child's exit is the interpreter's own) ------------------------

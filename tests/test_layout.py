@@ -1,6 +1,6 @@
 """Tests of the layout (kvoffload_ref.specs and kvoffload_ref.planner): the worked examples, the plain placement
-rule compared by Hypothesis, a byte-level round trip, the R7 table of malformed inputs, and the planner's
-throughput."""
+rule compared by Hypothesis, a byte-level round trip, the R7 table of malformed inputs, and a large plan (its speed
+is ``kvoffload-ref bench``'s)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import copy
 import math
 import pickle
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -580,7 +579,7 @@ def test_layout_prepared_plan_write_checks_its_arrays() -> None:
     assert (empty.num_ops, empty.nbytes, empty.write(none, none, none)) == (0, 0, 0)
 
 
-# ------------------------------------------------------------------------------------------- performance
+# ------------------------------------------------------------------------------------------- large plans
 
 
 def big_transfer(num_descriptors: int) -> tuple[KVCacheLayout, GPULoadStoreSpec, CPULoadStoreSpec,
@@ -597,20 +596,12 @@ def big_transfer(num_descriptors: int) -> tuple[KVCacheLayout, GPULoadStoreSpec,
     return layout, gpu_spec, CPULoadStoreSpec(np.arange(chunks)), gpu, cpu, bpc
 
 
-def best_rate(num_descriptors: int, runs: int = 5) -> float:
-    """Descriptors per second of plan_copies (store), best of ``runs`` after one warm-up."""
+def test_layout_plan_of_a_64k_descriptor_transfer_is_whole() -> None:
+    """A 64k-descriptor shared-region-like store plans every copy, each destination once. (Speed is a figure of
+    ``kvoffload-ref bench``, whose ``--check`` fails on a missed floor: no wall-clock assertion here.)"""
+    num_descriptors = 65536
     layout, gpu_spec, cpu_spec, gpu, cpu, bpc = big_transfer(num_descriptors)
-    plan_copies(layout, "store", gpu_spec, cpu_spec, gpu, cpu, bpc)
-    best = math.inf
-    for _ in range(runs):
-        start = time.perf_counter()
-        plan = plan_copies(layout, "store", gpu_spec, cpu_spec, gpu, cpu, bpc)
-        best = min(best, time.perf_counter() - start)
+    plan = plan_copies(layout, "store", gpu_spec, cpu_spec, gpu, cpu, bpc)
     assert plan.num_ops == num_descriptors
-    return num_descriptors / best
-
-
-def test_layout_plan_throughput_64k() -> None:
-    rate = best_rate(65536)
-    print(f"plan_copies: {rate / 1e6:.1f} M descriptors/s at 64k descriptors")
-    assert rate >= 20e6
+    assert plan.nbytes == num_descriptors * (4096 - 96) and (plan.sizes == 4096 - 96).all()
+    assert np.unique(plan.dst).size == num_descriptors, "every CPU destination is written once"

@@ -40,13 +40,14 @@ def _outcome(call: Any) -> tuple[str, object]:
     except BaseException as exc:  # SimHang too: both must raise the same
         return "raised", type(exc).__name__
     if isinstance(out, list):
-        return "results", [(r.job_id, r.success, r.transfer_size) for r in out]
+        return "results", [(r.job_id, r.success, r.transfer_size, r.invalid_blocks, r.transfer_type) for r in out]
     return "returned", out
 
 
 def _report(report: Any) -> tuple[object, ...]:
     return (report.region, report.device_sync, report.store.drained, report.store.abandoned, report.load.drained,
-            report.load.abandoned, [(j.result.job_id, j.result.success, j.ended) for j in report.unreported],
+            report.load.abandoned, [(j.result.job_id, j.result.success, j.ended, j.result.invalid_blocks)
+                                                             for j in report.unreported],
             dict(report.quarantined), dict(report.leaked), report.interrupted)
 
 
@@ -57,6 +58,7 @@ def _report(report: Any) -> tuple[object, ...]:
 @pytest.mark.rule("R10")
 @pytest.mark.rule("R12")
 @pytest.mark.rule("R13")
+@pytest.mark.rule("R22")
 @settings(derandomize=True, max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setups(plans=st.lists(st.one_of(AIMED, completion_faults(list(JOBS))), max_size=2).map(tuple),
               schedules=("ordered",)), st.data())

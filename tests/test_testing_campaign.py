@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from kvoffload_ref.backends.base import Backend
-from kvoffload_ref.testing import Setup, WorkerLike, reference_factory
+from kvoffload_ref.testing import Setup, WorkerLike, mutants, reference_factory
+from kvoffload_ref.testing.adapter import reference_worker_factory
 from kvoffload_ref.testing.campaign import run_campaign
 
 
@@ -59,6 +60,25 @@ def test_testing_campaign_fails_with_a_reproduction() -> None:
     text = out.getvalue()
     assert "fuzz: FAILED (seed 1) at step " in text and ": R5: reported job -5" in text
     assert "# Reproduction (runnable Python):" in text and "w = _phantom_factory(dev.backend, dev.gpu, setup)" in text
+
+
+def _success_only_reference(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """A deliberately wrong reference worker: the kit's ``failures_reported_as_success`` mutant applied to it."""
+    return mutants._SuccessOnly(reference_worker_factory(backend, gpu, setup))
+
+
+#: The kit's ``failures_reported_as_success`` mutant on each worker.
+SUCCESS_ONLY = {"engine": mutants.failures_reported_as_success, "reference": _success_only_reference}
+
+
+@pytest.mark.rule("R5")
+@pytest.mark.parametrize("worker", list(SUCCESS_ONLY))
+def test_testing_campaign_catches_failures_reported_as_success(worker: str) -> None:
+    """The machine, run as a campaign, catches either worker reporting failed transfers as successful (found is
+    what is checked: the shrink is cut short)."""
+    out = io.StringIO()
+    assert run_campaign(2_000, 1, None, out, factory=SUCCESS_ONLY[worker], shrink_seconds=1.0) == 1
+    assert "R5" in out.getvalue()
 
 
 def test_testing_campaign_rejects_an_unknown_policy() -> None:

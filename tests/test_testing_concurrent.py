@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from _support import catch_budget
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload_ref.backends.base import Backend
@@ -21,8 +21,6 @@ from kvoffload_ref.testing.campaign import quiet_logs
 from kvoffload_ref.testing.threads import CallPause, Runner, paused_or_done
 from kvoffload_ref.worker import CPUOffloadingWorker
 
-BUDGET = 200
-
 
 @pytest.fixture(autouse=True)
 def _quiet() -> Iterator[None]:
@@ -30,16 +28,11 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _budget(examples: int = BUDGET) -> settings:
-    return settings(max_examples=examples, stateful_step_count=50, derandomize=True, database=None, deadline=None,
-                    phases=[Phase.generate], report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
-
-
 @pytest.mark.rule("R19")
 @pytest.mark.rule("R8")
 def test_testing_concurrent_shutdown_rule_runs_clean_on_the_library() -> None:
     machine = make_machine(name="Concurrent")
-    run_state_machine_as_test(machine, settings=_budget(80))
+    run_state_machine_as_test(machine, settings=catch_budget(80))
     counters = machine.counters
     print(counters.line())
     assert counters.violations == 0 and counters.concurrent_shutdowns >= 5
@@ -64,7 +57,7 @@ def wait_raises_once_closed(backend: Backend, gpu: Any, setup: Setup) -> WorkerL
 def test_testing_concurrent_wait_raising_on_shutdown_is_caught() -> None:
     machine = make_machine(wait_raises_once_closed, name="WaitRaises")
     with pytest.raises(ConformanceError, match="R19: a wait"):
-        run_state_machine_as_test(machine, settings=_budget())
+        run_state_machine_as_test(machine, settings=catch_budget())
     print(f"wait raising: caught after {machine.counters.steps} steps")
 
 

@@ -9,14 +9,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+from _support import FACTORIES, WORKERS
 
 from kvoffload_ref.backends.base import Backend
 from kvoffload_ref.cli import EXPLORE_CONFIGS, EXPLORE_INJECTIONS, EXPLORE_METHODS, main
-from kvoffload_ref.core import WorkerCore
-from kvoffload_ref.testing import explorer
-from kvoffload_ref.testing.adapter import Setup, WorkerLike, reference_factory
+from kvoffload_ref.reference import Core
+from kvoffload_ref.testing import explorer, mutants
+from kvoffload_ref.testing.adapter import Setup, WorkerLike, reference_factory, reference_worker_factory
 from kvoffload_ref.testing.explorer import CONFIGS, INJECTIONS, METHODS, Case, explore, run_case
-from kvoffload_ref.worker import CPUOffloadingWorker
 
 
 @pytest.fixture(autouse=True)
@@ -33,10 +33,14 @@ def _quiet() -> Iterator[None]:
 @pytest.mark.rule("R14")
 @pytest.mark.rule("R16")
 @pytest.mark.rule("R19")
+@pytest.mark.rule("R21")
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_explorer_every_call_point_of_every_method_breaks_no_rule(config: str) -> None:
-    """Each configuration, each public method, each backend call it makes, each injection: no rule broken."""
-    result = explore(configs=[config])
+@pytest.mark.parametrize("worker", WORKERS)
+def test_explorer_every_call_point_of_every_method_breaks_no_rule(worker: str, config: str) -> None:
+    """Each configuration, each public method, each backend call it makes, each injection: no rule broken, on
+    the engine and on the reference worker."""
+    factory, name = FACTORIES[worker]
+    result = explore(factory, configs=[config], name=name)
     print(result.table())
     assert {m for m, _ in result.points} == set(METHODS)
     assert all(result.points[(m, config)] > 0 for m in METHODS)  # every method reaches the device
@@ -44,23 +48,37 @@ def test_explorer_every_call_point_of_every_method_breaks_no_rule(config: str) -
     assert not result.failures, "\n".join(map(str, result.failures[:10]))
 
 
-def test_explorer_reaches_the_paths_of_shutdown() -> None:
+@pytest.mark.parametrize("worker", WORKERS)
+def test_explorer_reaches_the_paths_of_shutdown(worker: str) -> None:
     """The configurations differ where they must: a failure and a hang make shutdown longer (the proof, the
     drain's polls), and the hang makes wait() poll until its deadline."""
-    points = {c: explorer.count_points(c, "shutdown") for c in CONFIGS}
+    factory, _ = FACTORIES[worker]
+    points = {c: explorer.count_points(c, "shutdown", factory) for c in CONFIGS}
     assert points["clean"] < points["failed"] < points["hung"]
-    assert explorer.count_points("hung", "wait") > explorer.count_points("clean", "wait")
+    assert explorer.count_points("hung", "wait", factory) > explorer.count_points("clean", "wait", factory)
+
+
+def _swallowing_reference(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """A deliberately wrong reference worker: the kit's ``interrupts_swallowed`` mutant applied to it."""
+    return mutants._Swallower(reference_worker_factory(backend, gpu, setup))
+
+
+#: The kit's ``interrupts_swallowed`` mutant on each worker: (factory, its name).
+SWALLOWING: dict[str, tuple[Any, str]] = {
+    "engine": (mutants.interrupts_swallowed, "kvoffload_ref.testing.mutants:interrupts_swallowed"),
+    "reference": (_swallowing_reference, "tests.test_testing_explorer:_swallowing_reference"),
+}
 
 
 @pytest.mark.rule("R14")
-def test_explorer_catches_a_swallowed_interrupt() -> None:
-    from kvoffload_ref.testing.mutants import interrupts_swallowed
-
-    result = explore(interrupts_swallowed, configs=["clean"], methods=["submit_store"],
-                     injections=["KeyboardInterrupt"], name="kvoffload_ref.testing.mutants:interrupts_swallowed")
+@pytest.mark.parametrize("worker", WORKERS)
+def test_explorer_catches_a_swallowed_interrupt(worker: str) -> None:
+    factory, name = SWALLOWING[worker]
+    result = explore(factory, configs=["clean"], methods=["submit_store"], injections=["KeyboardInterrupt"],
+                     name=name)
     assert result.failures and all(f.rules.startswith("R14") for f in result.failures)
     assert "did not propagate" in result.failures[0].message
-    assert "--factory kvoffload_ref.testing.mutants:interrupts_swallowed" in str(result.failures[0])
+    assert f"--factory {name}" in str(result.failures[0])
 
 
 def _found(cases: Sequence[Case], factory: Any = reference_factory) -> list[str]:
@@ -71,7 +89,7 @@ def _found(cases: Sequence[Case], factory: Any = reference_factory) -> list[str]
 def test_explorer_catches_a_shutdown_interrupted_before_its_drain(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug of the code before: an interrupt before the drain began left both handlers accepting, so the
     release refused and the worker stayed half shut down with everything live."""
-    monkeypatch.setattr(WorkerCore, "_stop_waiting", lambda self, run, shield: None)
+    monkeypatch.setattr(Core, "_stop_waiting", lambda self, run, shield: None)
     found = _found([Case("hung", "shutdown", 0, "KeyboardInterrupt")])
     assert any("neither released nor quarantined" in f or "live after shutdown" in f for f in found)
 
@@ -80,12 +98,15 @@ def test_explorer_catches_a_shutdown_interrupted_before_its_drain(monkeypatch: p
 def test_explorer_catches_results_lost_between_the_two_handlers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug of the code before: get_finished() took the store handler's results, then an interrupt in the
     load handler's reap lost them."""
-    def old_get_finished(self: CPUOffloadingWorker) -> list[Any]:
-        core = self._core
-        with core.lock:
-            return [*core.store.get_finished(), *core.load.get_finished()]
+    def old_get_finished(self: Core) -> list[Any]:
+        with self.lock:
+            taken: list[Any] = []
+            for handler in (self.store, self.load):
+                handler.reap()
+                taken += handler.take_results()
+            return taken
 
-    monkeypatch.setattr(CPUOffloadingWorker, "get_finished", old_get_finished)
+    monkeypatch.setattr(Core, "get_finished", old_get_finished)
     points = explorer.count_points("clean", "get_finished")
     found = _found([Case("clean", "get_finished", k, "KeyboardInterrupt") for k in range(points)])
     assert any("appears 0 times" in f for f in found)

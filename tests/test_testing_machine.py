@@ -1,4 +1,6 @@
 """The conformance machine on kvoffload_ref itself, under both shutdown policies (the CI budget: >= 20,000 steps).
+(The same machines on the reference worker, built by :func:`policy_machine`, are in tests/test_reference.py: this
+module is what HypoFuzz's route fuzzes, the engine's two machines.)
 
 The machines are module-level ``TestCase`` classes (pytest runs them; HypoFuzz finds them); the step counts are
 printed (``pytest -s``) and the last test checks what they did and the budget under the ``ci`` profile.
@@ -13,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from kvoffload_ref.testing import OffloadingMachine, make_machine, policies, setups
+from kvoffload_ref.testing.adapter import WorkerFactory, reference_factory
 from kvoffload_ref.testing.campaign import quiet_logs
 
 #: Stateful examples per test = the profile's max_examples times this (each example is up to 50 steps).
@@ -35,15 +38,24 @@ def stateful_settings() -> settings:
                                                           HealthCheck.filter_too_much])
 
 
-def _machine(name: str, policy: str) -> type[OffloadingMachine]:
-    return make_machine(name=name, setup_strategy=setups(policy=policies(on_unproven=(policy,))),
-                        settings=stateful_settings())
+def reference_settings() -> settings:
+    """The engine's machine settings at a quarter of its examples (100 per policy under the ``ci`` profile, up to
+    5,000 steps each): the reference shares the kit with the engine, not its budget."""
+    current = stateful_settings()
+    return settings(current, max_examples=max(10, current.max_examples // 4))
+
+
+def policy_machine(name: str, policy: str, factory: WorkerFactory = reference_factory,
+                   machine_settings: settings | None = None) -> type[OffloadingMachine]:
+    """The machine on the worker ``factory`` builds, every setup under one shutdown policy."""
+    return make_machine(factory, name=name, setup_strategy=setups(policy=policies(on_unproven=(policy,))),
+                        settings=machine_settings or stateful_settings())
 
 
 #: The machines the project tests itself with: module-level TestCase classes, so that pytest runs them and
 #: HypoFuzz (``hypothesis fuzz``) discovers them.
-QuarantineMachine = _machine("ReferenceWorkerQuarantine", "quarantine")
-ReleaseMachine = _machine("ReferenceWorkerRelease", "release")
+QuarantineMachine = policy_machine("ReferenceWorkerQuarantine", "quarantine")
+ReleaseMachine = policy_machine("ReferenceWorkerRelease", "release")
 
 
 @pytest.mark.rule("R4")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from _support import CATCH_BUDGET, catch_budget
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload_ref.backends.base import Backend, Event
@@ -28,7 +28,7 @@ from kvoffload_ref.testing.campaign import quiet_logs
 from kvoffload_ref.worker import CPUOffloadingWorker
 
 #: The CI budget a mutant must be caught in (examples of up to 50 steps).
-BUDGET = 200
+BUDGET = CATCH_BUDGET
 
 Patch = Callable[[CPUOffloadingWorker, Setup], None]
 
@@ -55,8 +55,7 @@ def _handlers(worker: CPUOffloadingWorker) -> list[Any]:
 def _catch(patch: Patch, name: str) -> tuple[str, int]:
     """Run the machine on the mutant; return the violation's message and the steps it took."""
     machine = make_machine(_factory(patch), name=f"Mutant_{name}")
-    budget = settings(max_examples=BUDGET, stateful_step_count=50, derandomize=True, database=None, deadline=None,
-                      phases=[Phase.generate], report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+    budget = catch_budget(BUDGET)
     with pytest.raises(ConformanceError) as info:
         run_state_machine_as_test(machine, settings=budget)
     steps = machine.counters.steps

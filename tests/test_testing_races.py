@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from _support import CATCH_BUDGET, catch_budget
+from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload_ref.backends.base import Backend
@@ -21,7 +22,7 @@ from kvoffload_ref.testing.races import RaceModel
 from kvoffload_ref.worker import CPUOffloadingWorker, ShutdownPolicy
 
 #: Examples (of up to 50 steps) a broken race check must be caught in.
-BUDGET = 200
+BUDGET = CATCH_BUDGET
 LAYOUT = KVCacheLayout(tensor_page_bytes=(16, 8), groups=((LayerRef(0, 16),), (LayerRef(1, 8), LayerRef(0, 16))))
 
 
@@ -98,13 +99,8 @@ def test_testing_races_compute_observed_by_to_host() -> None:
 
 
 # -- the machine ----------------------------------------------------------------------------------------------
-def _budget() -> settings:
-    return settings(max_examples=BUDGET, stateful_step_count=50, derandomize=True, database=None, deadline=None,
-                    phases=[Phase.generate], report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
-
-
 def _run(machine: Any) -> None:
-    run_state_machine_as_test(machine, settings=_budget())
+    run_state_machine_as_test(machine, settings=catch_budget())
 
 
 @pytest.mark.rule("R20")
@@ -157,7 +153,7 @@ def test_testing_races_dropped_compute_wait_is_caught() -> None:
 def test_testing_races_schedules(schedule: str) -> None:
     """Ordered schedules never produce a race on the library's worker; racy ones do, and match the model."""
     machine = make_machine(name=f"Schedule_{schedule}", setup_strategy=setups(schedules=(schedule,)))
-    run_state_machine_as_test(machine, settings=settings(_budget(), max_examples=40))
+    run_state_machine_as_test(machine, settings=settings(catch_budget(), max_examples=40))
     counters = machine.counters
     print(f"{schedule}: {counters.line()}")
     assert counters.violations == 0

@@ -41,7 +41,8 @@ def get_backend(name: str = "auto", **kwargs: Any) -> Backend:
         name: ``"sim"`` (the simulated device), ``"cupy"`` (a CUDA GPU through CuPy), or ``"auto"``: CuPy when
             its backend imports and reports a usable GPU, else the simulated device (logging one INFO line on
             the ``kvoffload_ref`` logger saying why).
-        **kwargs: passed to the chosen backend's constructor.
+        **kwargs: passed to the chosen backend's constructor (for ``"sim"``: e.g. ``profile="h200"``, a cost
+            profile of ``backends._simcost``, with ``latency=``/``pinned_bandwidth=`` as overrides; ``trace=True``).
 
     Returns:
         The backend.

@@ -1,11 +1,14 @@
 """The CuPy backend's copy paths: the gather/scatter kernel source, the span set that says where the kernel may
-read and write, and the choice between the kernel and one ``cudaMemcpyAsync`` per contiguous run.
+read and write, and the coalescing of contiguous runs. The choice between the kernel and one ``cudaMemcpyAsync``
+per run, and its thresholds, live in :mod:`kvoffload_ref.backends.copy_paths` (re-exported here), which the
+simulated device's cost profiles call too.
 
 Pure: numpy only, no CuPy and no CUDA call, so every decision here is testable without a GPU. The backend
 (``kvoffload_ref.backends.cupy``) owns the state (the spans, the thresholds) and issues the CUDA calls.
 
 * ``"memcpy"``: one ``cudaMemcpyAsync(kind=cudaMemcpyDefault)`` per run of descriptors that are contiguous on both
-  sides (:func:`coalesce`). Legal for any memory, pinned or not.
+  sides (:func:`coalesce`). Legal for any memory, pinned or not. A run never crosses a registration seam (R25: the
+  driver refuses a copy whose host span lies in two registrations; :func:`registration_seams`).
 * ``"kernel"``: the descriptor words are uploaded to a device twin of the descriptor buffer, then one launch of
   ``kvoffload_copy_batch`` copies every descriptor, with 16-byte vector accesses when a descriptor's addresses and
   size allow it (else 8, 4 or 1 byte). The kernel dereferences host pointers directly, which is legal only for
@@ -15,10 +18,17 @@ Pure: numpy only, no CuPy and no CUDA call, so every decision here is testable w
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
+
+from kvoffload_ref.backends.copy_paths import (
+    DEFAULT_KERNEL_MAX_MEAN_BYTES,
+    DEFAULT_KERNEL_MIN_COUNT,
+    CopyPath,
+    choose_path,
+)
 
 __all__ = [
     "DEFAULT_KERNEL_MAX_MEAN_BYTES",
@@ -29,15 +39,11 @@ __all__ = [
     "choose_path",
     "coalesce",
     "launch_grid",
+    "registration_seams",
     "upload_in_one_copy",
 ]
 
-CopyPath = Literal["auto", "kernel", "memcpy"]
 I64 = npt.NDArray[np.int64]
-
-#: Thresholds for ``copy_path="auto"``, measured on an H200 (docs/benchmarks.md; scripts/gpu_bench.py).
-DEFAULT_KERNEL_MIN_COUNT: Final = 16
-DEFAULT_KERNEL_MAX_MEAN_BYTES: Final = 1 << 20  # 1 MiB
 
 #: The copy kernel's name in :data:`KERNEL_SOURCE`.
 COPY_KERNEL: Final = "kvoffload_copy_batch"
@@ -103,7 +109,8 @@ extern "C" __global__ void kvoffload_copy_batch(const long long* __restrict__ sr
 
 
 class SpanSet:
-    """Address ranges the copy kernel may dereference, merged into sorted disjoint intervals.
+    """Address ranges the copy kernel may dereference, merged into sorted disjoint intervals; and the seams of all
+    registrations (R25), which the memcpy path merges no run across.
 
     Not thread-safe; the backend holds its lock around every use.
     """
@@ -113,17 +120,27 @@ class SpanSet:
         # the host pointer); _device maps a seen device array's start to the largest end seen for it.
         self._pinned: dict[int, int] = {}
         self._device: dict[int, int] = {}
+        # Invariant: _registered maps every registered range's start to its size (kernel-usable or not); seams is
+        # registration_seams(_registered), rebuilt (a new array, never changed in place) whenever it changes.
+        self._registered: dict[int, int] = {}
+        self.seams: I64 = registration_seams({})
         # Invariant: the union of both dicts' intervals, merged; _starts sorted, _ends[i] the end of interval i.
         self._starts: npt.NDArray[np.int64] = np.empty(0, np.int64)
         self._ends: npt.NDArray[np.int64] = np.empty(0, np.int64)
 
-    def add_pinned(self, start: int, end: int) -> None:
-        """Add a registered host range whose device pointer equals its host pointer."""
-        self._pinned[start] = end
-        self._rebuild()
+    def add_pinned(self, start: int, end: int, *, kernel: bool = True) -> None:
+        """Add a registered host range: its bounds become seams; with ``kernel`` (its device pointer equals its
+        host pointer) the kernel may dereference it."""
+        self._registered[start] = end - start
+        self.seams = registration_seams(self._registered)
+        if kernel:
+            self._pinned[start] = end
+            self._rebuild()
 
     def discard_pinned(self, start: int) -> None:
         """Remove the registered range that starts at ``start`` (no-op if there is none)."""
+        if self._registered.pop(start, None) is not None:
+            self.seams = registration_seams(self._registered)
         if self._pinned.pop(start, None) is not None:
             self._rebuild()
 
@@ -160,29 +177,6 @@ class SpanSet:
         return bool((ends <= self._ends[idx]).all())
 
 
-def choose_path(copy_path: CopyPath, *, count: int, total_bytes: int, min_count: int, max_mean_bytes: int,
-                legal: bool) -> Literal["kernel", "memcpy"]:
-    """The path of one submission.
-
-    Args:
-        copy_path: the backend's setting: ``"memcpy"`` never takes the kernel, ``"kernel"`` whenever legal,
-            ``"auto"`` when legal, ``count >= min_count`` and the mean size ``<= max_mean_bytes``.
-        count: number of descriptors.
-        total_bytes: the sum of their sizes.
-        min_count: ``auto``'s minimum descriptor count.
-        max_mean_bytes: ``auto``'s largest mean descriptor size.
-        legal: whether every descriptor lies inside the kernel's spans (on both sides).
-
-    Returns:
-        ``"kernel"`` or ``"memcpy"``.
-    """
-    if copy_path == "memcpy" or count == 0 or not legal:
-        return "memcpy"
-    if copy_path == "auto" and (count < min_count or total_bytes > count * max_mean_bytes):
-        return "memcpy"
-    return "kernel"
-
-
 def launch_grid(count: int, max_size: int) -> tuple[int, int, int]:
     """The copy kernel's grid: x splits the largest descriptor (16 KiB per block, at most 1024), y strides over
     the descriptors (at most 65535)."""
@@ -196,8 +190,34 @@ def upload_in_one_copy(slots: int, count: int) -> bool:
     return 3 * 8 * slots <= _SINGLE_UPLOAD_MAX_BYTES or 2 * count >= slots
 
 
-def coalesce(src: I64, dst: I64, sizes: I64) -> tuple[I64, I64, I64]:
+def registration_seams(registered: dict[int, int]) -> I64:
+    """Where registrations begin and end, sorted: the addresses a merged run must not cross (R25).
+
+    Args:
+        registered: each registered range's start -> its size in bytes.
+
+    Returns:
+        The distinct starts and ends, sorted (int64).
+    """
+    bounds = {start for start in registered} | {start + size for start, size in registered.items()}
+    return np.array(sorted(bounds), np.int64)
+
+
+def _at(sorted_values: I64, addrs: I64) -> npt.NDArray[np.bool_]:
+    """Whether each of ``addrs`` is one of ``sorted_values``."""
+    idx = np.minimum(np.searchsorted(sorted_values, addrs), sorted_values.size - 1)
+    return sorted_values[idx] == addrs  # type: ignore[no-any-return]  # an array of bools
+
+
+def coalesce(src: I64, dst: I64, sizes: I64, seams: I64 | None = None) -> tuple[I64, I64, I64]:
     """Merge runs of descriptors that are contiguous on both sides into single copies.
+
+    Args:
+        src: source addresses.
+        dst: destination addresses.
+        sizes: sizes in bytes.
+        seams: sorted addresses no run may cross (:func:`registration_seams`; R25): a descriptor that starts at
+            one, on either side, starts a new run. None: no seams.
 
     Returns:
         ``(src, dst, sizes)`` of the runs.
@@ -205,5 +225,7 @@ def coalesce(src: I64, dst: I64, sizes: I64) -> tuple[I64, I64, I64]:
     if src.shape[0] <= 1:
         return src, dst, sizes
     breaks = (src[1:] != src[:-1] + sizes[:-1]) | (dst[1:] != dst[:-1] + sizes[:-1])
+    if seams is not None and seams.size and not breaks.all():
+        breaks |= _at(seams, src[1:]) | _at(seams, dst[1:])
     starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
     return src[starts], dst[starts], np.add.reduceat(sizes, starts)

@@ -115,13 +115,14 @@ class CopyEngine:
         return True
 
     def memcpy(self, s: CupyStream, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
-               sizes: npt.NDArray[np.int64], tag: Tag | None) -> None:
-        """One ``cudaMemcpyAsync(cudaMemcpyDefault)`` per run of descriptors contiguous on both sides.
+               sizes: npt.NDArray[np.int64], tag: Tag | None, seams: npt.NDArray[np.int64] | None = None) -> None:
+        """One ``cudaMemcpyAsync(cudaMemcpyDefault)`` per run of descriptors contiguous on both sides, no run
+        crossing one of ``seams`` (the registration bounds, R25).
 
         Raises:
             DeviceError: a call failed (the copies queued before it still run).
         """
-        runs_src, runs_dst, runs_size = coalesce(src, dst, sizes)
+        runs_src, runs_dst, runs_size = coalesce(src, dst, sizes, seams)
         memcpy = self._cuda.rt.memcpyAsync
         with self._cuda("copy_batch (memcpy)", tag):
             for d, a, n in zip(runs_dst.tolist(), runs_src.tolist(), runs_size.tolist(), strict=True):

@@ -11,7 +11,9 @@ resolving handles and arrays, and naming memory in violations. It also implement
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
+import json
 import operator
 import threading
 from collections.abc import Sequence
@@ -20,8 +22,9 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload_ref.backends._simcost import CostModel, CostProfile, profile_named
 from kvoffload_ref.backends._simmem import Memory, Span, address, host_view
-from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, ViolationKind
+from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, ViolationKind, transfer_name
 from kvoffload_ref.backends._simsched import (
     ComputeOp,
     CopyOp,
@@ -32,6 +35,7 @@ from kvoffload_ref.backends._simsched import (
     SimEvent,
     SimStream,
 )
+from kvoffload_ref.backends._simtrace import SimTrace
 from kvoffload_ref.backends.base import (
     CallHook,
     DescriptorBuffer,
@@ -43,6 +47,7 @@ from kvoffload_ref.backends.base import (
     Tag,
     TensorGeometry,
 )
+from kvoffload_ref.backends.copy_paths import CopyPath
 from kvoffload_ref.errors import (
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
@@ -60,6 +65,17 @@ __all__ = ["SimCore", "checked_shape", "describe", "tag_of", "transfer_name"]
 Bytes = npt.NDArray[np.uint8]
 
 
+class _ProfileValue(float):
+    """The default of ``latency``/``pinned_bandwidth``/``pageable_bandwidth``: the profile's value."""
+
+    def __repr__(self) -> str:
+        return "<the profile's value>"
+
+
+#: The sentinel default: an explicit number overrides the profile's term; this one takes it.
+PROFILE_VALUE: float = _ProfileValue("nan")
+
+
 class SimCore:
     """State and internal steps of the simulated device (the constructor's arguments: see ``SimBackend``).
 
@@ -69,12 +85,29 @@ class SimCore:
             float included), or a ``race_check`` that is not a bool (R7).
     """
 
-    def __init__(self, faults: FaultSource | None = None, *, latency: float = 5e-6,
-                 pinned_bandwidth: float = 25e9, pageable_bandwidth: float = 8e9,
-                 hang_horizon: float = 3600.0, race_check: bool = True) -> None:
-        latency = check_seconds("latency", latency)
-        pinned_bandwidth = check_positive("pinned_bandwidth", pinned_bandwidth, unit="bytes per second")
-        pageable_bandwidth = check_positive("pageable_bandwidth", pageable_bandwidth, unit="bytes per second")
+    def __init__(self, faults: FaultSource | None = None, *, latency: float = PROFILE_VALUE,
+                 pinned_bandwidth: float = PROFILE_VALUE, pageable_bandwidth: float = PROFILE_VALUE,
+                 hang_horizon: float = 3600.0, race_check: bool = True, profile: str | CostProfile = "simple",
+                 copy_path: CopyPath = "auto", trace: bool = False) -> None:
+        try:
+            chosen = profile_named(profile)
+        except ValueError as exc:
+            raise InvalidTransferError(str(exc)) from None
+        latency = chosen.call_cost if latency is PROFILE_VALUE else check_seconds("latency", latency)
+        pinned_bandwidth = chosen.link_bandwidth if pinned_bandwidth is PROFILE_VALUE else check_positive(
+            "pinned_bandwidth", pinned_bandwidth, unit="bytes per second")
+        pageable_bandwidth = chosen.pageable_bandwidth if pageable_bandwidth is PROFILE_VALUE else check_positive(
+            "pageable_bandwidth", pageable_bandwidth, unit="bytes per second")
+        if copy_path not in ("auto", "kernel", "memcpy"):
+            raise InvalidTransferError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
+        if not isinstance(trace, bool):
+            raise InvalidTransferError(f"trace must be a bool, got {type(trace).__name__} {trace!r}")
+        # Invariant: the cost terms in force (the named profile with the explicit overrides applied).
+        self.profile = dataclasses.replace(chosen, call_cost=latency, link_bandwidth=pinned_bandwidth,
+                                           pageable_bandwidth=pageable_bandwidth)
+        # Invariant: "auto", "kernel" or "memcpy" when set through the constructor: the path rule's setting, read
+        # when a copy starts (profiles with paths only; "simple" has none).
+        self.copy_path: CopyPath = copy_path
         hang_horizon = check_positive("hang_horizon", hang_horizon, unit="seconds")
         if not isinstance(race_check, bool):
             raise InvalidTransferError(f"race_check must be a bool, got {type(race_check).__name__} {race_check!r}")
@@ -87,6 +120,14 @@ class SimCore:
         self._ledger = Ledger()
         self._memory = Memory()
         self._sched = Scheduler(self._op_duration, self._apply_op, self._halted)
+        # Invariant: None under a profile without a shared link ("simple"); else prices copies and runs the link.
+        self._cost = CostModel(self.profile, self._sched.push) if self.profile.shared_link else None
+        if self._cost is not None:
+            self._sched.settle = self._cost.settle
+        # Invariant: None unless trace=True; then records every op that finishes, faults and violations.
+        self._trace = SimTrace(f"sim profile {self.profile.name}") if trace else None
+        if self._trace is not None:
+            self._sched.trace = self._trace.on_finish
         self._labels = itertools.count(1)
         # Invariant: the compute stream; never destroyed and never in the ledger.
         self._compute = SimStream(self, "compute", compute=True)
@@ -210,6 +251,52 @@ class SimCore:
             self._unpinned.add(ptr)
             self._ledger.release("pinned", ptr)
 
+    def registrations(self) -> list[tuple[int, int]]:
+        """The ``(start, end)`` of every range registered and not unregistered, in address order (R25)."""
+        with self._lock:
+            return sorted(self._memory.pinned.items())
+
+    def _check_registrations(self, buf: DescriptorBuffer, count: int, tag: Tag | None) -> None:
+        """R25: record ``crosses_registration`` for a copy with a host span in two registrations (the sim merges
+        no descriptors, so each descriptor's span is checked as it is); the copy still runs."""
+        sizes = buf.sizes[:count]
+        for side, addrs in (("source", buf.src[:count]), ("destination", buf.dst[:count])):
+            found = self._memory.first_crossing(addrs, sizes)
+            if found is not None:
+                k, first, second = found
+                lo = int(addrs[k])
+                self._violate("crosses_registration",
+                              f"copy {tag}: descriptor {k}'s {side} {self._name_range(lo, lo + int(sizes[k]))} "
+                              f"spans the registrations at {first:#x} and {second:#x}", tag)
+                return
+
+    # -- timeline --------------------------------------------------------------------------------------------
+
+    def trace_document(self) -> dict[str, Any]:
+        """The timeline recorded so far, as Chrome trace-event JSON (``backends.trace_format``); work that never
+        ran is listed with a zero-length span at the current time.
+
+        Raises:
+            InvalidTransferError: the device was made without ``trace=True``.
+        """
+        if self._trace is None:
+            raise InvalidTransferError("trace_document: this device records no timeline (make it with trace=True)")
+        with self._lock:
+            self._catch_up()
+            return self._trace.document(self._pending, self._sched.now)
+
+    def write_trace(self, path: str) -> None:
+        """Write :meth:`trace_document` to ``path`` as JSON (open it in Perfetto or ``chrome://tracing``).
+
+        Raises:
+            InvalidTransferError: the device was made without ``trace=True``.
+            OSError: the file cannot be written.
+        """
+        doc = self.trace_document()
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+            f.write("\n")
+
     # -- internals ---------------------------------------------------------------------------------------------
 
     def _halted(self) -> bool:
@@ -225,7 +312,15 @@ class SimCore:
 
     def _fault(self, point: FaultPoint, tag: Tag | None) -> None:
         if self._plan is not None:
-            self._plan.check(point, tag)
+            if self._trace is None:
+                self._plan.check(point, tag)
+            else:
+                try:
+                    self._plan.check(point, tag)
+                except DeviceError as exc:
+                    self._trace.instant(None, f"fault: {point} error {exc.status}", self._sched.now, "fault",
+                                        {"point": point, "tag": list(tag) if tag else None, "status": exc.status})
+                    raise
         self._check_alive()
 
     def _catch_up(self) -> None:
@@ -250,7 +345,11 @@ class SimCore:
             stream.hang_tag = None
             return False
         stream.hang_tag = tag
-        return self._plan is not None and self._plan.select_hang(tag) is not None
+        hang = self._plan is not None and self._plan.select_hang(tag) is not None
+        if hang and self._trace is not None:
+            self._trace.instant(stream, f"fault: hang after {transfer_name(tag, stream)}", self._sched.now, "fault",
+                                {"point": "copy", "tag": list(tag)})
+        return hang
 
     def _submit_record(self, stream: SimStream) -> Record:
         record = Record()
@@ -259,8 +358,10 @@ class SimCore:
             self._race.on_record(stream, record)
         return record
 
-    def _check_race(self, stream: SimStream, name: str, tag: Tag | None, access: Access) -> None:
+    def _check_race(self, stream: SimStream, name: str | None, tag: Tag | None, access: Access) -> None:
         assert self._race is not None   # callers check; an internal invariant, not user input
+        if self._trace is not None:
+            self._trace.memory_op(stream, name, tag, self._sched.now)
         for detail, found, pair in self._race.on_op(stream, name, tag, access):
             self._violate("dma_race", detail, found, pair)
 
@@ -290,6 +391,8 @@ class SimCore:
     def _violate(self, kind: ViolationKind, detail: str, tag: Tag | None = None,
                  pair: tuple[int, int] | None = None) -> None:
         self._violations.append(Violation(self._sched.now, kind, detail, tag, pair))
+        if self._trace is not None:
+            self._trace.violation(kind, detail, self._sched.now, pair)
 
     def _poison_pending(self, lo: int, hi: int, kind: ViolationKind, why: str) -> None:
         for op in self._pending:
@@ -299,11 +402,13 @@ class SimCore:
 
     def _op_duration(self, op: Op) -> float:
         if isinstance(op, ComputeOp):
-            return op.delay
+            return op.delay if self._cost is None else op.delay * self._cost.compute_factor()
         if not isinstance(op, CopyOp):
             return 0.0
         n = op.count
         op.plan, slow = self._memory.plan(op.buf.src[:n].copy(), op.buf.dst[:n].copy(), op.buf.sizes[:n].copy())
+        if self._cost is not None:
+            return self._cost.price(op, op.plan, slow, self.copy_path)
         total = int(op.plan.sizes[op.plan.sizes > 0].sum())
         return self._latency + (total - slow) / self._pinned_bw + slow / self._pageable_bw
 
@@ -430,10 +535,6 @@ _DONE_AT = operator.attrgetter("done_at")
 def tag_of(event: Event) -> Tag | None:
     """The tag of an event's latest record, read without the lock (for the call hook only)."""
     return event.tag if isinstance(event, SimEvent) else None
-
-
-def transfer_name(tag: Tag | None, stream: SimStream) -> str:
-    return f"{tag[0]} job {tag[1]}" if tag is not None else f"an untagged copy on {stream.label}"
 
 
 def checked_shape(shape: tuple[int, int]) -> tuple[int, int]:

@@ -373,6 +373,21 @@ class Memory:
         index = self._pins()
         return [int(index.starts[i]) for i in index.overlapping(lo, hi)]
 
+    def first_crossing(self, addr: I64, sizes: I64) -> tuple[int, int, int] | None:
+        """The first non-empty range among [addr, addr+sizes) that meets two or more pinned ranges (R25: a copy
+        spanning two registrations), as (descriptor index, start of the first pinned range it meets, start of the
+        next one); None when there is none (at once when at most one range is pinned)."""
+        if len(self.pinned) <= 1 or addr.size == 0:
+            return None
+        index = self._pins()
+        first = np.searchsorted(index.ends, addr, side="right")   # the first pinned range ending after addr
+        beyond = np.searchsorted(index.starts, addr + sizes, side="left")   # how many start before the end
+        crossing = (beyond - first >= 2) & (sizes > 0)
+        if not crossing.any():
+            return None
+        k = int(crossing.argmax())
+        return k, int(index.starts[first[k]]), int(index.starts[first[k] + 1])
+
     def plan(self, src: I64, dst: I64, sizes: I64) -> tuple[CopyPlan, int]:
         """Resolve descriptors against the live spans.
 

@@ -45,13 +45,13 @@ from kvoffload_ref.backends._simmem import address
 from kvoffload_ref.backends._simsched import Clock, Record, SimStream
 from kvoffload_ref.backends.base import DescriptorBuffer, Tag
 
-__all__ = ["Access", "RaceDetector", "Violation", "ViolationKind", "copy_access", "rows_access"]
+__all__ = ["Access", "RaceDetector", "Violation", "ViolationKind", "copy_access", "rows_access", "transfer_name"]
 
 I64 = npt.NDArray[np.int64]
 
 ViolationKind = Literal[
     "unmap_under_dma", "unregister_under_dma", "descriptor_freed_under_dma", "illegal_address",
-    "double_unregister", "invalid_release", "dma_race",
+    "double_unregister", "invalid_release", "dma_race", "crosses_registration",
 ]
 
 #: Names a byte range [lo, hi) for a message, e.g. "device array 2 (64x512) rows 5..8".
@@ -142,13 +142,32 @@ def overlap(ranges: tuple[I64, I64], other: tuple[I64, I64, I64]) -> tuple[int, 
     return max(a, int(olo[inter].min())), min(b, int(ohi[inter].max()))
 
 
+def transfer_name(tag: Tag | None, stream: SimStream) -> str:
+    """A copy as messages name it: the transfer its tag names, else an untagged copy on its stream."""
+    return _tag_name(tag) if tag is not None else f"an untagged copy on {stream.label}"
+
+
+def _tag_name(tag: Tag) -> str:
+    return f"{tag[0]} job {tag[1]}"
+
+
 class _LiveOp:
     """An op not yet known complete to the host."""
 
-    __slots__ = ("access", "count", "name", "seq", "tag")
+    __slots__ = ("_name", "access", "count", "seq", "tag")
 
-    def __init__(self, seq: int, count: int, name: str, tag: Tag | None, access: Access) -> None:
-        self.seq, self.count, self.name, self.tag, self.access = seq, count, name, tag, access
+    def __init__(self, seq: int, count: int, name: str | None, tag: Tag | None, access: Access) -> None:
+        self.seq, self.count, self.tag, self.access = seq, count, tag, access
+        # Invariant: what the op is, for messages; None only with a tag: the transfer it names (a string built
+        # only for a message, not for each of the thousands of ops a detector may hold).
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        if self._name is not None:
+            return self._name
+        assert self.tag is not None  # Invariant: a nameless op has a tag
+        return _tag_name(self.tag)
 
 
 class _Lane:
@@ -227,9 +246,12 @@ class RaceDetector:
 
     # -- ops --------------------------------------------------------------------------------------------------
 
-    def on_op(self, stream: SimStream, name: str, tag: Tag | None,
+    def on_op(self, stream: SimStream, name: str | None, tag: Tag | None,
               access: Access) -> Iterator[tuple[str, Tag | None, tuple[int, int]]]:
-        """Enqueue one memory op on ``stream``; yields (detail, tag, pair) for each live op it races with."""
+        """Enqueue one memory op on ``stream``; yields (detail, tag, pair) for each live op it races with.
+
+        ``name`` says what the op is in messages; None for a tagged copy: the transfer its tag names
+        (:func:`transfer_name`)."""
         clock = self._join(stream.clock, self._host) if self._host else dict(stream.clock)
         lane_id = self._lane_for(stream, clock)
         lane = self._lanes[lane_id]

@@ -89,16 +89,21 @@ class SimStream:
 class SimEvent:
     """An event handle of one SimBackend."""
 
-    __slots__ = ("label", "latest", "owner", "tag")
+    __slots__ = ("latest", "number", "owner", "tag")
 
-    def __init__(self, owner: object, label: str) -> None:
+    def __init__(self, owner: object, number: int) -> None:
         # Invariant: the device that created it; the event is live while that device's event table holds it.
         self.owner = owner
-        self.label = label
+        # Invariant: the device's label counter when it was created (the label is built only when shown).
+        self.number = number
         # Invariant: the current generation; None while never recorded (such an event counts as complete).
         self.latest: Record | None = None
         # Invariant: the tag of the latest record (fault selectors match it).
         self.tag: Tag | None = None
+
+    @property
+    def label(self) -> str:
+        return f"e{self.number}"
 
     def __repr__(self) -> str:
         return f"<SimEvent {self.label} tag={self.tag}>"
@@ -148,11 +153,13 @@ class ComputeOp(Op):
 
 
 class CopyOp(Op):
-    __slots__ = ("buf", "count", "plan", "poison", "tag")
+    __slots__ = ("buf", "count", "flow", "plan", "poison", "tag")
 
     def __init__(self, stream: SimStream, buf: DescriptorBuffer, count: int, tag: Tag | None) -> None:
         super().__init__(stream)
         self.buf, self.count, self.tag = buf, count, tag
+        # Invariant: None unless a cost profile priced the op when it started (then a ``_simcost.Flow``).
+        self.flow: object | None = None
         # Invariant: None until the op starts; then the descriptors as read at start, resolved to spans.
         self.plan: CopyPlan | None = None
         # Invariant: why the op must not touch memory (a range it uses was unmapped/unpinned), or None.
@@ -187,6 +194,15 @@ class Scheduler:
         # latest-submitted first, and seq is unique so ops themselves are never compared.
         self._heap: list[tuple[float, int, Op]] = []
         self._seq = itertools.count()
+        # Invariant: None, or the cost model's ``settle(op, t)``: False for a heap entry that is not the op's
+        # finish (its link phase began, or a shared link moved its finish: the entry is stale).
+        self.settle: Callable[[Op, float], bool] | None = None
+        # Invariant: None, or called with every op as it finishes, before its effect (the timeline recorder).
+        self.trace: Callable[[Op, float], None] | None = None
+
+    def push(self, op: Op, t: float) -> None:
+        """Add a heap entry: ``op`` finishes at ``t`` (the cost model's re-estimates; older entries go stale)."""
+        heapq.heappush(self._heap, (t, -op.seq, op))
 
     def submit(self, op: Op) -> None:
         """Append an op to its stream; start it now if the stream is idle."""
@@ -205,6 +221,8 @@ class Scheduler:
         """
         while self._heap and self._heap[0][0] <= limit and not self._halted():
             t, _, op = heapq.heappop(self._heap)
+            if self.settle is not None and not self.settle(op, t):
+                continue
             self.now = max(self.now, t)
             self._finish(op, t)
             if until is not None and until():
@@ -231,6 +249,8 @@ class Scheduler:
         heapq.heappush(self._heap, (start + self._duration(op), -op.seq, op))
 
     def _finish(self, op: Op, t: float) -> None:
+        if self.trace is not None:
+            self.trace(op, t)
         stream = op.stream
         stream.queue.popleft()
         if isinstance(op, RecordOp):

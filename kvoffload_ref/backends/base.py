@@ -20,7 +20,7 @@ from typing import Final, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.errors import LifecycleError, SimHang
+from kvoffload_ref.errors import DeadlineExceeded, LifecycleError, SimHang
 from kvoffload_ref.shield import Shield
 from kvoffload_ref.specs import TensorGeometry
 
@@ -42,6 +42,7 @@ __all__ = [
     "give_up_past_horizon",
     "poll_until",
     "record_and_poll",
+    "wait_polling",
 ]
 
 #: ``(direction, job_id)``; direction is ``"store"`` or ``"load"``.
@@ -499,6 +500,37 @@ def poll_until(backend: Backend, done: Callable[[], bool], deadline: float | Non
         step = pause if deadline is None else min(pause, deadline - now)
         backend.sleep(max(step, 0.0))
         pause = min(pause * 2, POLL_MAX_SLEEP)
+
+
+def wait_polling(backend: Backend, settled: Callable[[], bool], started: float, deadline: float | None,
+                 what: str) -> None:
+    """Poll ``settled()`` until it returns True, sleeping between polls on the backend's clock (``wait``, R6).
+
+    ``settled`` takes the worker's lock for one non-blocking poll; the sleeps run without it (R19). It is polled at
+    least once. A simulated clock (one with a ``hang_horizon``) sleeps for free, so without a deadline the backoff
+    grows without a cap and an unbounded wait reaches the horizon in a few dozen polls; a real clock polls at least
+    every POLL_MAX_SLEEP.
+
+    Args:
+        backend: whose clock and sleep to use. settled: one poll. started: when the wait began (backend clock).
+        deadline: absolute backend time, or None for no bound. what: the awaited job, for messages.
+
+    Raises:
+        DeadlineExceeded: the deadline passed first (R6).
+        SimHang: no deadline, and the backend's hung work outlived its ``hang_horizon`` (``check_unbounded_wait``;
+            a real device never raises it).
+    """
+    horizon = backend.hang_horizon if deadline is None else None
+    longest = POLL_MAX_SLEEP if horizon is None else max(POLL_MAX_SLEEP, horizon / 64)
+    pause = POLL_FIRST_SLEEP
+    while not settled():
+        now = backend.monotonic()
+        if deadline is not None and now >= deadline:
+            raise DeadlineExceeded(f"{what} not proven complete by the deadline")
+        if horizon is not None:
+            backend.check_unbounded_wait(started, now, what)
+        backend.sleep(pause if deadline is None else max(min(pause, deadline - now), 0.0))
+        pause = min(pause * 2, longest)
 
 
 def record_and_poll(backend: Backend, streams: Sequence[Stream], deadline: float) -> bool:

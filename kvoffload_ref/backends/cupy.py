@@ -37,6 +37,7 @@ from kvoffload_ref.backends._cupy_interop import check_shape, describe, parse_st
 from kvoffload_ref.backends._cupy_kernel import CopyEngine
 from kvoffload_ref.backends._cupy_runtime import CudaCalls, CupyEvent, CupyStream, gpu_usable, status_of, tag_text
 from kvoffload_ref.backends._cupy_tensors import copy_from_host, copy_to_host, view_tensor
+from kvoffload_ref.backends._cupy_trace import TracingMixin
 from kvoffload_ref.backends.base import DescriptorBuffer, Event, Ledger, Stream, Tag, record_and_poll
 from kvoffload_ref.errors import (
     CUDA_ERROR_INVALID_RESOURCE_HANDLE,
@@ -47,26 +48,19 @@ from kvoffload_ref.errors import (
 )
 from kvoffload_ref.specs import TensorGeometry
 
-__all__ = [
-    "DEFAULT_KERNEL_MAX_MEAN_BYTES",
-    "DEFAULT_KERNEL_MIN_COUNT",
-    "KERNEL_SOURCE",
-    "CopyPath",
-    "CupyBackend",
-    "CupyEvent",
-    "CupyStream",
-    "gpu_usable",
-]
+__all__ = ["DEFAULT_KERNEL_MAX_MEAN_BYTES", "DEFAULT_KERNEL_MIN_COUNT", "KERNEL_SOURCE", "CopyPath", "CupyBackend",
+           "CupyEvent", "CupyStream", "gpu_usable"]
 
 _log = logging.getLogger(__name__)
 
 
-class CupyBackend:
+class CupyBackend(TracingMixin):
     """The Backend protocol (``kvoffload_ref.backends.base.Backend``) on one CUDA device through CuPy.
 
     Construction compiles and loads the copy kernel (``warm_up``; NVRTC, cached on disk by CuPy) unless
     ``copy_path="memcpy"``, and synchronizes the compute stream once. If the kernel cannot be compiled, the backend
-    logs a warning and uses the memcpy path only.
+    logs a warning and uses the memcpy path only. ``start_trace()`` records a timeline of the copies
+    (``_cupy_trace``; the simulated device's format).
 
     Thread-safe: CUDA calls are thread-safe, the ledger locks itself, and the backend's own tables are guarded by
     a lock. Every call makes ``device`` current for its duration and restores the caller's device afterwards.
@@ -108,7 +102,8 @@ class CupyBackend:
         # Invariant: at most one (unowned) handle per compute-stream pointer; see current_stream().
         self._compute_handles: dict[int, CupyStream] = {}
         # Invariant: _mappings / _pinned map a tracked / registered range's start to its size (what the ledger's
-        # "mapping" / "pinned" entries describe); _spans is what the copy kernel may dereference.
+        # "mapping" / "pinned" entries describe); _spans is what the copy kernel may dereference, and the seams
+        # of the registrations (the memcpy path merges no run across one, R25).
         self._mappings: dict[int, int] = {}
         self._pinned: dict[int, int] = {}
         self._spans = SpanSet()
@@ -260,7 +255,8 @@ class CupyBackend:
 
     def host_register(self, ptr: int, nbytes: int) -> None:
         """Pin exactly ``[ptr, ptr + nbytes)`` with ``cudaHostRegister(Portable | Mapped)`` (ledger "pinned", key
-        ptr). Chunking is the caller's job. Nothing is recorded if the call fails.
+        ptr). Chunking is the caller's job; the range's bounds are seams no memcpy run crosses (R25). Nothing is
+        recorded if the call fails.
 
         Raises:
             DeviceError: the registration failed (e.g. 712 already registered, 1 invalid value).
@@ -271,8 +267,7 @@ class CupyBackend:
         self._ledger.acquire("pinned", ptr)
         with self._lock:
             self._pinned[ptr] = nbytes
-            if kernel_ok:
-                self._spans.add_pinned(ptr, ptr + nbytes)
+            self._spans.add_pinned(ptr, ptr + nbytes, kernel=kernel_ok)
 
     def _device_pointer_is_host(self, ptr: int) -> bool:
         try:
@@ -523,10 +518,13 @@ class CupyBackend:
         path = self.choose_path(src, dst, sizes)
         if path == "kernel" and not self._engine.available():
             path = "memcpy"
+        traced = self._tracer.begin(s.ptr) if self._tracer is not None else None
         if path == "kernel":
             self._engine.launch(s, block, count, int(sizes.max()), tag)
         else:
-            self._engine.memcpy(s, src, dst, sizes, tag)
+            self._engine.memcpy(s, src, dst, sizes, tag, self._spans.seams)  # no run across a seam (R25)
+        if traced is not None and self._tracer is not None:
+            self._tracer.end(traced, s.ptr, tag, int(sizes.sum()), count, path)
         with self._lock:
             self._path_counts[path] += 1
         self.last_copy_path = path

@@ -18,7 +18,8 @@ unmapping or unpinning memory a pending copy touches, freeing a descriptor buffe
 touching no live span (sticky illegal-address error, status 700, as CUDA), a double unregister, and releasing a
 handle that is not live. "Pending" includes a copy stuck behind a hang forever. With ``race_check`` (the
 default), two device operations touching the same bytes, one writing, that nothing orders (``dma_race``, R20;
-``_simrace.py``). docs/simulator.md is the user's guide.
+``_simrace.py``). A copy with a host span in two registrations (``crosses_registration``, R25: the sim records
+each ``host_register``, see ``registrations()``). docs/simulator.md is the user's guide.
 
 *Faults.* A :class:`~kvoffload_ref.faults.FaultPlan` is consulted at every fault point; see ``faults.py``. A hang
 is selected when a transfer is submitted (its start: a tagged ``record`` on a stream other than a compute stream
@@ -83,13 +84,22 @@ class SimBackend(SimCore):
 
     Args:
         faults: the faults to inject, or None.
-        latency: virtual seconds every copy op costs on top of its bytes.
-        pinned_bandwidth: bytes per virtual second for device memory and pinned host memory.
-        pageable_bandwidth: bytes per virtual second when a host side is not inside one pinned range.
+        latency: virtual seconds every copy op costs on top of its bytes (default: the profile's ``call_cost``,
+            5 us for ``"simple"``).
+        pinned_bandwidth: bytes per virtual second for device memory and pinned host memory (default: the
+            profile's ``link_bandwidth``, 25 GB/s for ``"simple"``; under another profile it caps every path).
+        pageable_bandwidth: bytes per virtual second when a host side is not inside one pinned range (default:
+            the profile's, 8 GB/s).
         hang_horizon: virtual seconds a blocking wait (``synchronize``, ``to_host``) waits before it gives up
             with :class:`SimHang`.
         race_check: detect unordered overlapping device operations (violation ``dma_race``, R20); on by
             default.
+        profile: the cost model, by name (``"simple"``, the default: ``latency + bytes / bandwidth``;
+            ``"h200"``, ``"h100"``: copy paths, per-descriptor costs and a shared link, ``_simcost.py``,
+            docs/simulator.md) or a ``CostProfile``.
+        copy_path: ``"auto"`` (default), ``"kernel"`` or ``"memcpy"``: the path rule the CuPy backend applies
+            (``copy_paths.choose_path``), priced by the profile; also the attribute :attr:`copy_path`.
+        trace: record a timeline (``trace_document``, ``write_trace``: Chrome trace-event JSON); off by default.
 
     Attributes:
         on_call: None, or ``on_call(point, tag)`` called at the start of every public call (before the internal
@@ -103,7 +113,8 @@ class SimBackend(SimCore):
     Raises:
         InvalidTransferError: a latency that is not a finite number of seconds >= 0, a bandwidth or a horizon that
             is not a finite number > 0 (a bool, a string, NaN, an infinity or an int too large for a float is
-            refused), or a ``race_check`` that is not a bool (R7). It is a ValueError.
+            refused), a ``race_check`` or ``trace`` that is not a bool, an unknown profile or ``copy_path``
+            (R7). It is a ValueError.
     """
 
     name: str = "sim"
@@ -224,9 +235,10 @@ class SimBackend(SimCore):
         with self._lock:
             self._fault("descriptor_alloc", tag)
             src, dst, sizes = np.zeros((3, capacity), dtype=np.int64)  # one allocation, three rows
-            buf = DescriptorBuffer(src, dst, sizes, handle=f"sim-descriptors-{next(self._labels)}")
-            self._buffers[id(buf)] = buf
-            self._ledger.acquire("descriptor", id(buf))
+            buf = DescriptorBuffer(src, dst, sizes, handle=next(self._labels))  # the handle: the buffer's number
+            key = id(buf)  # one int for both tables
+            self._buffers[key] = buf
+            self._ledger.acquire("descriptor", key)
             return buf
 
     def free_descriptors(self, buf: DescriptorBuffer) -> None:
@@ -339,9 +351,10 @@ class SimBackend(SimCore):
             self.on_call("event_create", tag)
         with self._lock:
             self._fault("event_create", tag)
-            event = SimEvent(self, f"e{next(self._labels)}")
-            self._events[id(event)] = event
-            self._ledger.acquire("event", id(event))
+            event = SimEvent(self, next(self._labels))
+            key = id(event)  # one int for both tables (a teardown touches every one)
+            self._events[key] = event
+            self._ledger.acquire("event", key)
             return event
 
     def destroy_event(self, event: Event) -> None:
@@ -440,9 +453,11 @@ class SimBackend(SimCore):
     def copy_batch(self, stream: Stream, buf: DescriptorBuffer, count: int, *, tag: Tag | None = None) -> None:
         """Queue the first ``count`` descriptors of ``buf`` as one copy op on ``stream``.
 
-        The descriptors are read when the op starts; it takes latency + bytes / bandwidth and moves the bytes
-        when it finishes. Each range must lie inside one live span, else the device gets the sticky
-        illegal-address error then (violation ``illegal_address``).
+        The descriptors are read when the op starts; it takes latency + bytes / bandwidth (under a profile with
+        paths: its path's costs, sharing the link of its direction; ``_simcost.py``) and moves the bytes when it
+        finishes. Each range must lie inside one live span, else the device gets the sticky
+        illegal-address error then (violation ``illegal_address``). A descriptor whose host span lies in two
+        registrations is recorded at submission (``crosses_registration``, R25); the copy still runs.
 
         Raises:
             InvalidTransferError: ``count`` is not an int (checked first: no fault point is counted), or is outside
@@ -461,8 +476,10 @@ class SimBackend(SimCore):
             if not 0 <= count <= buf.capacity:
                 raise InvalidTransferError(f"copy_batch: count {count} outside [0, {buf.capacity}]")
             op = CopyOp(target, buf, count, tag)
+            self._check_registrations(buf, count, tag)  # R25
             if self._race is not None:
-                self._check_race(target, transfer_name(tag, target), tag, copy_access(buf, count))
+                self._check_race(target, None if tag is not None else transfer_name(tag, target), tag,
+                                 copy_access(buf, count))  # a tagged copy is named only in a message
             self._pending[op] = None
             self._buffer_users[id(buf)] += 1
             self._sched.submit(op)

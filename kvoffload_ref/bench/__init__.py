@@ -12,8 +12,10 @@ Module map (one module per figure group; :data:`FIGURE_GROUPS` runs them in this
 
 * :mod:`~kvoffload_ref.bench.common` -- :class:`Result`, goals, sizes, the :class:`BenchRun` handed to each group,
   timing and log capture;
-* :mod:`~kvoffload_ref.bench.planner` -- the copy planner against a naive loop, and its scaling;
+* :mod:`~kvoffload_ref.bench.planner` -- the copy planner against the plain placement rule, and its scaling;
 * :mod:`~kvoffload_ref.bench.datapath` -- store + load through a worker on the sim against ``np.copyto``;
+* :mod:`~kvoffload_ref.bench.calibration` -- the sim's ``h200`` cost profile against the figures recorded on an
+  H200 (virtual clock), and the data path's real cost with a profile on;
 * :mod:`~kvoffload_ref.bench.shutdown` -- shutdown past the deadline, and draining many completed transfers;
 * :mod:`~kvoffload_ref.bench.fuzz` -- the conformance kit's steps/s (when Hypothesis is installed);
 * :mod:`~kvoffload_ref.bench.overhead` -- the race detector (R20) and the worker's lock (R19) against the same
@@ -37,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Final, TextIO, cast
 
-from kvoffload_ref.bench import datapath, fuzz, overhead, planner, shutdown
+from kvoffload_ref.bench import calibration, datapath, fuzz, overhead, planner, shutdown
 from kvoffload_ref.bench.common import FULL, QUICK, BenchRun, Result, captured_logs
 from kvoffload_ref.bench.report import finite, machine, render
 
@@ -56,6 +58,7 @@ class FigureGroup:
 FIGURE_GROUPS: Final[tuple[FigureGroup, ...]] = (
     FigureGroup("planner", planner.figures),
     FigureGroup("sim data path", datapath.figures),
+    FigureGroup("sim cost model", calibration.figures),
     FigureGroup("shutdown", shutdown.figures),
     FigureGroup("fuzz", fuzz.figures),
     FigureGroup("overhead of the race detector and the lock", overhead.figures),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from types import TracebackType
-from typing import Final
+from typing import Any, Final
 
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.bench.common import LAYERS, BenchRun, Goal, KiB, MiB, Result, result
@@ -98,8 +98,8 @@ def bench_locking(count: int, repeats: int) -> Result:
     for locked in (True, False):
         be = SimBackend(race_check=False)
         rigs[locked] = (be, _small_worker(be))
-    real_lock = rigs[False][1]._core.lock
-    rigs[False][1]._core.lock = _NoLock()  # type: ignore[assignment]  # the bench's unsafe baseline
+    unsafe: Any = rigs[False][1]._core  # the bench's unsafe baseline: the same core without its lock
+    real_lock, unsafe.lock = unsafe.lock, _NoLock()
     best = {True: math.inf, False: math.inf}
     try:
         for attempt in range(repeats + 1):
@@ -109,7 +109,7 @@ def bench_locking(count: int, repeats: int) -> Result:
                 if attempt:
                     best[locked] = min(best[locked], elapsed)
     finally:
-        rigs[False][1]._core.lock = real_lock  # shutdown waits on the lock's condition
+        unsafe.lock = real_lock  # shutdown waits on the lock's condition
         for _, worker in rigs.values():
             worker.shutdown()
     return result("locking", f"uncontended submit + reap of {count} stores, with the worker's lock",

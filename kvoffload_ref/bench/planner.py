@@ -1,13 +1,15 @@
-"""Bench figures of the copy planner: its rate at three sizes against a naive loop, and its scaling.
+"""Bench figures of the copy planner: its rate at three sizes against the plain placement rule, and its scaling.
 
 The planner is measured the way the handler runs it on every submission: a :class:`~kvoffload_ref.planner.Planner`
 built once over the geometry (as each handler builds one), then per transfer ``Planner.prepare`` (validates the
 specs completely, R7) and ``PreparedPlan.write`` into three int64 arrays allocated once and reused (as the handler
 writes into its pooled descriptor buffers). On a realistic layout: 32 layer tensors in one KV-cache group, 16 KiB
 pages, ``blocks_per_chunk = 4``, scattered GPU block ids, the first CPU chunk half used (block index 1), store
-direction. Descriptors = blocks x 32 refs, for [1k, 64k, 640k / quick: 1k, 8k, 80k] descriptors. Reference: a
-naive per-(ref, block) Python loop computing the same descriptors (no validation), then turning its three lists
-into int64 arrays, measured on the *same* sizes (not extrapolated); its output is checked equal to the planner's.
+direction. Descriptors = blocks x 32 refs, for [1k, 64k, 640k / quick: 1k, 8k, 80k] descriptors. Reference: the
+plain-Python placement rule, :func:`~kvoffload_ref.placement.plan_moves` (one ``Move`` per ref and block) with
+``Move.addresses`` per move, as the reference worker builds its descriptors (no validation), then its three columns
+turned into int64 arrays, measured on the *same* sizes (not extrapolated); its output is checked equal to the
+planner's.
 The one-call :func:`~kvoffload_ref.planner.plan_copies` (validates the geometry too, returns new arrays) is timed
 as well and reported in the notes. Plus the scaling figure: planner time at the largest size over the middle one.
 
@@ -43,6 +45,8 @@ from kvoffload_ref.bench.common import (
     label,
     result,
 )
+from kvoffload_ref.bench.planner_canonical import bench_planner_canonical
+from kvoffload_ref.placement import plan_moves
 from kvoffload_ref.planner import CopyPlan, Planner, plan_copies
 from kvoffload_ref.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, KVCacheLayout, LayerRef, TensorGeometry
 
@@ -122,19 +126,12 @@ def _plan_copies(case: _PlannerCase) -> tuple[I64, I64, I64]:
     return plan.src, plan.dst, plan.sizes
 
 
-def _naive_plan(case: _PlannerCase) -> tuple[I64, I64, I64]:
-    """The same descriptors as :func:`_plan`, one (ref, block) at a time in Python; no validation."""
-    src: list[int] = []
-    dst: list[int] = []
-    sizes: list[int] = []
-    gpu_ids, cpu_ids = case.gpu_spec.block_ids.tolist(), case.cpu_spec.block_ids.tolist()
-    for ref in case.layout.groups[0]:
-        g, c, page = case.gpu[ref.tensor_idx], case.cpu[ref.tensor_idx], PLANNER_PAGE
-        for i, block in enumerate(gpu_ids):
-            k = case.skip + i
-            src.append(g.ptr + block * g.row_stride)
-            dst.append(c.ptr + cpu_ids[k // BPC] * c.row_stride + (k % BPC) * page)
-            sizes.append(ref.page_size_bytes)
+def _placement_plan(case: _PlannerCase) -> tuple[I64, I64, I64]:
+    """The same descriptors as :func:`_plan` by the plain placement rule: :func:`~kvoffload_ref.placement.plan_moves`
+    (one move per ref and block, in Python) turned into copies with ``Move.addresses``, as the reference worker
+    builds its descriptors; no validation."""
+    moves = plan_moves(case.layout, BPC, case.gpu_spec, case.cpu_spec)
+    src, dst, sizes = zip(*(move.addresses("store", case.gpu, case.cpu) for move in moves), strict=True)
     return (np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), np.array(sizes, dtype=np.int64))
 
 
@@ -158,7 +155,7 @@ def _minor_faults() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _PlannerTiming:
-    """Best real times of the planner (the handler's path), of plan_copies and of the naive loop on one case,
+    """Best real times of the planner (the handler's path), of plan_copies and of the placement loop on one case,
     and the page faults per call of the first two."""
 
     descriptors: int
@@ -177,16 +174,17 @@ def _timed_with_faults(run: Callable[[], object], repeats: int) -> tuple[float, 
 
 
 def _time_planner(num_descriptors: int, quick: bool) -> _PlannerTiming:
-    """Check the loop against both planner paths once, then time them (planner paths first, as the sizes come)."""
+    """Check the loop against both planner paths once (the loop's warm-up), then time them (planner paths first, as
+    the sizes come)."""
     case = _planner_case(num_descriptors)
-    want = _naive_plan(case)
+    want = _placement_plan(case)
     for path in (_plan, _plan_copies):
         if not all(np.array_equal(a, b) for a, b in zip(path(case), want, strict=True)):
-            raise AssertionError(f"the naive loop and {path.__name__} disagree at {num_descriptors} descriptors")
+            raise AssertionError(f"placement.plan_moves and {path.__name__} disagree at {num_descriptors} descriptors")
     fast_runs, loop_runs = _planner_repeats(num_descriptors, quick)
     fast, faults = _timed_with_faults(lambda: _plan(case), fast_runs)
     one_call, one_call_faults = _timed_with_faults(lambda: _plan_copies(case), fast_runs)
-    slow = best_of(lambda: _naive_plan(case), loop_runs)
+    slow = best_of(lambda: _placement_plan(case), loop_runs, warmup=0)  # warmed up by the check above
     return _PlannerTiming(case.descriptors, fast, slow, faults, one_call, one_call_faults)
 
 
@@ -296,8 +294,9 @@ def bench_planner_shapes(sizes: Sizes, quick: bool, baseline: list[float]) -> li
 
 
 def bench_planner(sizes: Sizes, quick: bool) -> list[Result]:
-    """Planner rate at three sizes against the naive loop, the scaling from the middle to the largest size, and
-    ``plan_copies`` on the layout shapes (:func:`bench_planner_shapes`)."""
+    """Planner rate at three sizes against the placement loop, the scaling from the middle to the largest size, the
+    canonical mode's rate against the plain one's (``planner_canonical``), and ``plan_copies`` on the layout shapes
+    (:func:`bench_planner_shapes`)."""
     timings = [_time_planner(n, quick) for n in sizes.planner]
     results: list[Result] = []
     for which, t in zip(("small", "medium", "large"), timings, strict=True):
@@ -305,7 +304,7 @@ def bench_planner(sizes: Sizes, quick: bool) -> list[Result]:
         results.append(result(
             f"planner_{which}", f"planner, {label(t.descriptors)} descriptors",
             (t.descriptors / t.planner, "descriptors/s"),
-            (t.descriptors / t.loop, "descriptors/s", "naive per-block Python loop, same descriptors"), goal,
+            (t.descriptors / t.loop, "descriptors/s", "placement.plan_moves, plain Python, same descriptors"), goal,
             conditions, note=f"planner (prepare + write into reused arrays) {t.planner * 1e3:.3f} ms "
                              f"({t.faults_per_call:.0f} minor page faults per call); plan_copies (new arrays) "
                              f"{t.one_call * 1e3:.3f} ms ({t.one_call_faults:.0f} faults per call, "
@@ -318,10 +317,12 @@ def bench_planner(sizes: Sizes, quick: bool) -> list[Result]:
         f"<= {GOAL_SCALING:.0f}x", [Goal("ratio", "<=", GOAL_SCALING)],
         note=f"{large.descriptors // medium.descriptors}x the descriptors"))
     baseline = [t.descriptors / t.one_call for t in timings]
-    return results + bench_planner_shapes(sizes, quick, baseline)
+    canonical = bench_planner_canonical(sizes, quick, [t.descriptors / t.planner for t in timings])
+    return results + canonical + bench_planner_shapes(sizes, quick, baseline)
 
 
 def figures(run: BenchRun) -> list[Result]:
     """The planner figure group: ``planner_small``, ``planner_medium``, ``planner_large``, ``planner_scaling``,
-    then ``planner_shape_<shape>_<small|medium|large>`` for each of :data:`SHAPES`."""
+    ``planner_canonical_<small|medium|large>`` (canonical mode, R24: ``planner_canonical``), then
+    ``planner_shape_<shape>_<small|medium|large>`` for each of :data:`SHAPES`."""
     return bench_planner(run.sizes, run.quick)

@@ -31,6 +31,7 @@ __all__ = [
     "DeviceLike",
     "Firing",
     "HandlerReportLike",
+    "JobOutcomeLike",
     "RecordingPlan",
     "ReportLike",
     "ResultLike",
@@ -131,7 +132,8 @@ class RecordingPlan(FaultPlan):
 
 # -- what the machine talks to --------------------------------------------------------------------------------
 class ResultLike(Protocol):
-    """One reported transfer result (the fields the machine reads)."""
+    """One reported transfer result (the fields the machine reads; ``invalid_blocks`` and ``transfer_type`` only
+    with ``Capabilities.attribution``, R22)."""
 
     @property
     def job_id(self) -> int: ...
@@ -141,6 +143,29 @@ class ResultLike(Protocol):
 
     @property
     def transfer_size(self) -> int | None: ...
+
+    @property
+    def invalid_blocks(self) -> Sequence[int]:
+        """R22: on failure the sorted, distinct destination ids (GPU blocks of a load, CPU chunks of a store)."""
+        ...
+
+    @property
+    def transfer_type(self) -> tuple[str, str] | None:
+        """R22: ("GPU", "CPU") for a store, ("CPU", "GPU") for a load."""
+        ...
+
+
+class JobOutcomeLike(Protocol):
+    """One job of ``ReportLike.unreported``: its result and how it ended (R22, see
+    ``kvoffload_ref.JobOutcome``)."""
+
+    @property
+    def result(self) -> ResultLike: ...
+
+    @property
+    def ended(self) -> str:
+        """"unreaped", "drained", "failed" or "abandoned"."""
+        ...
 
 
 class HandlerReportLike(Protocol):
@@ -154,7 +179,7 @@ class HandlerReportLike(Protocol):
 
 
 class ReportLike(Protocol):
-    """A shutdown report (the fields the machine reads; see ``kvoffload_ref.core.ShutdownReport`` for their meaning)."""
+    """A shutdown report (the fields the machine reads; see ``kvoffload_ref.ShutdownReport`` for their meaning)."""
 
     @property
     def store(self) -> HandlerReportLike: ...
@@ -180,6 +205,12 @@ class ReportLike(Protocol):
     @property
     def interrupted(self) -> bool: ...
 
+    @property
+    def unreported(self) -> Sequence[JobOutcomeLike]:
+        """R22: every accepted job ``get_finished()`` never handed out, with how it ended (read only with
+        ``Capabilities.attribution``)."""
+        ...
+
 
 class WorkerLike(Protocol):
     """The worker API the machine drives (the public API of ``kvoffload_ref.CPUOffloadingWorker``)."""
@@ -198,6 +229,12 @@ class WorkerLike(Protocol):
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Block until the jobs are proven or failed; DeadlineExceeded after ``timeout`` (backend clock)."""
+        ...
+
+    def order_after(self, job_ids: Iterable[int], stream: object | None = None) -> None:
+        """R23: make ``stream`` (None: the worker's compute stream; on the kit's device also a stream name) wait
+        on the device for the end of each listed job still queued; never blocks (only with
+        ``Capabilities.ordering``)."""
         ...
 
     def cpu_snapshot(self) -> Sequence[Bytes]:
@@ -229,8 +266,10 @@ class DeviceLike(Protocol):
         """Let virtual time pass (queued work runs)."""
         ...
 
-    def compute_write(self, tensor: int, rows: Sequence[int], value: int, delay: float) -> None:
-        """Queue a kernel on the compute stream writing byte ``value`` into whole rows of GPU tensor ``tensor``."""
+    def compute_write(self, tensor: int, rows: Sequence[int], value: int, delay: float,
+                      stream: str | None = None) -> None:
+        """Queue a kernel on the compute stream (or the named one) writing byte ``value`` into whole rows of GPU
+        tensor ``tensor``."""
         ...
 
     def read_gpu(self) -> list[Bytes]:
@@ -273,12 +312,17 @@ class Capabilities:
         stats: ``stats()`` is a snapshot that a refused submission leaves equal (R7).
         interrupts: a KeyboardInterrupt during shutdown is handled as R14 says.
         threads: every method may be called from several threads at once (R19).
+        attribution: results carry ``invalid_blocks`` and ``transfer_type``, the report lists ``unreported``
+            jobs (R22): the machine predicts and checks both, and that every accepted job is accounted for once.
+        ordering: ``order_after`` (R23): the rule that orders compute work after queued transfers is drawn.
     """
 
     finalizer: bool = True
     stats: bool = True
     interrupts: bool = True
     threads: bool = True
+    attribution: bool = True
+    ordering: bool = True
 
 
 def _tag_of(event: object) -> tuple[str, int] | None:
@@ -298,9 +342,10 @@ class SimDevice:
     """The kit's device: a SimBackend with a RecordingPlan and GPU tensors (strided views when padded).
 
     The device also records, for the race check (R20), the memory ops queued on it in the order the sim numbers
-    them (``op_labels``: a transfer's tag, or ``("compute", k)`` for the k-th compute write) and the completions
-    the host observed (:meth:`take_observations`): an event query that returned True or a ``synchronize`` that
-    returned (labelled with the event's tag), and ``to_host`` (``("compute", -1)``: the compute writes so far).
+    them (``op_labels``: a transfer's tag, or ``("compute", k)`` for the k-th compute write, on any compute
+    stream) and the completions the host observed (:meth:`take_observations`): an event query that returned True
+    or a ``synchronize`` that returned (labelled with the event's tag), and ``to_host`` (``("compute", -1)``: the
+    work queued on the default compute stream so far, what an ``order_after`` made it wait for included).
 
     Args:
         setup: the run's setup (its ``faults`` are armed from the start).
@@ -375,9 +420,11 @@ class SimDevice:
         """Advance the virtual clock."""
         self.sim.clock_advance(seconds)
 
-    def compute_write(self, tensor: int, rows: Sequence[int], value: int, delay: float) -> None:
-        """Queue a compute-stream write of ``value`` into ``rows`` of GPU tensor ``tensor``."""
-        self.sim.enqueue_compute_write(self.gpu[tensor], list(rows), value, delay)
+    def compute_write(self, tensor: int, rows: Sequence[int], value: int, delay: float,
+                      stream: str | None = None) -> None:
+        """Queue a compute-stream write of ``value`` into ``rows`` of GPU tensor ``tensor`` (on the default compute
+        stream, the worker's, or on the named compute stream ``stream``)."""
+        self.sim.enqueue_compute_write(self.gpu[tensor], list(rows), value, delay, stream=stream)
         self.op_labels.append(("compute", self._computes))
         self._computes += 1
 

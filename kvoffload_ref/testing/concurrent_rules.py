@@ -17,7 +17,8 @@ Three interleavings are drawn; each pauses one thread at a backend call through 
 Afterwards the machine's thread calls ``shutdown()`` itself: it must return the same report (R8/R19). The
 report, the ledger and the quarantine are checked as after any shutdown (R9-R16), except for the model's
 predictions of the region's fate (which need the clock at shutdown's start, and a wait paused mid-poll moves
-it): the policy's consistency, the drain counts and the ledger are checked.
+it): the policy's consistency, the drain counts, the ledger and the job list (R22: every accepted job once, the
+concurrent submission included when it was queued) are checked.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvoffload_ref.errors import DeviceError, WorkerClosedError
 from kvoffload_ref.testing.adapter import ReportLike
 from kvoffload_ref.testing.machine_base import MachineBase
 from kvoffload_ref.testing.model import plan_moves
+from kvoffload_ref.testing.outcomes import settled_jobs
 from kvoffload_ref.testing.shutdown import Expectations, report_problems
 from kvoffload_ref.testing.threads import CallPause, Runner, paused_or_done
 
@@ -54,8 +56,9 @@ class ConcurrentRules(MachineBase):
     :class:`~kvoffload_ref.testing.invariants.Checks` (declared below for the type checker only).
     """
 
-    if TYPE_CHECKING:  # from ShutdownRules
+    if TYPE_CHECKING:  # from ShutdownRules and Checks
         def _call_shutdown(self) -> ReportLike: ...
+        def _check_outcomes(self, report: ReportLike, settled: frozenset[int], *, proven_in_time: bool) -> None: ...
 
     @precondition(lambda self: self.phase == "open" and self.age >= self.lifetime and self.capabilities.threads)
     @rule(data=st.data(), interleaving=st.sampled_from(INTERLEAVINGS))
@@ -66,6 +69,7 @@ class ConcurrentRules(MachineBase):
             if interleaving != "wait, then shutdown" and self.current_setup.schedule == "ordered":
                 interleaving = "wait, then shutdown"  # a submission here is not ordered against pending work
             start = self.current_device.clock()
+            settled = settled_jobs(self.current_model)
             self.current_race  # noqa: B018  # take the observations made so far
             if interleaving == "wait, then shutdown":
                 report = self._wait_then_shutdown()
@@ -86,6 +90,7 @@ class ConcurrentRules(MachineBase):
                                                   expect=_NO_PREDICTION):
                 if not rules.startswith("R11"):  # a wait paused mid-poll moves the clock too
                     self._check(False, rules, message)
+            self._check_outcomes(report, settled, proven_in_time=False)
 
     # -- the interleavings ------------------------------------------------------------------------------------
     def _shutdown_thread(self) -> Runner[ReportLike]:
@@ -169,9 +174,14 @@ class ConcurrentRules(MachineBase):
         if queued:
             assert self.race is not None
             index = dev.op_labels.index((direction, job)) if dev.copied((direction, job)) else None
-            for label in dev.take_observations(before=index):
+            taken = dev.take_observations(before=index)
+            for label in taken:
                 self.race.observe(label)
             self.race.transfer(direction, job, moves)
+            if index is None:  # no copy: where it was queued among the observations is unknown; its own count
+                for label in taken:
+                    if label == (direction, job):
+                        self.race.observe(label)
 
     def _wait_then_shutdown(self) -> ReportLike | None:
         ids = [t.job_id for t in self.current_model.pending()][:4]

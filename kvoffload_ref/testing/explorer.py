@@ -80,9 +80,21 @@ def _cpu(*chunks: int) -> CPULoadStoreSpec:
     return CPULoadStoreSpec(list(chunks))
 
 
-def _setup(faults: tuple[Fault, ...] = (), on_unproven: str = "quarantine", shared: bool = False) -> Setup:
+#: Seconds (virtual) of a configuration's shutdown; the explored ``wait`` waits half of it.
+TIMEOUT: Final = 0.004
+#: The same in a hung configuration. There a drain, a proof and a wait poll until their deadline, one backend call
+#: after another (an event query, the clock, a sleep, each a call point); the polls of a short schedule still reach
+#: every kind of call (a first query, a sleep that doubles, one cut short by the deadline, the last query at the
+#: deadline, the proof that finds its deadline passed) in half as many polls, and the other jobs still complete
+#: inside it (every case ends as one of the same outcomes as with the long timeout: the same reports, results and
+#: exceptions per method and injection).
+HUNG_TIMEOUT: Final = 0.0002
+
+
+def _setup(faults: tuple[Fault, ...] = (), on_unproven: str = "quarantine", shared: bool = False,
+           timeout: float = TIMEOUT) -> Setup:
     return Setup(layout=_LAYOUT, blocks_per_chunk=2, num_gpu_blocks=8, num_cpu_chunks=4, gpu_row_pad=(0, 0),
-                 policy=ShutdownPolicy(timeout=0.004, on_unproven=on_unproven), faults=faults,
+                 policy=ShutdownPolicy(timeout=timeout, on_unproven=on_unproven), faults=faults,
                  shared_region=shared)
 
 
@@ -92,8 +104,8 @@ def _setup(faults: tuple[Fault, ...] = (), on_unproven: str = "quarantine", shar
 CONFIGS: Final[dict[str, Setup]] = {
     "clean": _setup(),
     "failed": _setup((Fault("event_query", "error", job_id=1),)),
-    "hung": _setup((Fault("copy", "hang", job_id=2),)),
-    "hung-release": _setup((Fault("copy", "hang", job_id=2),), on_unproven="release"),
+    "hung": _setup((Fault("copy", "hang", job_id=2),), timeout=HUNG_TIMEOUT),
+    "hung-release": _setup((Fault("copy", "hang", job_id=2),), on_unproven="release", timeout=HUNG_TIMEOUT),
     "failed-release": _setup((Fault("event_query", "error", job_id=1),), on_unproven="release"),
     "shared": _setup(shared=True),
 }
@@ -189,8 +201,9 @@ class _Hook:
             self._action(k - self._at)
 
 
-def _worker_calls(method: str, worker: WorkerLike) -> Callable[[], object]:
-    """The call under test, on a worker after the prelude."""
+def _worker_calls(method: str, worker: WorkerLike, setup: Setup) -> Callable[[], object]:
+    """The call under test, on a worker after the prelude (``wait`` waits half the shutdown's timeout: store 3
+    completes during it, the hung load does not)."""
     if method in UNDER_TEST:
         direction, job, src, dst = UNDER_TEST[method]
         submit = worker.submit_store if direction == "store" else worker.submit_load
@@ -198,7 +211,7 @@ def _worker_calls(method: str, worker: WorkerLike) -> Callable[[], object]:
     if method == "get_finished":
         return worker.get_finished
     if method == "wait":
-        return lambda: worker.wait({1, 2, 3}, timeout=0.002)
+        return lambda: worker.wait({1, 2, 3}, timeout=setup.policy.timeout / 2)
     if method == "shutdown":
         return worker.shutdown
     raise ValueError(method)
@@ -232,13 +245,32 @@ def run_case(case: Case, factory: WorkerFactory = reference_factory, name: str =
     Returns:
         The rules the case broke (empty: none).
     """
-    outcome = _run(case, factory)
-    return [Failure(case, rules, message, name) for rules, message in check_case(case, outcome)]
+    with _own_heap():
+        problems = list(check_case(case, _run(case, factory)))
+    return [Failure(case, rules, message, name) for rules, message in problems]
 
 
 def count_points(config: str, method: str, factory: WorkerFactory = reference_factory) -> int:
     """How many backend calls ``method`` makes in ``config`` without an interrupt."""
-    return _run(Case(config, method, -1, "none"), factory).calls
+    with _own_heap():
+        return _run(Case(config, method, -1, "none"), factory).calls
+
+
+@contextlib.contextmanager
+def _own_heap() -> Iterator[None]:
+    """A case's garbage is its own: what existed before it is frozen (``gc.freeze``) for its duration, so the
+    finalizer path's ``gc.collect()`` looks at the case's objects only (a full collection of a test session's
+    heap costs ~100 times the rest of the case), and the case's garbage is collected as it ends (no finalizer of
+    one case runs during another). When something else already froze objects, the heap is left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.unfreeze()
 
 
 def _run(case: Case, factory: WorkerFactory) -> Outcome:
@@ -257,7 +289,7 @@ def _run(case: Case, factory: WorkerFactory) -> Outcome:
             out.accepted = _prelude(box[0], device, case.method, out.results)
             out.baseline_cpu = [np.array(a, copy=True) for a in box[0].cpu_snapshot()]
             out.baseline_gpu = device.read_gpu()
-            call = _drop_last(box) if case.method == "finalizer" else _worker_calls(case.method, box[0])
+            call = _drop_last(box) if case.method == "finalizer" else _worker_calls(case.method, box[0], setup)
             out.worker_ref[:] = box if case.method != "finalizer" else []
             hook.armed = True
             out.raised = _guarded(lambda: out.returned.append(call()))

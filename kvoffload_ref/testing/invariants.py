@@ -1,8 +1,11 @@
 """The conformance machine's checks: each result, memory against the model, shutdown reports, and the
-invariants run after every step (no misuse seen by the device, the ledger balances).
+invariants run after every step (no misuse seen by the device, the races the model predicts, the ledger
+balances, every accepted job accounted for once).
 
 Run after every step: :meth:`Checks.no_violation` (R3/R10/R12; the release policy's accepted hazards are
-explained in :mod:`kvoffload_ref.testing.machine`) and :meth:`Checks.ledger_balances` (R16).
+explained in :mod:`kvoffload_ref.testing.machine`), :meth:`Checks.races_match` (R4/R20/R23),
+:meth:`Checks.ledger_balances` (R16) and :meth:`Checks.jobs_accounted_once` (R14/R22). The shutdown report's job
+list is checked against the model by :mod:`kvoffload_ref.testing.outcomes`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from kvoffload_ref.testing.adapter import (
 )
 from kvoffload_ref.testing.machine_base import MachineBase
 from kvoffload_ref.testing.model import ModelTransfer
+from kvoffload_ref.testing.outcomes import accounting_problems, outcome_problems
 from kvoffload_ref.testing.shutdown import (
     Expectations,
     report_problems,
@@ -47,10 +51,28 @@ class Checks(MachineBase):
         else:
             cause = transfer.must_fail or self.current_device.lost() or bool(self.current_device.violations())
             self._check(cause, "R5", f"job {job} reported failed although nothing failed")
+        self._check_attribution(transfer, result)
+        self.handed[job] += 1
         counters = type(self).counters
         counters.succeeded += result.success
         counters.failed += not result.success
         model.resolve(transfer, result.success)
+
+    def _check_attribution(self, transfer: ModelTransfer, result: ResultLike) -> None:
+        """R22: a result says which side its ids index; a failure names exactly the destination ids it was to
+        write (sorted, distinct), a success none."""
+        if not self.capabilities.attribution:
+            return
+        job = transfer.job_id
+        kind = result.transfer_type
+        self._check(kind is not None and tuple(kind) == transfer.transfer_type, "R22",
+                    f"{transfer.direction} job {job} has transfer_type {kind!r}, expected {transfer.transfer_type!r}")
+        blocks = tuple(result.invalid_blocks)
+        expected = () if result.success else transfer.dst_ids
+        side = "CPU chunks" if transfer.direction == "store" else "GPU blocks"
+        self._check(blocks == expected, "R22",
+                    f"{transfer.direction} job {job} (success={result.success}) names invalid_blocks {blocks!r}; "
+                    f"expected {expected!r}" + ("" if result.success else f" (the {side} it was to write)"))
 
     def _check_success(self, transfer: ModelTransfer, result: ResultLike) -> None:
         job = transfer.job_id
@@ -88,7 +110,8 @@ class Checks(MachineBase):
                                         f"{int(actual[row, col])}, expected {int(side.value[tensor][row, col])} "
                                         f"(last written by {self.current_model.writer(side_name, tensor, row, col)})")
 
-    def _check_report(self, report: ReportLike, start: float, expect: Expectations) -> None:
+    def _check_report(self, report: ReportLike, start: float, expect: Expectations,
+                      settled: frozenset[int]) -> None:
         counters = type(self).counters
         counters.shutdowns += 1
         counters.quarantined += report.region == "quarantined"
@@ -96,6 +119,30 @@ class Checks(MachineBase):
                                               policy=self.current_setup.policy,
                                               elapsed=self.current_device.clock() - start, expect=expect):
             self._check(False, rules, message)
+        self._check_outcomes(report, settled, proven_in_time=expect.must_release and not report.interrupted)
+
+    def _check_outcomes(self, report: ReportLike, settled: frozenset[int], *, proven_in_time: bool) -> None:
+        """R5/R10/R14/R22: the report's job list against the model (see :mod:`~kvoffload_ref.testing.outcomes`);
+        every success it lists is checked as a reported success is.
+
+        Args:
+            settled: the jobs whose results the worker held before shutdown began (``outcomes.settled_jobs``).
+            proven_in_time: the model knows the drain proves every queued job (nothing may fire, nothing hangs,
+                the timeout suffices).
+        """
+        if not self.capabilities.attribution:
+            return
+        self.jobs_accounted_once()
+        model, device = self.current_model, self.current_device
+        unreliable = device.lost() or bool(device.violations())
+        for rules, message in outcome_problems(report, model, settled, unreliable=unreliable,
+                                               proven_in_time=proven_in_time):
+            self._check(False, rules, message)
+        for outcome in report.unreported:
+            transfer = model.transfers[outcome.result.job_id]
+            if outcome.result.success:
+                self._check_success(transfer, outcome.result)
+        type(self).counters.outcomes_checked += len(report.unreported)
 
 
     # -- invariants ---------------------------------------------------------------------------------------------
@@ -124,9 +171,10 @@ class Checks(MachineBase):
             return
         type(self).counters.violations += 1
         extra, missed = sorted(map(str, flagged - predicted)), sorted(map(str, predicted - flagged))
+        waits = f"; order_after (R23) waits in this run: {self.race.waits}" if self.race.waits else ""
         self._check(False, "R4/R20", f"dma_race pairs differ from the model: flagged but ordered by the rules "
                                      f"{extra}; unordered by the rules but not flagged {missed} "
-                                     f"(details: {self.dev.race_details()})")
+                                     f"(details: {self.dev.race_details()}){waits}")
 
     def _hazard_accepted(self) -> bool:
         if self.current_setup.policy.on_unproven != "release" or self.phase not in ("closed", "dropped"):
@@ -137,6 +185,16 @@ class Checks(MachineBase):
             self.hazard_counted = True
             type(self).counters.hazards += 1
         return True
+
+    @invariant()
+    def jobs_accounted_once(self) -> None:
+        """R14/R22: across ``get_finished()`` and the shutdown report, every job the worker accepted appears
+        exactly once, and nothing else appears (checked once the report exists; before it, each job is handed
+        out at most once, R5)."""
+        if self.model is None or self.report is None or not self.capabilities.attribution:
+            return
+        for rules, message in accounting_problems(self.report, self.model, self.handed):
+            self._check(False, rules, message)
 
     @invariant()
     def ledger_balances(self) -> None:

@@ -5,7 +5,7 @@ Theory of operation
 ``initialize`` draws a :class:`~kvoffload_ref.testing.adapter.Setup`, builds the kit's device (a simulated GPU
 with a recording fault plan) and the implementation under test through the machine's worker factory, and starts
 a :class:`~kvoffload_ref.testing.model.Model`. Each rule does one thing to the worker or the device, tells the
-model what happened, and checks what the rules R1-R16 say must be observable right then; the invariants run
+model what happened, and checks what the rules R1-R23 say must be observable right then; the invariants run
 after every step. The model predicts *constraints* (which jobs may never succeed, which bytes are settled, when
 release must or must not happen), never timing.
 
@@ -44,6 +44,7 @@ from kvoffload_ref.testing.adapter import (
 from kvoffload_ref.testing.concurrent_rules import ConcurrentRules
 from kvoffload_ref.testing.invariants import Checks
 from kvoffload_ref.testing.machine_base import ConformanceError, Counters, MachineBase
+from kvoffload_ref.testing.ordering_rules import OrderingRules
 from kvoffload_ref.testing.rules import TransferRules
 from kvoffload_ref.testing.settings import bounded_shrinking, kit_settings
 from kvoffload_ref.testing.shutdown import (
@@ -58,14 +59,16 @@ from kvoffload_ref.testing.strategies import (
 __all__ = ["MARGIN", "SLACK", "ConformanceError", "Counters", "OffloadingMachine", "factory_import", "make_machine"]
 
 
-class OffloadingMachine(ConcurrentRules, ShutdownRules, TransferRules, Checks, MachineBase, RuleBasedStateMachine):
+class OffloadingMachine(OrderingRules, ConcurrentRules, ShutdownRules, TransferRules, Checks, MachineBase,
+                        RuleBasedStateMachine):
     """Drives one worker (built by ``worker_factory``) on the kit's simulated device; see the module docstring.
 
     Composed of independent mixins over :class:`~kvoffload_ref.testing.machine_base.MachineBase` (the state and
     helpers), one per file: the rules in :mod:`~kvoffload_ref.testing.rules` (``TransferRules``),
-    :mod:`~kvoffload_ref.testing.shutdown_rules` (``ShutdownRules``) and :mod:`~kvoffload_ref.testing.
-    concurrent_rules` (``ConcurrentRules``), the checks and invariants in :mod:`~kvoffload_ref.testing.invariants`
-    (``Checks``). Hypothesis collects the rules and invariants from the whole MRO.
+    :mod:`~kvoffload_ref.testing.shutdown_rules` (``ShutdownRules``), :mod:`~kvoffload_ref.testing.
+    concurrent_rules` (``ConcurrentRules``) and :mod:`~kvoffload_ref.testing.ordering_rules` (``OrderingRules``),
+    the checks and invariants in :mod:`~kvoffload_ref.testing.invariants` (``Checks``). Hypothesis collects the
+    rules and invariants from the whole MRO.
     """
 
     @classmethod

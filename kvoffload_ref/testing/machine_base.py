@@ -8,6 +8,7 @@ it, and :class:`~kvoffload_ref.testing.machine.OffloadingMachine` puts them toge
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
@@ -63,6 +64,9 @@ class Counters:
     races: int = 0
     ordered_waits: int = 0
     concurrent_shutdowns: int = 0
+    orderings: int = 0
+    ordered_edges: int = 0
+    outcomes_checked: int = 0
     first_failure_step: int = 0
 
     def line(self) -> str:
@@ -108,6 +112,8 @@ class MachineBase(RuleBasedStateMachine):
         # Invariant: how many of the current race model's races the counters hold.
         self.races_seen = 0
         self.report: ReportLike | None = None
+        # Invariant: how many times get_finished() handed out each job of the current worker (R5, R22).
+        self.handed: collections.Counter[int] = collections.Counter()
         # Invariant: "new" -> "open" -> "closed" (shutdown) | "dropped" (finalizer); "refused" (construction failed).
         self.phase = "new"
         # Invariant: True once a check or a call failed; teardown then only cleans up.

@@ -19,9 +19,16 @@ loads are not ordered), a compute write enqueued after the transfer, or a failed
 hits bytes a pending transfer still has to read, that transfer's capture -- and what it wrote, where it is still
 the last writer -- becomes unknown.
 
+*Ordering (R23).* ``order_after`` on the worker's compute stream orders the compute work queued there afterwards
+after the listed transfers still queued, and after everything queued before them in their direction (stream
+FIFO): ``compute_after`` keeps, per direction, the newest transfer so ordered. A compute write then races only
+with the pending transfers it is not ordered after. Compute work on a named stream is ordered with nothing the
+worker queues: its rows are poisoned (they may be written at any time), as a failed transfer's are.
+
 *Outcomes.* The model never predicts *when* a transfer completes. It knows which transfers can never be proven
 (a hang selected them, or they wait behind one: ``blocked``) and which must fail (an injected error fired on
-their end event, or on the one they are queued behind, R5). ``chain`` mirrors each handler's queue.
+their end event, or on the one they are queued behind, R5). ``chain`` mirrors each handler's queue. A failed
+result names the transfer's destination ids (``dst_ids``: GPU blocks of a load, CPU chunks of a store, R22).
 """
 
 from __future__ import annotations
@@ -36,9 +43,14 @@ import numpy.typing as npt
 from kvoffload_ref.placement import Move, plan_moves
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
 
-__all__ = ["COMPUTE", "Model", "ModelTransfer", "Move", "Side", "plan_moves"]
+__all__ = ["COMPUTE", "ORDER_SLACK", "TRANSFER_TYPE", "Model", "ModelTransfer", "Move", "Side", "plan_moves"]
 
 Direction = Literal["store", "load"]
+#: R22: ``transfer_type`` of each direction's results (stated here, independent of the library's table).
+TRANSFER_TYPE: Final = {"store": ("GPU", "CPU"), "load": ("CPU", "GPU")}
+#: Virtual seconds by which one copy a compute stream waits for (``order_after``) has run on the kit's device once
+#: what it waits for has (a copy is a few microseconds there): the compute stream may run that much later per copy.
+ORDER_SLACK: Final = 1e-4
 Bytes = npt.NDArray[np.uint8]
 Mask = npt.NDArray[np.bool_]
 
@@ -121,6 +133,8 @@ class ModelTransfer:
         blocked: queued behind a hung transfer of its direction: never proven either (R4).
         must_fail: an error fired on its end event or on the one it waits behind: success is forbidden (R5).
         status: "pending" until reported; then "succeeded" or "failed".
+        dst_ids: R22: the sorted, distinct destination ids a failed result names (GPU blocks of a load, CPU chunks
+            of a store).
     """
 
     job_id: int
@@ -130,6 +144,7 @@ class ModelTransfer:
     nbytes: int
     data: list[Bytes]
     certain: list[Mask]
+    dst_ids: tuple[int, ...] = ()
     hung: bool = False
     blocked: bool = False
     must_fail: bool = False
@@ -147,6 +162,11 @@ class ModelTransfer:
     @property
     def writes(self) -> str:
         return "cpu" if self.direction == "store" else "gpu"
+
+    @property
+    def transfer_type(self) -> tuple[str, str]:
+        """R22: the ``transfer_type`` of its results."""
+        return TRANSFER_TYPE[self.direction]
 
 
 class Model:
@@ -186,6 +206,11 @@ class Model:
         # out of the chain by an error on its end event: its work still sits on the handler's one stream, and
         # every later transfer of that direction is queued behind it (R4 keeps the chain after a failure).
         self.wedged: set[str] = set()
+        # Invariant: per direction, the submission index of the newest transfer the worker's compute stream was
+        # made to wait for (order_after, R23): later compute work there is ordered after it and all before it.
+        self.compute_after: dict[str, int] = {"store": -1, "load": -1}
+        # Invariant: copies queued so far (transfers and failed submissions whose copy was queued).
+        self.copies = 0
         self.any_hung = False
         self.any_failed = False
         self._next_index = 0
@@ -214,10 +239,13 @@ class Model:
         moves = plan_moves(self.layout, self.bpc, gpu_spec, cpu_spec)
         source = self.sides["gpu" if direction == "store" else "cpu"]
         captured = [source.capture(m) for m in moves]
+        destination = cpu_spec if direction == "store" else gpu_spec
         transfer = ModelTransfer(job_id, direction, self._next_index, moves, sum(m.size for m in moves),
-                                 [d for d, _ in captured], [c for _, c in captured], hung=hung,
+                                 [d for d, _ in captured], [c for _, c in captured],
+                                 tuple(sorted({int(i) for i in destination.block_ids})), hung=hung,
                                  blocked=direction in self.wedged or any(t.stuck for t in self.chain[direction]))
         self._next_index += 1
+        self.copies += 1
         self.any_hung |= hung
         target = self.sides[transfer.writes]
         self._invalidate_readers(transfer.writes, self._mask(transfer.writes, moves))
@@ -227,23 +255,47 @@ class Model:
         self.chain[direction].append(transfer)
         return transfer
 
-    def compute_write(self, tensor: int, rows: Sequence[int], value: int, delay: float, now: float) -> None:
-        """A compute-stream kernel writes whole GPU rows: ordered before later transfers, racing pending ones."""
+    def compute_write(self, tensor: int, rows: Sequence[int], value: int, delay: float, now: float,
+                      stream: str | None = None) -> None:
+        """A compute kernel writes whole GPU rows. On the worker's compute stream (``stream`` None) it is ordered
+        before later transfers and after those ``order_after`` ordered it behind (R23), racing the other pending
+        ones; on a named stream it is ordered with nothing the worker queues: its rows are poisoned."""
         gpu = self.sides["gpu"]
         mask = [np.zeros_like(k) for k in gpu.known]
-        mask[tensor][list(rows), :] = True
-        self._invalidate_readers("gpu", mask)
         picked = list(rows)
+        mask[tensor][picked, :] = True
+        if stream is not None:
+            self._invalidate_readers("gpu", mask)
+            gpu.poison[tensor][picked, :] = True
+            gpu.known[tensor][picked, :] = False
+            gpu.last[tensor][picked, :] = COMPUTE
+            return
+        self._invalidate_readers("gpu", mask, exempt=self.compute_after["store"])
         gpu.value[tensor][picked, :] = value
-        racing = gpu.writers[tensor][picked, :] > 0  # a pending load writes it too: the order is unknown
+        racing = np.zeros_like(gpu.known[tensor][picked, :])  # pending loads it is not ordered after
+        ordered = self.compute_after["load"]
+        for load in self.pending("load"):
+            if load.index > ordered:
+                racing |= self._mask("gpu", load.moves)[tensor][picked, :]
         gpu.known[tensor][picked, :] = ~gpu.poison[tensor][picked, :] & ~racing
         gpu.last[tensor][picked, :] = COMPUTE
         self.compute_busy_until = max(self.compute_busy_until, now) + delay
+
+    def order_after(self, transfers: Sequence[ModelTransfer], now: float) -> None:
+        """R23: the worker's compute stream waits on the device for these transfers (each still queued in the
+        worker, and able to finish): later compute work there runs after them and what precedes them in their
+        direction. The compute stream may now run later: by :data:`ORDER_SLACK` per copy queued so far."""
+        for transfer in transfers:
+            direction = transfer.direction
+            self.compute_after[direction] = max(self.compute_after[direction], transfer.index)
+        if transfers:
+            self.compute_busy_until = max(self.compute_busy_until, now) + ORDER_SLACK * self.copies
 
     def ghost(self, moves: Sequence[Move], direction: Direction) -> None:
         """A submission failed after its copy was queued: the copy may land at any time (its destination is
         never known again) and it reads its source unordered with later writes (nothing reported reads it)."""
         target = self.sides["cpu" if direction == "store" else "gpu"]
+        self.copies += 1
         for move in moves:
             row, lo, hi = move.at(target.name)
             target.poison[move.tensor][row, lo:hi] = True
@@ -281,12 +333,12 @@ class Model:
             mask[move.tensor][row, lo:hi] = True
         return mask
 
-    def _invalidate_readers(self, side: str, written: Sequence[Mask]) -> None:
+    def _invalidate_readers(self, side: str, written: Sequence[Mask], exempt: int = -1) -> None:
         """Pending transfers that read bytes now being written race with the write (only the other direction
         reads this side, and it is not ordered against it, R4): their capture there is unknown, and so is what
-        they wrote from it."""
+        they wrote from it. Readers up to submission index ``exempt`` are ordered before the write (R23)."""
         for reader in self.pending():
-            if reader.reads != side:
+            if reader.reads != side or reader.index <= exempt:
                 continue
             target = self.sides[reader.writes]
             for i, move in enumerate(reader.moves):

@@ -7,9 +7,15 @@ every compute write the machine queued is a *node*. A node's ``preds`` is the se
 (transitively closed), by the rules and nothing else:
 
 * a transfer is ordered after the previous transfer of its direction, failed or not (R4: FIFO per direction);
-* a transfer is ordered after every compute write queued before its submission (R4: the compute-stream wait);
-* a compute write is ordered after the earlier compute writes (one compute stream);
+* a transfer is ordered after everything the worker's compute stream is ordered after when it is submitted (R4:
+  the compute-stream wait): the compute writes queued there so far, and what its ``order_after`` waits covered;
+* a compute write is ordered after the earlier work of its stream: the compute writes queued on it, and the
+  transfers an ``order_after`` on it waited for (R23: a wait on a transfer's end event covers that transfer and
+  everything ordered before it), whether or not they later fail (a failed copy still ends on the device);
 * every node is ordered after what the host had *observed complete* when it was queued.
+
+Streams are the worker's compute stream (``None``, the sim's default one) and named compute streams (the kit's
+device queues compute work on one by name); transfers wait for the worker's compute stream only.
 
 Observation is the simulated device's, as docs/simulator.md defines it: an event query that returned True or a
 ``synchronize`` that returned, on the event a transfer's tag names, observes that transfer and what precedes it;
@@ -23,7 +29,8 @@ Two nodes *race* when neither is ordered before the other and their byte ranges 
 them writing: a store reads GPU rows ``[0, page_size)`` and writes CPU chunk rows at ``[sub_block * page, ...)``,
 a load the reverse, a compute write writes whole GPU rows. :attr:`RaceModel.races` is the set of (earlier,
 later) label pairs, a label being ``(direction, job_id)`` for a transfer and ``("compute", k)`` for the machine's
-k-th compute write (from 0): the machine compares it with the pairs the device flagged ``dma_race``.
+k-th compute write (from 0, over every stream): the machine compares it with the pairs the device flagged
+``dma_race``. ``to_host`` observes the worker's compute stream only (what it waited for included).
 """
 
 from __future__ import annotations
@@ -98,12 +105,15 @@ class RaceModel:
         self.by_label: dict[Label, RaceNode] = {}
         # Invariant: per direction, the last transfer node queued (the next one of its direction follows it).
         self.last: dict[str, RaceNode | None] = {"store": None, "load": None}
-        # Invariant: the last compute write node (every later node is ordered after it, R4).
-        self.last_compute: RaceNode | None = None
+        # Invariant: per compute stream (None: the worker's), the nodes its next op is ordered after (its compute
+        # writes and what its order_after waits covered, closed under preds); a stream not present: none.
+        self.frontier: dict[str | None, frozenset[int]] = {}
         # Invariant: the nodes the host observed complete (closed under preds).
         self.observed: set[int] = set()
         # Invariant: every predicted race, (earlier label, later label).
         self.races: set[tuple[Label, Label]] = set()
+        # Invariant: every order_after the model took an edge from: (stream, the labels waited for), in order.
+        self.waits: list[tuple[str | None, tuple[Label, ...]]] = []
         self.computes = 0
 
     # -- queries ----------------------------------------------------------------------------------------------
@@ -111,9 +121,10 @@ class RaceModel:
         """The nodes a transfer submitted now would race with."""
         return self._partners(self._transfer_preds(direction), transfer_ranges(direction, moves))
 
-    def partners_of_compute(self, tensor: int, rows: Sequence[int], page: int) -> list[Label]:
-        """The nodes a compute write queued now would race with."""
-        return self._partners(self._compute_preds(), self._compute_ranges(tensor, rows, page))
+    def partners_of_compute(self, tensor: int, rows: Sequence[int], page: int,
+                            stream: str | None = None) -> list[Label]:
+        """The nodes a compute write queued now on ``stream`` would race with."""
+        return self._partners(self._compute_preds(stream), self._compute_ranges(tensor, rows, page))
 
     def is_observed(self, label: Label) -> bool:
         """Whether the host observed the node's completion."""
@@ -127,18 +138,34 @@ class RaceModel:
         self.last[direction] = node
         return node
 
-    def compute(self, tensor: int, rows: Sequence[int], page: int) -> RaceNode:
-        """The machine queued a compute write of whole rows (``page`` bytes each) of GPU tensor ``tensor``."""
-        node = self._add(("compute", self.computes), self._compute_preds(),
+    def compute(self, tensor: int, rows: Sequence[int], page: int, stream: str | None = None) -> RaceNode:
+        """The machine queued on ``stream`` (None: the worker's compute stream) a compute write of whole rows
+        (``page`` bytes each) of GPU tensor ``tensor``."""
+        node = self._add(("compute", self.computes), self._compute_preds(stream),
                          self._compute_ranges(tensor, rows, page))
         self.computes += 1
-        self.last_compute = node
+        self.frontier[stream] = node.cover()
         return node
 
+    def order_after(self, labels: Iterable[Label], stream: str | None = None) -> None:
+        """R23: ``stream`` waited on the device for the end of each listed transfer (those the worker still had
+        queued): its later ops are ordered after them and everything ordered before them."""
+        covered = set(self.frontier.get(stream, frozenset()))
+        waited = tuple(label for label in labels if label in self.by_label)
+        for label in waited:
+            covered |= self.by_label[label].cover()
+        self.frontier[stream] = frozenset(covered)
+        if waited:
+            self.waits.append((stream, waited))
+
     def observe(self, label: Label | None) -> None:
-        """The host observed the completion of a transfer (its label) or, with ``("compute", -1)``, of the compute
-        writes queued so far. Unknown labels (an untagged event) observe nothing the model can name."""
-        node = self.last_compute if label == ("compute", -1) else self.by_label.get(label) if label else None
+        """The host observed the completion of a transfer (its label) or, with ``("compute", -1)``, of the work
+        queued on the worker's compute stream so far (its compute writes, and what it waited for). Unknown labels
+        (an untagged event) observe nothing the model can name."""
+        if label == ("compute", -1):
+            self.observed |= self.frontier.get(None, frozenset())
+            return
+        node = self.by_label.get(label) if label else None
         if node is not None:
             self.observed |= node.cover()
 
@@ -148,17 +175,14 @@ class RaceModel:
         return {("gpu", tensor, int(r)): [(0, page, True)] for r in rows}
 
     def _transfer_preds(self, direction: str) -> frozenset[int]:
-        preds = set(self.observed)
-        for node in (self.last[direction], self.last_compute):
-            if node is not None:
-                preds |= node.cover()
+        preds = set(self.observed) | self.frontier.get(None, frozenset())
+        last = self.last[direction]
+        if last is not None:
+            preds |= last.cover()
         return frozenset(preds)
 
-    def _compute_preds(self) -> frozenset[int]:
-        preds = set(self.observed)
-        if self.last_compute is not None:
-            preds |= self.last_compute.cover()
-        return frozenset(preds)
+    def _compute_preds(self, stream: str | None) -> frozenset[int]:
+        return frozenset(self.observed | self.frontier.get(stream, frozenset()))
 
     def _partners(self, preds: frozenset[int], ranges: Ranges) -> list[Label]:
         if not ranges:

@@ -87,6 +87,7 @@ class TransferRules(MachineBase):
         self.lifetime = data.draw(LIFETIMES, label="lifetime")
         self.age, self.seen_firings, self.hazard_counted = 0, 0, False
         self.worker, self.model, self.report = None, None, None
+        self.handed.clear()
         type(self).counters.workers += 1
         self._say(f"setup = {setup!r}")
         self._say(f"dev = SimDevice(setup)\nw = {self.factory_name}(dev.backend, dev.gpu, setup)")
@@ -268,7 +269,8 @@ class TransferRules(MachineBase):
         if not racing:
             return True
         model = self.current_model
-        listed = [model.transfers.get(job) for _, job in racing]
+        # Compute work on a named stream is never observed: nothing the host can wait for orders it.
+        listed = [None if kind == "compute" else model.transfers.get(job) for kind, job in racing]
         if all(t is not None and t.status == "pending" and model.can_finish(t) and not t.must_fail
                for t in listed):
             type(self).counters.ordered_waits += 1
@@ -303,13 +305,19 @@ class TransferRules(MachineBase):
                                           unique=True), label="rows")
             value = data.draw(st.integers(0, 255), label="value")
             delay = data.draw(st.sampled_from(COMPUTE_DELAYS), label="delay")
-            page = setup.layout.tensor_page_bytes[tensor]
-            if not self._ordered(lambda: self.current_race.partners_of_compute(tensor, rows, page)):
-                return
-            self._say(f"dev.compute_write({tensor}, {rows!r}, {value}, {delay!r})")
-            self.current_model.compute_write(tensor, rows, value, delay, self.current_device.clock())
-            self.current_device.compute_write(tensor, rows, value, delay)
-            self.current_race.compute(tensor, rows, page)
+            self._compute(tensor, rows, value, delay)
+
+    def _compute(self, tensor: int, rows: list[int], value: int, delay: float, stream: str | None = None) -> None:
+        """Queue a compute write on ``stream`` (None: the worker's compute stream) under the schedule's duty (R20),
+        and tell both models."""
+        page = self.current_setup.layout.tensor_page_bytes[tensor]
+        if not self._ordered(lambda: self.current_race.partners_of_compute(tensor, rows, page, stream)):
+            return
+        named = "" if stream is None else f", stream={stream!r}"
+        self._say(f"dev.compute_write({tensor}, {rows!r}, {value}, {delay!r}{named})")
+        self.current_model.compute_write(tensor, rows, value, delay, self.current_device.clock(), stream)
+        self.current_device.compute_write(tensor, rows, value, delay, stream)
+        self.current_race.compute(tensor, rows, page, stream)
 
     @precondition(worker_open)
     @rule(data=st.data())

@@ -90,8 +90,11 @@ def interrupted_problems(report: ReportLike, *, device: SimDevice, policy: Shutd
     if not report.interrupted:
         yield "R14", "the report of an interrupted shutdown is not marked interrupted"
     if report.device_sync != "skipped" or report.region != "quarantined":
-        yield "R14", (f"interrupted shutdown: device_sync={report.device_sync!r}, region={report.region!r}; "
-                      "expected 'skipped' and 'quarantined'")
+        # Released unproven under the quarantine policy: R12's breach too.
+        unproven = report.region == "released" and policy.on_unproven == "quarantine"
+        yield "R12/R14" if unproven else "R14", (
+            f"interrupted shutdown: device_sync={report.device_sync!r}, region={report.region!r}; "
+            "expected 'skipped' and 'quarantined'")
     if elapsed > policy.timeout + SLACK:
         yield "R11/R14", f"interrupted shutdown took {elapsed} s with timeout {policy.timeout}"
     yield from _ledger(report, device)

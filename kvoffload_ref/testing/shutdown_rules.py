@@ -18,6 +18,7 @@ from kvoffload_ref.testing.adapter import (
     ReportLike,
 )
 from kvoffload_ref.testing.machine_base import ConformanceError, MachineBase
+from kvoffload_ref.testing.outcomes import settled_jobs
 from kvoffload_ref.testing.shutdown import (
     SLACK,
     Expectations,
@@ -37,7 +38,9 @@ class ShutdownRules(MachineBase):
     """
 
     if TYPE_CHECKING:  # from Checks
-        def _check_report(self, report: ReportLike, start: float, expect: Expectations) -> None: ...
+        def _check_report(self, report: ReportLike, start: float, expect: Expectations,
+                          settled: frozenset[int]) -> None: ...
+        def _check_outcomes(self, report: ReportLike, settled: frozenset[int], *, proven_in_time: bool) -> None: ...
 
     # -- shutdown -----------------------------------------------------------------------------------------------
     @precondition(lambda self: self.phase == "open" and self.age >= self.lifetime)
@@ -51,12 +54,13 @@ class ShutdownRules(MachineBase):
     def _shutdown(self) -> None:
         """Shut the worker down and check the report (the rule, and teardown)."""
         expect = expectations(self.current_model, self.current_device, self.current_setup.policy)
+        settled = settled_jobs(self.current_model)
         start = self.current_device.clock()
         report = self._call_shutdown()
         self._absorb(self._new_firings())
         self.report, self.phase = report, "closed"
         note(f"# -> region={report.region!r}, device_sync={report.device_sync!r}")
-        self._check_report(report, start, expect)
+        self._check_report(report, start, expect, settled)
 
     @precondition(lambda self: self.phase == "open" and self.age >= self.lifetime
                   and self.capabilities.interrupts)
@@ -67,6 +71,7 @@ class ShutdownRules(MachineBase):
         with self._step():
             self._say(f"dev.interrupt_after({queries})\nreport = w.shutdown()")
             expect = expectations(self.current_model, self.current_device, self.current_setup.policy)
+            settled = settled_jobs(self.current_model)
             start = self.current_device.clock()
             self.current_device.interrupt_after(queries)
             try:
@@ -83,13 +88,14 @@ class ShutdownRules(MachineBase):
                                                            policy=self.current_setup.policy,
                                                            elapsed=elapsed):
                     self._check(False, rules, message)
+                self._check_outcomes(report, settled, proven_in_time=False)
                 return
             finally:
                 self.current_device.disarm()
             self._check(not self.current_device.interrupted, "R14", "shutdown() swallowed a KeyboardInterrupt")
             self._absorb(self._new_firings())  # the interrupt never came: nothing was waited for
             self.report, self.phase = report, "closed"
-            self._check_report(report, start, expect)
+            self._check_report(report, start, expect, settled)
 
     def _call_shutdown(self) -> ReportLike:
         try:
@@ -116,7 +122,8 @@ class ShutdownRules(MachineBase):
     @precondition(lambda self: self.phase == "closed")
     @rule(data=st.data())
     def use_after_shutdown(self, data: st.DataObject) -> None:
-        """R8: after shutdown submissions raise WorkerClosedError, get_finished is [], wait returns at once."""
+        """R8: after shutdown submissions raise WorkerClosedError, get_finished is [], wait returns at once,
+        order_after orders nothing and raises nothing (R23)."""
         with self._step():
             gpu, cpu = data.draw(self.specs, label="specs")
             job = self._fresh_job()
@@ -132,11 +139,15 @@ class ShutdownRules(MachineBase):
                 else:
                     self._check(False, "R8", f"submit_{direction} accepted after shutdown")
             ids = [*[t.job_id for t in self.current_model.pending()][:3], job]
-            self._say(f"assert w.get_finished() == []; w.wait({ids!r})  # R8")
+            ordering = self.capabilities.ordering
+            self._say(f"assert w.get_finished() == []; w.wait({ids!r})  # R8"
+                      + (f"\nw.order_after({ids!r})  # R23: orders nothing" if ordering else ""))
             self._say("w.cpu_snapshot()")
             self._raised("WorkerClosedError")
             self._check(list(self.current_worker.get_finished()) == [], "R8", "get_finished() after shutdown is not []")
             self.current_worker.wait(ids, None)
+            if ordering:
+                self.current_worker.order_after(ids)
             with contextlib.suppress(WorkerClosedError):
                 self.current_worker.cpu_snapshot()
                 self._check(False, "R8", "cpu_snapshot() after shutdown did not raise WorkerClosedError")

@@ -1,0 +1,283 @@
+"""The simulated device's cost model: named profiles, the copy-path choice, and the shared PCIe link.
+
+Theory of operation
+-------------------
+A :class:`CostProfile` prices one ``copy_batch``. ``"simple"`` (the default) is the historical model,
+``latency + bytes / bandwidth`` with no path and no sharing; the sim then never builds a :class:`CostModel`.
+Every other profile prices a copy in two phases:
+
+1. *Fixed phase* (not on the link): ``call_cost`` + the path's ``launch`` + ``per_descriptor`` x descriptors (for
+   the memcpy path: x contiguous runs, as the CuPy backend issues one ``cudaMemcpyAsync`` per run).
+2. *Link phase*: the copy's bytes cross the link of its direction (``h2d`` = load, ``d2h`` = store). Alone it
+   moves them at its *demand* rate, ``bytes / (pinned bytes / path bandwidth(mean descriptor size) + pageable
+   bytes / pageable_bandwidth)``. All copies in the link phase share the links: per direction the rates are
+   scaled down proportionally so they sum to at most ``link_bandwidth``, then, if both directions together exceed
+   ``bidirectional_bandwidth``, every rate is scaled by the same factor (full duplex up to that cap). Whenever a
+   copy enters or leaves the link phase the progress of every other copy is settled and its finish time
+   recomputed; a stale heap entry is skipped (:meth:`CostModel.settle`). Device-to-device and host-to-host
+   copies do not use the link (they run at their demand rate).
+
+The path is :func:`~kvoffload_ref.backends.copy_paths.choose_path` with the backend's ``copy_path`` and the
+profile's thresholds; ``legal`` is "no host side outside a pinned range". A profile with a ``dma`` path (batched
+DMA, e.g. ``cudaMemcpyBatchAsync``) takes it wherever the rule says memcpy. Compute work that starts while a
+kernel-path copy is in flight (either phase) runs ``compute_slowdown`` times its delay (the kernel occupies SMs).
+
+Everything is a float computed in a fixed order: deterministic, and O(copies in flight) per copy event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable
+from typing import Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref.backends._simmem import CopyPlan
+from kvoffload_ref.backends._simsched import CopyOp, Op
+from kvoffload_ref.backends.copy_paths import (
+    DEFAULT_KERNEL_MAX_MEAN_BYTES,
+    DEFAULT_KERNEL_MIN_COUNT,
+    CopyPath,
+    choose_path,
+)
+
+__all__ = ["PROFILES", "CostModel", "CostProfile", "Flow", "PathCost", "PathName", "profile_named"]
+
+PathName = Literal["memcpy", "kernel", "dma"]
+Direction = Literal["h2d", "d2h", "local"]
+GB: Final = 1e9
+KiB: Final = 1024
+MiB: Final = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PathCost:
+    """What one copy path costs.
+
+    Attributes:
+        launch: seconds per submission on this path, on top of the profile's ``call_cost`` (the kernel path:
+            descriptor upload and launch).
+        per_descriptor: seconds per descriptor (memcpy path: per contiguous run), not on the link.
+        bandwidth: ``(descriptor bytes, effective bytes/s)`` points, sizes increasing; the rate at the batch's
+            mean descriptor size is interpolated linearly in log(size) and clamped at both ends.
+    """
+
+    launch: float
+    per_descriptor: float
+    bandwidth: tuple[tuple[int, float], ...]
+
+    def rate(self, mean_size: float) -> float:
+        """Effective bytes/s at a mean descriptor size (see the class docstring)."""
+        points = self.bandwidth
+        if len(points) == 1 or mean_size <= points[0][0]:
+            return points[0][1]
+        if mean_size >= points[-1][0]:
+            return points[-1][1]
+        x = math.log(mean_size)
+        for (s0, b0), (s1, b1) in itertools.pairwise(points):
+            if mean_size <= s1:
+                f = (x - math.log(s0)) / (math.log(s1) - math.log(s0))
+                return b0 + f * (b1 - b0)
+        return points[-1][1]   # pragma: no cover - unreachable (clamped above)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostProfile:
+    """A named set of cost terms (docs/simulator.md lists each profile's values and where they come from).
+
+    Attributes:
+        name: the profile's name.
+        call_cost: seconds every ``copy_batch`` costs (for ``"simple"``: the whole latency).
+        memcpy: the per-run ``cudaMemcpyAsync`` path.
+        kernel: the gather/scatter kernel path, or None (the profile has no kernel: every copy is memcpy/dma).
+        dma: a batched-DMA path replacing memcpy wherever the rule picks memcpy, or None.
+        link_bandwidth: bytes/s of one direction's link, shared by every copy in flight in that direction.
+        bidirectional_bandwidth: bytes/s both directions together may reach (full duplex up to this cap).
+        pageable_bandwidth: bytes/s for the bytes of a host side outside every pinned range.
+        compute_slowdown: factor on a compute work's delay when it starts while a kernel-path copy is in flight.
+        kernel_min_count: ``auto``'s minimum descriptor count for the kernel (as the CuPy backend's).
+        kernel_max_mean_bytes: ``auto``'s largest mean descriptor size for the kernel.
+        shared_link: False only for ``"simple"``: no link phase, every copy alone on its own link.
+    """
+
+    name: str
+    call_cost: float
+    memcpy: PathCost
+    kernel: PathCost | None
+    dma: PathCost | None
+    link_bandwidth: float
+    bidirectional_bandwidth: float
+    pageable_bandwidth: float
+    compute_slowdown: float = 1.0
+    kernel_min_count: int = DEFAULT_KERNEL_MIN_COUNT
+    kernel_max_mean_bytes: int = DEFAULT_KERNEL_MAX_MEAN_BYTES
+    shared_link: bool = True
+
+
+#: The historical model: 5 us + bytes / 25 GB/s pinned (8 GB/s pageable), no paths, no sharing.
+SIMPLE: Final = CostProfile("simple", 5e-6, PathCost(0.0, 0.0, ((1, 25 * GB),)), None, None,
+                            25 * GB, 50 * GB, 8 * GB, shared_link=False)
+
+#: Fitted to docs/gpu-check.json (an H200 over PCIe Gen5 x16, CuPy backend, scattered pages; see the docs).
+H200: Final = CostProfile(
+    "h200", call_cost=14e-6,
+    memcpy=PathCost(0.0, 2.57e-6, ((4 * KiB, 55.2 * GB),)),
+    kernel=PathCost(29e-6, 0.0, ((4 * KiB, 48.05 * GB), (64 * KiB, 50.7 * GB), (MiB, 50.8 * GB))),
+    dma=None,
+    link_bandwidth=55.2 * GB, bidirectional_bandwidth=83.4 * GB, pageable_bandwidth=8 * GB,
+    compute_slowdown=1.06)
+
+#: From vLLM's published H100 figures (blog 2026-01-08, PRs #42212 and #48434; see the docs): batched DMA.
+H100: Final = CostProfile(
+    "h100", call_cost=14e-6,
+    memcpy=PathCost(0.0, 2.57e-6, ((4 * KiB, 50 * GB),)),
+    kernel=PathCost(29e-6, 0.0, ((4 * KiB, 35 * GB), (2 * MiB, 50 * GB))),
+    # the ~0.5 us of CPU per descriptor (#48434) overlaps the DMA: #42212's GB/s are end to end, so no extra term
+    dma=PathCost(0.0, 0.0, ((4 * KiB, 3.8 * GB), (24 * KiB, 7 * GB), (28 * KiB, 42 * GB),
+                               (64 * KiB, 52 * GB))),
+    link_bandwidth=52 * GB, bidirectional_bandwidth=83.4 * GB, pageable_bandwidth=8 * GB,
+    compute_slowdown=1.06)
+
+#: Every named profile.
+PROFILES: Final[dict[str, CostProfile]] = {p.name: p for p in (SIMPLE, H200, H100)}
+
+
+def profile_named(profile: str | CostProfile) -> CostProfile:
+    """A profile by name (or a :class:`CostProfile` as is).
+
+    Raises:
+        ValueError: an unknown name (it is what ``InvalidTransferError`` derives from too).
+    """
+    if isinstance(profile, CostProfile):
+        return profile
+    found = PROFILES.get(profile) if isinstance(profile, str) else None
+    if found is None:
+        raise ValueError(f"unknown sim profile {profile!r}; expected one of {', '.join(map(repr, PROFILES))} "
+                         "or a CostProfile")
+    return found
+
+
+class Flow:
+    """One priced copy: its path, its phase and, in the link phase, its progress."""
+
+    __slots__ = ("bytes", "count", "demand", "direction", "due", "link", "path", "rate", "remaining", "since")
+
+    def __init__(self, path: PathName, direction: Direction, nbytes: int, count: int, demand: float) -> None:
+        self.path, self.direction, self.bytes, self.count, self.demand = path, direction, nbytes, count, demand
+        # Invariant: False in the fixed phase, True once in the link phase (then in CostModel._active).
+        self.link = False
+        # Invariant: in the link phase, bytes left at ``since`` moving at ``rate``; ``due`` the finish time of
+        # the heap entry that is current (every other entry of this op is stale).
+        self.remaining, self.rate, self.since, self.due = float(nbytes), 0.0, 0.0, math.inf
+
+
+class CostModel:
+    """Prices copies under a profile and runs the shared link (see the module docstring).
+
+    Args:
+        profile: the cost terms.
+        push: ``push(op, t)`` puts a heap entry for ``op`` finishing at ``t`` (the scheduler's heap).
+    """
+
+    def __init__(self, profile: CostProfile, push: Callable[[Op, float], None]) -> None:
+        # Invariant: the terms every price uses; never changes.
+        self.profile = profile
+        # Invariant: the scheduler's heap insertion (an op may have several entries; only its Flow.due is live).
+        self._push = push
+        # Invariant: the flows in the link phase, in the order they entered it.
+        self._active: list[tuple[CopyOp, Flow]] = []
+        # Invariant: how many kernel-path copies are in flight (either phase).
+        self._kernels = 0
+
+    def price(self, op: CopyOp, plan: CopyPlan, slow: int, copy_path: CopyPath) -> float:
+        """Choose the copy's path (``copy_path``: the backend's setting), attach its :class:`Flow` and return its
+        fixed phase's duration (or, for a copy that does not use the link, its whole duration)."""
+        p = self.profile
+        sizes = plan.sizes
+        live = sizes > 0
+        count = int(np.count_nonzero(live))
+        total = int(sizes[live].sum()) if count else 0
+        path: PathName = choose_path(copy_path if p.kernel is not None else "memcpy", count=count,
+                                     total_bytes=total, legal=slow == 0, min_count=p.kernel_min_count,
+                                     max_mean_bytes=p.kernel_max_mean_bytes)
+        if path == "memcpy" and p.dma is not None:
+            path = "dma"
+        cost = p.kernel if path == "kernel" else p.dma if path == "dma" else p.memcpy
+        assert cost is not None   # Invariant: the kernel path is chosen only when the profile has one
+        units = count if path != "memcpy" or count <= 1 else _runs(plan.src[live], plan.dst[live], sizes[live])
+        fixed = p.call_cost + cost.launch + cost.per_descriptor * units
+        direction: Direction = "local"
+        if count:
+            first = int(np.argmax(live))
+            si, di = int(plan.si[first]), int(plan.di[first])
+            src_host = si >= 0 and plan.spans[si].is_host
+            dst_host = di >= 0 and plan.spans[di].is_host
+            direction = "d2h" if dst_host and not src_host else "h2d" if src_host and not dst_host else "local"
+        rate = min(cost.rate(total / count if count else 1), p.link_bandwidth)
+        link_time = (total - min(slow, total)) / rate + slow / p.pageable_bandwidth
+        flow = Flow(path, direction, total, count, total / link_time if link_time > 0 else math.inf)
+        op.flow = flow
+        if path == "kernel":
+            self._kernels += 1
+        if direction == "local" or total == 0:   # no link phase: finish after the fixed phase and the bytes
+            flow.link = True
+            flow.due = math.nan   # never in _active; settle finishes it at its first entry
+            return fixed + link_time
+        return fixed
+
+    def settle(self, op: Op, t: float) -> bool:
+        """Whether the heap entry ``(t, op)`` is the op's finish; else it started the op's link phase or was stale."""
+        if op.__class__ is not CopyOp:
+            return True
+        flow = op.flow
+        if not isinstance(flow, Flow):
+            return True
+        if not flow.link:
+            flow.link, flow.since = True, t
+            self._active.append((op, flow))
+            self._rebalance(t, flow)
+            return False
+        if flow.due != t and not math.isnan(flow.due):
+            return False
+        if not math.isnan(flow.due):
+            self._active.remove((op, flow))
+            self._rebalance(t, None)
+        flow.due = -math.inf   # finished: any later entry of this op is stale
+        if flow.path == "kernel":
+            self._kernels -= 1
+        return True
+
+    def compute_factor(self) -> float:
+        """The factor on a compute work starting now (``compute_slowdown`` while a kernel copy is in flight)."""
+        return self.profile.compute_slowdown if self._kernels else 1.0
+
+    def _rebalance(self, t: float, joined: Flow | None) -> None:
+        p = self.profile
+        demand = {"h2d": 0.0, "d2h": 0.0}
+        for _, f in self._active:
+            f.remaining = max(0.0, f.remaining - f.rate * (t - f.since))
+            f.since = t
+            demand[f.direction] += f.demand
+        scale = {d: min(1.0, p.link_bandwidth / v) if v > 0 else 1.0 for d, v in demand.items()}
+        both = sum(v * scale[d] for d, v in demand.items())
+        duplex = min(1.0, p.bidirectional_bandwidth / both) if both > 0 else 1.0
+        for op, f in self._active:
+            rate = f.demand * scale[f.direction] * duplex
+            if rate != f.rate or f is joined:
+                f.rate = rate
+                f.due = t + f.remaining / rate
+                self._push(op, f.due)
+
+    def in_flight(self) -> int:
+        """How many copies are in the link phase (for tests)."""
+        return len(self._active)
+
+
+def _runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64]) -> int:
+    """How many runs of descriptors contiguous on both sides (``_cupy_copy.coalesce``'s count)."""
+    ends = sizes[:-1]
+    return 1 + int(np.count_nonzero((src[1:] != src[:-1] + ends) | (dst[1:] != dst[:-1] + ends)))

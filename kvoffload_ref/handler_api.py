@@ -1,0 +1,81 @@
+"""What the worker asks of one direction's handler: the seam between the worker level and a handler.
+
+Both workers share one worker level (``reference.ReferenceWorker``: the lock, the calls, the shutdown sequence) and
+differ in the handler behind this protocol: ``reference.ReferenceHandler`` (plain: one query per head, no pools)
+and ``handler.DirectionHandler`` (fast: pools, batched calls, prefix queries, the vectorized planner). The worker
+serialises every call under its lock while it is open (R19); from shutdown on only the shutdown thread calls.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvoffload_ref.backends.base import Event, Stream
+from kvoffload_ref.lifecycle import Fate
+from kvoffload_ref.results import HandlerReport, HandlerStats, TransferResult
+from kvoffload_ref.shield import Shield
+from kvoffload_ref.specs import Direction
+
+__all__ = ["DirectionHandlerAPI"]
+
+
+class DirectionHandlerAPI(Protocol):
+    """One direction (R4): its stream, its FIFO of transfers, its results, its drain and release."""
+
+    direction: Direction
+
+    def submit(self, job_id: int, src: object, dst: object) -> None:
+        """R4/R7/R14: check the transfer, then queue it whole on this direction's stream, or leave no trace."""
+
+    def knows(self, job_id: int) -> bool:
+        """Whether the job is queued here or its result waits for ``get_finished`` (R7's "in flight")."""
+
+    def end_events(self, job_ids: set[int]) -> list[Event]:
+        """R23: the end events of the listed jobs still queued here, to order a caller's stream after them."""
+
+    def reap(self) -> None:
+        """Observe heads without blocking; what is proven or failed waits in the results (R5)."""
+
+    def take_results(self) -> list[TransferResult]:
+        """Hand the waiting results over, in submission order; no backend call (R14)."""
+
+    def last_of(self, job_ids: set[int]) -> object | None:
+        """The last queued transfer among ``job_ids`` (None if none): in FIFO order it settles them all (R6)."""
+
+    def settle(self, mark: object) -> bool:
+        """Observe heads without blocking up to ``mark`` (from :meth:`last_of`); whether it is resolved now."""
+
+    def drain(self, deadline: float, *, interrupted: bool = False) -> object:
+        """R10/R11: prove head first until ``deadline``; stop at the first failure and abandon the rest; with
+        ``interrupted`` (R14) abandon at once. A BaseException while waiting abandons the rest and propagates."""
+
+    def abandon_undrained(self) -> None:
+        """R14: an interrupt came before this drain began: begin it now and abandon everything, without a wait."""
+
+    @property
+    def drain_error(self) -> BaseException | None:
+        """The first failure of the drain, or None."""
+
+    @property
+    def clean(self) -> bool:
+        """R13's clean path: every transfer submitted here was proven by its own end event."""
+
+    def streams_in_use(self) -> list[Stream]:
+        """The streams this handler still holds (what the device-level proof covers, R13)."""
+
+    def release(self, fate: Fate, shield: Shield | None = None, *,
+                reason: str = "device not proven idle") -> tuple[int, list[str]]:
+        """R10/R12: release the stream and events, free or quarantine (``fate``) unproven descriptor buffers.
+
+        Returns:
+            (descriptor buffers quarantined, descriptions of the steps that failed).
+        """
+
+    def discard(self) -> None:
+        """R2: construction rollback: destroy what the constructor created."""
+
+    def report(self) -> HandlerReport:
+        """This direction's part of the shutdown report (R10, R14)."""
+
+    def stats(self) -> HandlerStats:
+        """A frozen snapshot."""

@@ -1,0 +1,139 @@
+"""What the model knows about the shutdown report's job list (R22): which jobs it lists, how each ended, and what
+each poisoned.
+
+Theory of operation
+-------------------
+*Accounting.* Every job the worker accepted (``Model.transfers``) appears exactly once across the results
+``get_finished()`` handed out and ``report.unreported``; nothing else appears in either (R14, R22).
+
+*How a job ended.* The model never predicts when a transfer completes, so it predicts the job list as constraints
+that pin down everything the rules fix:
+
+* a job whose result the worker held before shutdown began -- a ``wait()`` returned for it, or an injected error
+  fired on its end event (or on the one it was queued behind) -- is ``unreaped`` (:func:`settled_jobs`);
+* ``drained`` is a success, ``failed`` and ``abandoned`` are failures; an ``unreaped`` job is either;
+* a success is checked as a reported success is (never hung, blocked or hit by an error; observed complete; the
+  model's byte count), and names no blocks; a failure names exactly the destination ids the transfer was to write
+  (``ModelTransfer.dst_ids``), with the ``transfer_type`` of its direction;
+* a failure that is ``unreaped`` or ``failed`` needs a cause (an error fired on its end event, a lost device, a
+  violation); when the model knows the drain proves every queued job (nothing may fire, nothing hangs, the
+  timeout suffices, no interrupt), nothing is ``failed`` or ``abandoned``;
+* per direction the list is in submission order and reads ``unreaped* drained* failed? abandoned*`` (the drain
+  goes head first, stops at its first failure and abandons the rest, R10), and the handler's counts agree with it:
+  ``drained`` = its drained jobs, ``abandoned`` = its failed and abandoned jobs.
+
+Pure functions over the report, the model and the handed-out counts; the machine turns each problem into a failure.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Mapping
+from typing import Final
+
+from kvoffload_ref.testing.adapter import HandlerReportLike, JobOutcomeLike, ReportLike
+from kvoffload_ref.testing.model import Model, ModelTransfer
+
+__all__ = ["ENDINGS", "accounting_problems", "outcome_problems", "settled_jobs"]
+
+#: How a listed job may have ended, in the order a direction's list goes through them.
+ENDINGS: Final = ("unreaped", "drained", "failed", "abandoned")
+
+#: (rule ids, message)
+Problem = tuple[str, str]
+
+
+def settled_jobs(model: Model) -> frozenset[int]:
+    """The pending jobs whose results the worker must already hold now (a shutdown starting now lists them as
+    ``unreaped``): those a ``wait()`` returned for (R6), and those an injected error fired on, or behind (R5)."""
+    return frozenset(t.job_id for t in model.pending() if t.job_id in model.awaited or t.must_fail)
+
+
+def accounting_problems(report: ReportLike, model: Model, handed: Mapping[int, int]) -> Iterator[Problem]:
+    """R14/R22: every accepted job exactly once across get_finished() (``handed``: job -> times handed out) and
+    the report; nothing else in either."""
+    listed = collections.Counter(o.result.job_id for o in report.unreported)
+    for job in sorted(set(listed) | set(handed), key=repr):
+        if job not in model.transfers:
+            where = "the report lists" if listed[job] else "get_finished() handed out"
+            yield "R14/R22", f"{where} job {job!r}, which the worker never accepted"
+    for job, transfer in model.transfers.items():
+        seen = handed.get(job, 0) + listed[job]
+        if seen == 1:
+            continue
+        if seen == 0:
+            queued = transfer in model.chain[transfer.direction]
+            yield ("R10/R22" if queued else "R14/R22"), (
+                f"{transfer.direction} job {job} was accepted, never handed out by get_finished(), and the report "
+                f"does not list it" + (" (it was queued at shutdown: the drain neither proved nor abandoned it)"
+                                       if queued else ""))
+        else:
+            yield "R14/R22", (f"{transfer.direction} job {job} appears {seen} times across get_finished() "
+                              f"({handed.get(job, 0)}) and the report ({listed[job]})")
+
+
+def outcome_problems(report: ReportLike, model: Model, settled: frozenset[int], *, unreliable: bool,
+                     proven_in_time: bool) -> Iterator[Problem]:
+    """Every way the report's job list contradicts the model (see the module docstring); the successes it lists
+    are left to the machine's success check.
+
+    Args:
+        report: the shutdown report.
+        model: the model, with the shutdown's firings absorbed.
+        settled: :func:`settled_jobs` just before shutdown began.
+        unreliable: the device was lost or saw misuse (queries may fail without a recorded firing).
+        proven_in_time: the model knows the drain proves every queued job.
+    """
+    lists: dict[str, list[tuple[ModelTransfer, str]]] = {"store": [], "load": []}
+    for outcome in report.unreported:
+        transfer = model.transfers.get(outcome.result.job_id)
+        if transfer is None:
+            continue  # accounting_problems names it
+        if outcome.ended not in ENDINGS:
+            yield "R22", f"{transfer.direction} job {transfer.job_id} ended {outcome.ended!r}, not one of {ENDINGS}"
+            continue
+        lists[transfer.direction].append((transfer, outcome.ended))
+        yield from _one(outcome, transfer, settled, unreliable=unreliable, proven_in_time=proven_in_time)
+    for direction, items in lists.items():
+        yield from _direction(direction, items, report.store if direction == "store" else report.load)
+
+
+def _one(outcome: JobOutcomeLike, transfer: ModelTransfer, settled: frozenset[int], *, unreliable: bool,
+         proven_in_time: bool) -> Iterator[Problem]:
+    """One listed job against the model."""
+    result, ended = outcome.result, outcome.ended
+    job, direction = transfer.job_id, transfer.direction
+    kind = result.transfer_type
+    if kind is None or tuple(kind) != transfer.transfer_type:
+        yield "R22", f"listed {direction} job {job} has transfer_type {kind!r}, expected {transfer.transfer_type!r}"
+    success = result.success
+    if success != (ended == "drained") and ended != "unreaped":
+        yield "R10/R22", f"listed {direction} job {job} ended {ended!r} with success={success}"
+    blocks, expected = tuple(result.invalid_blocks), () if success else transfer.dst_ids
+    if blocks != expected:
+        yield "R22", (f"listed {direction} job {job} ({ended}, success={success}) names invalid_blocks "
+                      f"{blocks!r}; expected {expected!r}")
+    if job in settled and ended != "unreaped":
+        yield "R5/R6/R22", (f"{direction} job {job} ended {ended!r}, but its result was known before shutdown "
+                            "began (a wait() returned for it, or an error fired on its end event): 'unreaped'")
+    if not success and ended in ("unreaped", "failed") and not (transfer.must_fail or unreliable):
+        yield "R5/R10", f"listed {direction} job {job} {ended} although nothing failed"
+    if proven_in_time and ended in ("failed", "abandoned"):
+        yield "R10/R22", (f"{direction} job {job} ended {ended!r} although the drain could prove every queued "
+                          "transfer within the timeout")
+
+
+def _direction(direction: str, items: list[tuple[ModelTransfer, str]], part: HandlerReportLike) -> Iterator[Problem]:
+    """One direction's listed jobs: submission order, the drain's sequence, the handler's counts."""
+    indices = [t.index for t, _ in items]
+    if indices != sorted(indices):
+        yield "R5/R22", f"the report lists {direction} jobs {[t.job_id for t, _ in items]} out of submission order"
+    endings = [ended for _, ended in items]
+    ranks = [ENDINGS.index(ended) for ended in endings]
+    if ranks != sorted(ranks) or endings.count("failed") > 1:
+        yield "R10/R22", (f"{direction} jobs ended {endings}: a drain goes head first (unreaped, drained, at most "
+                          "one failed head, then abandoned)")
+    drained, stopped = endings.count("drained"), endings.count("failed") + endings.count("abandoned")
+    if (part.drained, part.abandoned) != (drained, stopped):
+        yield "R10/R22", (f"{direction} handler reports drained={part.drained}, abandoned={part.abandoned}; its "
+                          f"listed jobs say {drained} drained, {stopped} failed or abandoned")

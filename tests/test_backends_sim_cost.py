@@ -1,0 +1,187 @@
+"""The simulated device's cost profiles: names and overrides, the copy-path rule shared with the CuPy backend, the
+shared link (half each in one direction, full duplex up to a cap), compute slowed by kernel copies, pageable
+memory, and the h200 profile's calibration against the figures recorded on an H200 (docs/gpu-check.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import kvoffload_ref as kv
+from kvoffload_ref.backends import _cupy_copy, copy_paths
+from kvoffload_ref.backends import cupy as cupy_backend
+from kvoffload_ref.backends._simcost import H200, PROFILES, SIMPLE, CostProfile, PathCost
+from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.bench.calibration import PATHS, RECORDED_H200, SCHEDULES, calibration_ratios
+from kvoffload_ref.errors import InvalidTransferError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGE = 64 * 1024
+GB = 1e9
+
+#: A profile with round numbers: no fixed cost, every path at the link's 10 GB/s, duplex cap 15 GB/s.
+FLAT = CostProfile("flat", 0.0, PathCost(0.0, 0.0, ((1, 10 * GB),)), PathCost(0.0, 0.0, ((1, 10 * GB),)), None,
+                   link_bandwidth=10 * GB, bidirectional_bandwidth=15 * GB, pageable_bandwidth=1 * GB,
+                   compute_slowdown=1.5)
+
+
+class Rig:
+    """A device array and a host array of ``rows`` pages, the host side pinned unless ``pinned=False``."""
+
+    def __init__(self, be: SimBackend, rows: int = 64, pinned: bool = True) -> None:
+        self.be = be
+        self.dev = be.empty_device((rows, PAGE))
+        self.g = be.array_info(self.dev)
+        self.host = np.zeros(rows * PAGE, np.uint8)
+        self.hptr = int(self.host.ctypes.data)
+        be.track_host(self.hptr, self.host.nbytes)
+        if pinned:
+            be.host_register(self.hptr, self.host.nbytes)
+
+    def copy(self, direction: str, rows: range, job: int) -> tuple[object, object]:
+        """Submit one copy of ``rows`` on a fresh stream between two events; returns them."""
+        be = self.be
+        ids = np.array(rows, np.int64)
+        dev, host = self.g.ptr + ids * PAGE, self.hptr + ids * PAGE
+        src, dst = (dev, host) if direction == "store" else (host, dev)
+        buf = be.alloc_descriptors(len(ids))
+        buf.fill(src, dst, np.full(len(ids), PAGE, np.int64))
+        stream, start, end = be.create_stream(), be.create_event(), be.create_event()
+        be.record(start, stream)
+        be.copy_batch(stream, buf, len(ids), tag=(direction, job))
+        be.record(end, stream)
+        return start, end
+
+    def took(self, events: tuple[object, object]) -> float:
+        self.be.synchronize(events[1])
+        return self.be.elapsed(*events)  # type: ignore[arg-type]
+
+
+def test_sim_cost_profiles_by_name_with_overrides() -> None:
+    assert set(PROFILES) == {"simple", "h200", "h100"}
+    assert kv.get_backend("sim").profile == SIMPLE, "the default stays the historical model"
+    be = kv.get_backend("sim", profile="h200")
+    assert be.profile == H200
+    tuned = kv.get_backend("sim", profile="h200", latency=1e-6, pinned_bandwidth=40e9, pageable_bandwidth=2e9)
+    assert (tuned.profile.call_cost, tuned.profile.link_bandwidth, tuned.profile.pageable_bandwidth) == \
+        (1e-6, 40e9, 2e9)
+    assert kv.get_backend("sim", profile=FLAT).profile.name == "flat"
+    with pytest.raises(InvalidTransferError, match="unknown sim profile"):
+        kv.get_backend("sim", profile="a100")
+    with pytest.raises(InvalidTransferError, match="copy_path"):
+        SimBackend(copy_path="fast")  # type: ignore[arg-type]
+
+
+def test_sim_cost_simple_profile_is_the_historical_model() -> None:
+    rig = Rig(SimBackend())
+    a, b = rig.copy("store", range(0, 8), 1), rig.copy("store", range(8, 16), 2)
+    expected = 5e-6 + 8 * PAGE / 25e9
+    assert rig.took(a) == pytest.approx(expected) and rig.took(b) == pytest.approx(expected), "no sharing"
+
+
+def test_sim_cost_two_copies_in_one_direction_share_the_link() -> None:
+    rig = Rig(SimBackend(profile=FLAT))
+    alone = rig.took(rig.copy("store", range(0, 16), 1))
+    assert alone == pytest.approx(16 * PAGE / (10 * GB))
+    a, b = rig.copy("store", range(16, 32), 2), rig.copy("store", range(32, 48), 3)
+    assert rig.took(a) == pytest.approx(2 * alone) and rig.took(b) == pytest.approx(2 * alone), "half each"
+    # on the h200 profile too: two concurrent kernel-path stores each get about half the link
+    h200 = Rig(SimBackend(profile="h200"))
+    solo = h200.took(h200.copy("store", range(0, 16), 1)) - 43e-6
+    c, d = h200.copy("store", range(16, 32), 2), h200.copy("store", range(32, 48), 3)
+    shared = h200.took(c) - 43e-6
+    assert h200.took(d) == pytest.approx(h200.took(c))
+    assert shared == pytest.approx(16 * PAGE / (H200.link_bandwidth / 2), rel=1e-6) and shared > 1.8 * solo
+
+
+def test_sim_cost_a_copy_that_ends_gives_its_share_back() -> None:
+    rig = Rig(SimBackend(profile=FLAT))
+    short, long = rig.copy("load", range(0, 8), 1), rig.copy("load", range(8, 24), 2)
+    unit = 8 * PAGE / (10 * GB)   # 8 pages alone
+    assert rig.took(short) == pytest.approx(2 * unit)          # shared the whole time
+    assert rig.took(long) == pytest.approx(2 * unit + unit)    # then 8 pages left, alone
+
+
+def test_sim_cost_opposite_directions_run_full_duplex_up_to_the_cap() -> None:
+    roomy = dataclasses.replace(FLAT, bidirectional_bandwidth=20 * GB)
+    for profile, rate in ((roomy, 10 * GB), (FLAT, 7.5 * GB)):
+        rig = Rig(SimBackend(profile=profile))
+        store, load = rig.copy("store", range(0, 16), 1), rig.copy("load", range(16, 32), 2)
+        assert rig.took(store) == pytest.approx(16 * PAGE / rate), profile
+        assert rig.took(load) == pytest.approx(16 * PAGE / rate), profile
+
+
+def test_sim_cost_links_are_shared_across_workers_on_one_device() -> None:
+    be = SimBackend(profile=FLAT)
+    rig_a, rig_b = Rig(be), Rig(be)   # two owners of memory (e.g. two workers), one device
+    a, b = rig_a.copy("store", range(0, 16), 1), rig_b.copy("store", range(0, 16), 1)
+    assert rig_a.took(a) == pytest.approx(2 * 16 * PAGE / (10 * GB)) == rig_b.took(b)
+
+
+def test_sim_cost_path_choice_is_the_cupy_backends_rule() -> None:
+    assert _cupy_copy.choose_path is copy_paths.choose_path, "one function, not two copies"
+    assert cupy_backend.DEFAULT_KERNEL_MIN_COUNT is copy_paths.DEFAULT_KERNEL_MIN_COUNT
+    assert cupy_backend.DEFAULT_KERNEL_MAX_MEAN_BYTES is copy_paths.DEFAULT_KERNEL_MAX_MEAN_BYTES
+    assert (H200.kernel_min_count, H200.kernel_max_mean_bytes) == (copy_paths.DEFAULT_KERNEL_MIN_COUNT,
+                                                                   copy_paths.DEFAULT_KERNEL_MAX_MEAN_BYTES)
+    for pinned in (True, False):
+        for mode in ("auto", "kernel", "memcpy"):
+            for count in (1, 15, 16, 40):
+                be = SimBackend(profile="h200", copy_path=mode, trace=True)  # type: ignore[arg-type]
+                rig = Rig(be, pinned=pinned)
+                rig.took(rig.copy("store", range(count), 1))
+                spans = [e for e in be.trace_document()["traceEvents"] if e.get("cat") == "copy"]
+                want = copy_paths.choose_path(mode, count=count, total_bytes=count * PAGE,  # type: ignore[arg-type]
+                                              legal=pinned)
+                assert spans[-1]["args"]["path"] == want, (pinned, mode, count)
+    h100 = SimBackend(profile="h100", trace=True)
+    rig = Rig(h100)
+    rig.took(rig.copy("load", range(4), 1))
+    copies = [e for e in h100.trace_document()["traceEvents"] if e.get("cat") == "copy"]
+    assert copies[-1]["args"]["path"] == "dma", "batched DMA where memcpy would be"
+
+
+def test_sim_cost_compute_is_slowed_while_a_kernel_copy_runs() -> None:
+    be = SimBackend(profile=FLAT, copy_path="kernel")
+    rig = Rig(be)
+    rig.copy("store", range(0, 32), 1)   # 32 pages at 10 GB/s: about 210 us
+    be.clock_advance(1e-6)               # the copy has started
+    be.enqueue_compute_write(be.empty_device((4, 64)), [0], 1, 50e-6, stream="other")
+    marker = be.create_event()
+    be.record(marker, be.compute_stream("other"))
+    be.synchronize(marker)
+    assert be.monotonic() == pytest.approx(1e-6 + 75e-6), "1.5 x 50 us: the kernel copy occupies SMs"
+    plain = SimBackend(profile=FLAT, copy_path="memcpy")
+    Rig(plain).copy("store", range(0, 32), 1)
+    plain.clock_advance(1e-6)
+    plain.enqueue_compute_write(plain.empty_device((4, 64)), [0], 1, 50e-6, stream="other")
+    marker = plain.create_event()
+    plain.record(marker, plain.compute_stream("other"))
+    plain.synchronize(marker)
+    assert plain.monotonic() == pytest.approx(1e-6 + 50e-6), "a memcpy-path copy does not slow compute"
+
+
+def test_sim_cost_pageable_host_memory_keeps_its_own_bandwidth() -> None:
+    rig = Rig(SimBackend(profile=FLAT), pinned=False)
+    assert rig.took(rig.copy("store", range(0, 16), 1)) == pytest.approx(16 * PAGE / (1 * GB))
+
+
+def test_sim_cost_recorded_figures_are_docs_gpu_check_json() -> None:
+    doc = json.loads((ROOT / "docs" / "gpu-check.json").read_text())
+    assert [(r["page"], r["count"]) for r in doc["main"][::2]] == list(SCHEDULES)
+    for row in doc["main"]:
+        recorded = RECORDED_H200[(row["page"], row["direction"])]
+        for path in PATHS:
+            assert recorded[path] == pytest.approx(row["gbps"][path], abs=1e-3), (row["page"], path)
+
+
+def test_sim_cost_h200_profile_reproduces_the_recorded_h200_figures() -> None:
+    ratios = calibration_ratios("h200")
+    assert set(ratios) == set(RECORDED_H200)
+    bad = {(page, d, p): round(r, 3) for (page, d), row in ratios.items() for p, r in row.items()
+           if not 0.85 <= r <= 1.15}
+    assert not bad, f"modelled/recorded outside 0.85..1.15: {bad}"

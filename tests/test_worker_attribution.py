@@ -1,0 +1,91 @@
+"""R22: a failed result names the destination blocks it poisoned; the report accounts for every job once -- on both
+workers (the engine and the reference)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from _support import BPC, CPU_CHUNKS, cspec, gspec, patterned_gpu, small_layout
+
+import kvoffload_ref as kv
+from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.testing.campaign import quiet_logs
+
+CREATE: dict[str, Callable[..., Any]] = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    with quiet_logs():
+        yield
+
+
+def _worker(kind: str, faults: list[kv.Fault], timeout: float = 0.01) -> tuple[SimBackend, Any]:
+    be = SimBackend(faults=kv.FaultPlan(faults))
+    layout = small_layout()
+    worker = CREATE[kind](be, patterned_gpu(be, layout), layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS,
+                          policy=kv.ShutdownPolicy(timeout=timeout))
+    return be, worker
+
+
+@pytest.mark.rule("R22")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_failed_load_names_its_gpu_blocks_and_those_behind_it_theirs(kind: str) -> None:
+    be, w = _worker(kind, [kv.Fault("event_query", "error", direction="load", job_id=2)])
+    w.submit_store(1, gspec([0, 1, 2]), cspec([0]))
+    w.wait([1])
+    w.submit_load(2, cspec([0]), gspec([9, 7, 8]))
+    w.submit_load(3, cspec([0]), gspec([5, 4, 3]))
+    w.wait([2, 3])
+    results = {r.job_id: r for r in w.get_finished()}
+    assert results[1].success and results[1].invalid_blocks == () and results[1].transfer_type == ("GPU", "CPU")
+    assert not results[2].success and results[2].invalid_blocks == (7, 8, 9)
+    assert not results[3].success and results[3].invalid_blocks == (3, 4, 5)  # queued behind the failed head
+    assert results[2].transfer_type == results[3].transfer_type == ("CPU", "GPU")
+    assert kv.poisoned_gpu_blocks(results.values()) == (3, 4, 5, 7, 8, 9)
+    assert kv.poisoned_cpu_chunks(results.values()) == ()
+    w.shutdown()
+
+
+@pytest.mark.rule("R22")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_failed_store_names_its_cpu_chunks(kind: str) -> None:
+    be, w = _worker(kind, [kv.Fault("event_query", "error", direction="store", job_id=1)])
+    w.submit_store(1, gspec([0, 1, 2, 3, 4, 5]), cspec([4, 2]))
+    w.wait([1])
+    (result,) = w.get_finished()
+    assert not result.success and result.invalid_blocks == (2, 4) and result.transfer_type == ("GPU", "CPU")
+    assert kv.poisoned_cpu_chunks([result]) == (2, 4) and kv.poisoned_gpu_blocks([result]) == ()
+    w.shutdown()
+
+
+@pytest.mark.rule("R22")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_report_lists_every_unhanded_job_once_with_its_blocks(kind: str) -> None:
+    """Proven but unreaped, failed at the drain's head, abandoned behind it: each once, the unproven with blocks."""
+    be, w = _worker(kind, [kv.Fault("event_query", "error", direction="load", job_id=4)])
+    w.submit_store(1, gspec([0]), cspec([0]))
+    w.wait([1])  # proven, never reaped
+    w.submit_store(2, gspec([1]), cspec([1]))  # proven by the drain
+    w.submit_load(4, cspec([0]), gspec([10, 11]))  # its end event fails in the drain
+    w.submit_load(5, cspec([1]), gspec([12]))  # queued behind it: abandoned
+    report = w.shutdown()
+    ended = {o.result.job_id: (o.ended, o.result.success, o.result.invalid_blocks) for o in report.unreported}
+    assert ended == {1: ("unreaped", True, ()), 2: ("drained", True, ()), 4: ("failed", False, (10, 11)),
+                     5: ("abandoned", False, (12,))}
+    assert report.load.abandoned == 2 and report.store.drained == 1
+    assert kv.poisoned_gpu_blocks(report) == (10, 11, 12) and kv.poisoned_cpu_chunks(report) == ()
+
+
+@pytest.mark.rule("R22")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_hung_transfer_at_shutdown_is_abandoned_with_its_blocks(kind: str) -> None:
+    be, w = _worker(kind, [kv.Fault("event_query", "hang", direction="store", job_id=3)])
+    w.submit_store(3, gspec([0, 1]), cspec([5]))
+    w.submit_store(6, gspec([2]), cspec([6]))
+    report = w.shutdown()
+    assert [(o.result.job_id, o.ended, o.result.invalid_blocks) for o in report.unreported] == [
+        (3, "abandoned", (5,)), (6, "abandoned", (6,))]
+    assert kv.poisoned_cpu_chunks(report) == (5, 6)
