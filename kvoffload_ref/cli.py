@@ -244,7 +244,8 @@ def _fuzz_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 #: What ``explore`` may be asked for (the explorer's own lists; kept here so that --help needs no Hypothesis).
 EXPLORE_CONFIGS = ("clean", "failed", "hung", "hung-release", "failed-release", "shared")
-EXPLORE_METHODS = ("construct", "submit_store", "submit_load", "get_finished", "wait", "shutdown", "finalizer")
+EXPLORE_METHODS = ("construct", "submit_store", "submit_load", "get_finished", "wait", "order_after", "shutdown",
+                   "finalizer")
 EXPLORE_INJECTIONS = ("KeyboardInterrupt", "SystemExit", "double", "SIGINT", "handler_shutdown",
                       "handler_shutdown_exit")
 

@@ -3,9 +3,9 @@
 The conformance machine draws *some* interleavings; this explorer tries *all* of them for a fixed scenario. For
 each configuration (:data:`CONFIGS`: a clean run, a failed transfer, a hung transfer, both policies, a shared
 region), each public method (:data:`METHODS`: construction, ``submit_store``, ``submit_load``, ``get_finished``,
-``wait``, ``shutdown`` and the finalizer path) and each backend call ``k`` that method makes (found by a first,
-counting run), it builds a fresh worker through the factory, brings it to the method's starting point with the
-same prelude, and injects at the start of the ``k``-th call (:data:`INJECTIONS`):
+``wait``, ``order_after``, ``shutdown`` and the finalizer path) and each backend call ``k`` that method makes (found
+by a first, counting run), it builds a fresh worker through the factory, brings it to the method's starting point
+with the same prelude, and injects at the start of the ``k``-th call (:data:`INJECTIONS`):
 
 * ``KeyboardInterrupt`` / ``SystemExit`` raised there; ``double``: a KeyboardInterrupt there and another at the
   next call (a second Ctrl-C while the first is handled);
@@ -54,7 +54,8 @@ from kvoffload_ref.worker import ShutdownPolicy
 __all__ = ["CONFIGS", "INJECTIONS", "METHODS", "Case", "ExploreResult", "Failure", "explore", "run_case"]
 
 #: The public methods explored, in the order they are reported.
-METHODS: Final = ("construct", "submit_store", "submit_load", "get_finished", "wait", "shutdown", "finalizer")
+METHODS: Final = ("construct", "submit_store", "submit_load", "get_finished", "wait", "order_after", "shutdown",
+                  "finalizer")
 #: Every way a call point is interrupted.
 INJECTIONS: Final = ("KeyboardInterrupt", "SystemExit", "double", "SIGINT", "handler_shutdown",
                      "handler_shutdown_exit")
@@ -212,6 +213,8 @@ def _worker_calls(method: str, worker: WorkerLike, setup: Setup) -> Callable[[],
         return worker.get_finished
     if method == "wait":
         return lambda: worker.wait({1, 2, 3}, timeout=setup.policy.timeout / 2)
+    if method == "order_after":  # R23: a named stream of the sim waits for the queued jobs (and an unknown id)
+        return lambda: worker.order_after({2, 3, 99}, stream="explorer")
     if method == "shutdown":
         return worker.shutdown
     raise ValueError(method)
