@@ -21,7 +21,7 @@ The ``CUDA_*`` constants are the CUDA runtime status codes the library names (``
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, TypeVar
 
 __all__ = [
     "DeadlineExceeded",
@@ -33,6 +33,7 @@ __all__ = [
     "ShutdownDeferred",
     "SimHang",
     "WorkerClosedError",
+    "detached",
 ]
 
 # CUDA runtime status codes the library names (CuPy exports none of them; values from the CUDA enum).
@@ -117,3 +118,16 @@ class DeviceError(OffloadError, RuntimeError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.status))
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def detached(exc: E) -> E:
+    """``exc`` without the tracebacks of its chain: an error a worker stores (in a result, a report) must not keep
+    the frames it was raised through, nor the objects they hold."""
+    link: BaseException | None = exc
+    while link is not None:
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc

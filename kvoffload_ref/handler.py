@@ -45,10 +45,10 @@ from kvoffload_ref import lifecycle
 from kvoffload_ref.backends import batched
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag, poll_until
 from kvoffload_ref.canonical_plan import CanonicalLayout
-from kvoffload_ref.errors import DeadlineExceeded, DeviceError
+from kvoffload_ref.errors import DeadlineExceeded, DeviceError, detached
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
 from kvoffload_ref.planner import Planner, PreparedPlan
-from kvoffload_ref.quarantine import QuarantinedItem, quarantine
+from kvoffload_ref.quarantine import keeper
 from kvoffload_ref.results import (
     TRANSFER_TYPE,
     HandlerReport,
@@ -59,7 +59,7 @@ from kvoffload_ref.results import (
     failed_in_order,
     stopped_outcomes,
 )
-from kvoffload_ref.shield import Shield, finish_all
+from kvoffload_ref.shield import Shield, each, finish_all
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import Int64Array
 
@@ -71,29 +71,6 @@ _T = TypeVar("_T")
 
 #: The most end events one ``query_prefix`` call is asked about.
 PREFIX_WINDOW = 4096
-
-
-def _detached(exc: DeviceError) -> DeviceError:
-    """The error without the tracebacks of its chain: a stored error must not keep frames (and their objects)."""
-    link: BaseException | None = exc
-    while link is not None:
-        link.__traceback__ = None
-        link = link.__cause__ or link.__context__
-    return exc
-
-
-def _each(fn: Callable[[Any], object], items: list[Any]) -> None:
-    """Release items from the end of the list; an item leaves it only once released (a retry resumes)."""
-    while items:
-        fn(items[-1])
-        items.pop()
-
-
-def _register(bufs: list[DescriptorBuffer], reason: str) -> None:
-    """Keep ``bufs`` alive in the quarantine registry, oldest first; a buffer leaves the list once registered."""
-    while bufs:
-        quarantine(QuarantinedItem("descriptor", repr(bufs[0]), reason, bufs[0]))
-        bufs.pop(0)
 
 
 class _Taken:
@@ -270,7 +247,7 @@ class DirectionHandler:
         try:
             shield.run(functools.partial(self._backend.record, transfer.end, self._stream, tag=tag))
         except Exception as exc:
-            transfer.broken = _detached(DeviceError(f"recording the end event of {self.direction} job "
+            transfer.broken = detached(DeviceError(f"recording the end event of {self.direction} job "
                                                     f"{transfer.job_id} failed: {exc!r}"))
         except BaseException:
             transfer.broken = DeviceError(f"interrupted while recording the end event of {self.direction} job "
@@ -533,15 +510,12 @@ class DirectionHandler:
         kept = [] if fate is Fate.RELEASE else unproven
         freed = [*idle, *unproven] if fate is Fate.RELEASE else idle
         streams = [] if stream is None else [stream]
-        quarantined, registered = list(kept), list(kept)
         steps: list[tuple[str, Callable[[], object]]] = [
-            (f"destroy the {self.direction} stream", lambda: _each(backend.destroy_stream, streams)),
+            (f"destroy the {self.direction} stream", lambda: each(backend.destroy_stream, streams)),
             (f"destroy {len(events)} {self.direction} events", lambda: batched.destroy_events(backend, events)),
             (f"free {len(freed)} {self.direction} descriptor buffers",
              lambda: batched.free_descriptors_many(backend, freed)),
-            ("quarantine descriptor buffers",
-             lambda: _each(lambda buf: backend.ledger.quarantine("descriptor", id(buf)), quarantined)),
-            ("register quarantined descriptor buffers", lambda: _register(registered, reason)),
+            ("quarantine descriptor buffers", keeper(backend.ledger.quarantine, "descriptor", kept, reason)),  # R12
         ]
         failed, _ = finish_all(steps, shield)
         return len(kept), failed
@@ -552,9 +526,9 @@ class DirectionHandler:
         events, streams = self._events, [] if self._stream is None else [self._stream]
         self._stream, self._events = None, []
         backend = self._backend
-        _, interrupt = finish_all([(f"destroy {self.direction} events", lambda: _each(backend.destroy_event, events)),
+        _, interrupt = finish_all([(f"destroy {self.direction} events", lambda: each(backend.destroy_event, events)),
                                    (f"destroy the {self.direction} stream",
-                                    lambda: _each(backend.destroy_stream, streams))])
+                                    lambda: each(backend.destroy_stream, streams))])
         if interrupt is not None:
             raise interrupt
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["QuarantinedItem", "keeper", "quarantine", "quarantined"]
@@ -61,7 +61,7 @@ def quarantined() -> list[QuarantinedItem]:
         return list(_QUARANTINE)
 
 
-def keeper(mark: Callable[[Any, int], object], kind: str, items: list[object], reason: str) -> Callable[[], None]:
+def keeper(mark: Callable[[Any, int], object], kind: str, items: Sequence[object], reason: str) -> Callable[[], None]:
     """A release step that quarantines ``items`` (R12): each is marked in the ledger (``mark(kind, id(item))``,
     e.g. ``Ledger.quarantine``), then registered here, oldest first. An item leaves each list once done, so a retry
     of the step after an interrupt (``shield.Shield.run``) resumes where it stopped."""

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Literal, overload
 
 from kvoffload_ref.backends.base import ResourceKind
-from kvoffload_ref.errors import DeviceError, InvalidTransferError
+from kvoffload_ref.errors import DeviceError, InvalidTransferError, detached
 from kvoffload_ref.lifecycle import Policy, ProofOutcome, RegionState
 from kvoffload_ref.validate import check_seconds
 
@@ -268,10 +268,7 @@ def failed_in_order(direction: str, failed: Sequence[tuple[int, Iterable[int]]],
         exc: the head's error. It is stored without its tracebacks (a stored error must not keep the frames it was
             raised through); each transfer behind the head gets a DeviceError caused by it.
     """
-    link: BaseException | None = exc
-    while link is not None:
-        link.__traceback__ = None
-        link = link.__cause__ or link.__context__
+    exc = detached(exc)
     head, kind = failed[0][0], TRANSFER_TYPE[direction]
     results = []
     for job, blocks in failed:
