@@ -47,12 +47,11 @@ group (all certified, or all opaque) and verifies the result (R24) before return
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
 from kvoffload_ref.canonical import ByteRun, KVOrder, PageMapping, canonical_format_id, verify_mappings
 from kvoffload_ref.errors import InvalidTransferError
-from kvoffload_ref.validate import INT64_MAX, check_int
+from kvoffload_ref.validate import INT64_MAX, check_int, check_int_tuple
 
 __all__ = [
     "Gate",
@@ -223,12 +222,8 @@ class LayerGeometry:
         if _check_flag("heads_flattened", self.heads_flattened) and self.kind != "split":
             raise InvalidTransferError("LayerGeometry.heads_flattened applies to split KV only")
         if self.strides is not None:
-            if isinstance(self.strides, (str, bytes)) or not isinstance(self.strides, Iterable):
-                raise InvalidTransferError(f"LayerGeometry.strides must be a sequence of ints, got "
-                                           f"{type(self.strides).__name__}")
-            object.__setattr__(self, "strides", tuple(
-                check_int(f"LayerGeometry.strides[{i}]", s, minimum=0, maximum=INT64_MAX)
-                for i, s in enumerate(self.strides)))
+            object.__setattr__(self, "strides", check_int_tuple("LayerGeometry.strides", self.strides, minimum=0,
+                                                                maximum=INT64_MAX))
 
     def dense_page_size(self) -> int:
         """The page the dimensions give: ``2 * bs * h * d * e`` for KV, ``bs * latent * e`` for MLA, else the

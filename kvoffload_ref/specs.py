@@ -36,6 +36,7 @@ from kvoffload_ref.validate import (
     Int64Array,
     check_id_array,
     check_int,
+    check_int_tuple,
     check_job_ids,
     check_positive,
     check_seconds,
@@ -82,13 +83,6 @@ class TensorGeometry:
 
 
 # ----------------------------------------------------------------------------------------------- validation
-
-
-def _int_tuple(values: object, name: str, minimum: int, maximum: int | None = None) -> tuple[int, ...]:
-    """Return ``values`` as a tuple of ints in [``minimum``, ``maximum``], or raise InvalidTransferError."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidTransferError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    return tuple(check_int(f"{name}[{i}]", v, minimum=minimum, maximum=maximum) for i, v in enumerate(values))
 
 
 def _as_block_ids(block_ids: object, owner: str) -> Int64Array:
@@ -190,7 +184,8 @@ class KVCacheLayout:
     _group_refs: tuple[GroupRefs, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __init__(self, tensor_page_bytes: Sequence[int], groups: Sequence[Sequence[LayerRef]]) -> None:
-        pages = _int_tuple(tensor_page_bytes, "tensor_page_bytes", 1, INT64_MAX)  # the planner's int64 arrays
+        # int64: the planner keeps pages in int64 arrays
+        pages = check_int_tuple("tensor_page_bytes", tensor_page_bytes, minimum=1, maximum=INT64_MAX)
         if not pages:
             raise InvalidTransferError("tensor_page_bytes is empty: expected at least one tensor")
         checked = _check_groups(groups, pages)
@@ -296,8 +291,8 @@ class GPULoadStoreSpec(_BlockIDsSpec):
     def __init__(self, block_ids: npt.ArrayLike | Sequence[int], group_sizes: Iterable[SupportsIndex],
                  block_indices: Iterable[SupportsIndex]) -> None:
         super().__init__(block_ids)
-        sizes = _int_tuple(group_sizes, "GPULoadStoreSpec.group_sizes", 0)
-        indices = _int_tuple(block_indices, "GPULoadStoreSpec.block_indices", 0)
+        sizes = check_int_tuple("GPULoadStoreSpec.group_sizes", group_sizes, minimum=0)
+        indices = check_int_tuple("GPULoadStoreSpec.block_indices", block_indices, minimum=0)
         if sum(sizes) != len(self._block_ids):
             raise InvalidTransferError(f"GPULoadStoreSpec has {len(self._block_ids)} block ids, expected "
                                        f"sum(group_sizes) = {sum(sizes)} (group_sizes={sizes})")
@@ -389,7 +384,7 @@ def geometry_columns(layout: KVCacheLayout, gpu: Sequence[TensorGeometry], cpu: 
                                        f"{layout.num_tensors} (one per layout tensor)")
     pages = layout.tensor_page_bytes
     plain = cpu_pages is None or tuple(cpu_pages) == pages
-    subs, what = (pages, "tensor_page_bytes") if plain or cpu_pages is None else (cpu_pages, "canonical page")
+    subs, what = (pages, "tensor_page_bytes") if plain else (tuple(cpu_pages or ()), "canonical page")
     return (_columns(gpu, "gpu", pages, "tensor_page_bytes[{t}]"),
             _columns(cpu, "cpu", [p * bpc for p in subs], what + "[{t}] * blocks_per_chunk"))
 

@@ -35,6 +35,7 @@ __all__ = [
     "Int64Array",
     "check_id_array",
     "check_int",
+    "check_int_tuple",
     "check_job_ids",
     "check_positive",
     "check_seconds",
@@ -91,6 +92,17 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
             raise InvalidTransferError(f"{name} must be <= {maximum}, got {_show(result)}")
         raise InvalidTransferError(f"{name} must be an int in [{minimum}, {maximum}], got {_show(result)}")
     return result
+
+
+def check_int_tuple(name: str, values: object, *, minimum: int, maximum: int | None = None) -> tuple[int, ...]:
+    """R7: ``values`` (any iterable but a string) as a tuple of ints in [``minimum``, ``maximum``].
+
+    Raises:
+        InvalidTransferError: not an iterable of ints, or an entry out of range (named ``name[i]``).
+    """
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidTransferError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    return tuple(check_int(f"{name}[{i}]", v, minimum=minimum, maximum=maximum) for i, v in enumerate(values))
 
 
 def _check_real(name: str, value: object, *, unit: str, positive: bool, allow_inf: bool) -> float:
