@@ -10,7 +10,7 @@ steps); the steps each took are printed (``pytest -s``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -222,9 +222,6 @@ class _Legacy:
     def get_finished(self) -> list[Any]:
         return [type("Result", (), {"job_id": r.job_id, "success": r.success, "transfer_size": r.transfer_size})()
                 for r in self._inner.get_finished()]
-
-    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
-        self._inner.wait(job_ids, timeout)
 
 
 def _legacy(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:

@@ -163,7 +163,8 @@ class ConcurrentRules(MachineBase):
         setup, dev = self.current_setup, self.current_device
         moves = plan_moves(setup.layout, setup.blocks_per_chunk, gpu, cpu)  # type: ignore[arg-type]
         note(f"# -> {error!r}")
-        queued = dev.copied((direction, job)) or error is None
+        copied = dev.copied((direction, job))
+        queued = copied or error is None
         if error is None:
             firings = dev.plan.firings[self.seen_firings:]
             hung = any(f.fault.kind == "hang" and f.tag == (direction, job) for f in firings)
@@ -173,7 +174,7 @@ class ConcurrentRules(MachineBase):
             self.current_model.ghost(moves, direction)  # type: ignore[arg-type]
         if queued:
             assert self.race is not None
-            index = dev.op_labels.index((direction, job)) if dev.copied((direction, job)) else None
+            index = dev.op_labels.index((direction, job)) if copied else None
             taken = dev.take_observations(before=index)
             for label in taken:
                 self.race.observe(label)
