@@ -240,3 +240,42 @@ def test_trace_plot_without_matplotlib_prints_one_hint(tmp_path: pathlib.Path, m
     assert cli.main(["trace-plot", str(tmp_path / "t.json"), str(tmp_path / "t.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install" in err[0] and "matplotlib" in err[0]
+
+
+def test_trace_cupy_backend_gives_back_the_start_event_of_a_failed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A submission that raises leaves no span and no stranded start event (it is destroyed, not kept)."""
+    fakes = pytest.importorskip("tests.test_backends_cupy")
+    from kvoffload_ref.backends import cupy as cb
+
+    backend = cb.CupyBackend(copy_path="memcpy", _cupy_module=fakes.fake_cupy())
+    backend.start_trace()
+    tracer = backend._tracer
+    assert tracer is not None
+    begun: list[int] = []
+    abandoned: list[int] = []
+    begin = tracer.begin
+    monkeypatch.setattr(tracer, "begin", lambda stream: begun.append(begin(stream)) or begun[-1])
+    monkeypatch.setattr(tracer, "abandon", abandoned.append)
+
+    def refuse(*args: object) -> None:
+        raise kv.DeviceError("memcpy refused", 1)
+
+    monkeypatch.setattr(backend._engine, "memcpy", refuse)
+    dev = backend.from_host(np.zeros((2, 64), np.uint8))
+    g = backend.array_info(dev)
+    host = np.zeros((2, 64), np.uint8)
+    backend.track_host(host.ctypes.data, host.nbytes)
+    buf = backend.alloc_descriptors(2)
+    buf.fill(g.ptr + np.arange(2, dtype=np.int64) * g.row_stride, host.ctypes.data + np.arange(2) * 64,
+             np.full(2, 64, np.int64))
+    stream = backend.create_stream()
+    try:
+        with pytest.raises(kv.DeviceError):
+            backend.copy_batch(stream, buf, 2, tag=("store", 8))
+        assert abandoned == begun and len(begun) == 1
+        assert _spans(backend.trace_document(), "copy") == []
+    finally:
+        backend.stop_trace()
+        backend.destroy_stream(stream)
+        backend.free_descriptors(buf)
+        backend.untrack_host(host.ctypes.data)

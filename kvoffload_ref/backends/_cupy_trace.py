@@ -64,6 +64,11 @@ class CupyTracer:
             self._rt.eventRecord(event, stream)
         return event
 
+    def abandon(self, start: int) -> None:
+        """Destroy the start event of a copy whose submission failed (it gets no span)."""
+        with self._cuda("trace: start event"):
+            self._rt.eventDestroy(start)
+
     def end(self, start: int, stream: int, tag: Tag | None, nbytes: int, count: int, path: str) -> None:
         """Record the end event of the copy ``begin`` started (after its submission)."""
         with self._cuda("trace: end event", tag):

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event
 from kvoffload_ref.errors import DeviceError
 
-__all__ = ["BatchedBackend", "PerCallBatches", "destroy_events", "free_descriptors_many", "query_prefix"]
+__all__ = ["BatchedBackend", "destroy_events", "free_descriptors_many", "query_prefix"]
 
 
 @runtime_checkable
@@ -68,23 +68,6 @@ def query_prefix(backend: Backend, events: Sequence[Event]) -> int:
         return _query_each(backend, events)
     count: int = batched(events)
     return count
-
-
-class PerCallBatches:
-    """Mixin: :class:`BatchedBackend`'s methods as one call each, for a backend that wants the batched methods
-    without anything cheaper to offer (the module functions above need no mixin: they fall back by themselves)."""
-
-    def destroy_events(self: Backend, events: Sequence[Event]) -> None:
-        """One ``destroy_event`` per event."""
-        _destroy_each(self, events)
-
-    def free_descriptors_many(self: Backend, bufs: Sequence[DescriptorBuffer]) -> None:
-        """One ``free_descriptors`` per buffer."""
-        _free_each(self, bufs)
-
-    def query_prefix(self: Backend, events: Sequence[Event]) -> int:
-        """One ``query`` per event, stopping at the first that is not done or raises."""
-        return _query_each(self, events)
 
 
 def _destroy_each(backend: Backend, events: Sequence[Event]) -> None:

@@ -516,15 +516,20 @@ class CupyBackend(TracingMixin):
         if count == 0 or int(sizes.max()) == 0:
             return
         path = self.choose_path(src, dst, sizes)
-        if path == "kernel" and not self._engine.available():
-            path = "memcpy"
-        traced = self._tracer.begin(s.ptr) if self._tracer is not None else None
-        if path == "kernel":
-            self._engine.launch(s, block, count, int(sizes.max()), tag)
-        else:
-            self._engine.memcpy(s, src, dst, sizes, tag, self._spans.seams)  # no run across a seam (R25)
-        if traced is not None and self._tracer is not None:
-            self._tracer.end(traced, s.ptr, tag, int(sizes.sum()), count, path)
+        path = "memcpy" if path == "kernel" and not self._engine.available() else path
+        tracer = self._tracer  # read once: a stop_trace() meanwhile must not strand the start event
+        traced = tracer.begin(s.ptr) if tracer is not None else None
+        try:
+            if path == "kernel":
+                self._engine.launch(s, block, count, int(sizes.max()), tag)
+            else:
+                self._engine.memcpy(s, src, dst, sizes, tag, self._spans.seams)  # no run across a seam (R25)
+        except BaseException:
+            if tracer is not None and traced is not None:
+                tracer.abandon(traced)
+            raise
+        if tracer is not None and traced is not None:
+            tracer.end(traced, s.ptr, tag, int(sizes.sum()), count, path)
         with self._lock:
             self._path_counts[path] += 1
         self.last_copy_path = path
