@@ -101,11 +101,10 @@ class CupyBackend(TracingMixin):
         self._lock = threading.Lock()
         # Invariant: at most one (unowned) handle per compute-stream pointer; see current_stream().
         self._compute_handles: dict[int, CupyStream] = {}
-        # Invariant: _mappings / _pinned map a tracked / registered range's start to its size (what the ledger's
-        # "mapping" / "pinned" entries describe); _spans is what the copy kernel may dereference, and the seams
-        # of the registrations (the memcpy path merges no run across one, R25).
+        # Invariant: _mappings maps a tracked range's start to its size (the ledger's "mapping" entries); _spans
+        # holds the registered ("pinned") ranges, what the copy kernel may dereference, and their seams (the
+        # memcpy path merges no run across one, R25).
         self._mappings: dict[int, int] = {}
-        self._pinned: dict[int, int] = {}
         self._spans = SpanSet()
         self._descriptors = DescriptorPool(self._cuda)
         self._engine = CopyEngine(self._cp, self._cuda)
@@ -266,7 +265,6 @@ class CupyBackend(TracingMixin):
         kernel_ok = self._host_ptr_ok or self._device_pointer_is_host(ptr)
         self._ledger.acquire("pinned", ptr)
         with self._lock:
-            self._pinned[ptr] = nbytes
             self._spans.add_pinned(ptr, ptr + nbytes, kernel=kernel_ok)
 
     def _device_pointer_is_host(self, ptr: int) -> bool:
@@ -287,7 +285,6 @@ class CupyBackend(TracingMixin):
         with self._cuda(f"host_unregister({ptr:#x})"):
             self._rt.hostUnregister(ptr)
         with self._lock:
-            self._pinned.pop(ptr, None)
             self._spans.discard_pinned(ptr)
         self._ledger.release("pinned", ptr)
 
