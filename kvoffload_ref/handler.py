@@ -41,7 +41,7 @@ import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from kvoffload_ref import lifecycle
+from kvoffload_ref import lifecycle, tables
 from kvoffload_ref.backends import batched
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag, poll_until
 from kvoffload_ref.canonical_plan import CanonicalLayout
@@ -69,8 +69,9 @@ logger = logging.getLogger("kvoffload_ref.handler")
 
 _T = TypeVar("_T")
 
-#: The most end events one ``query_prefix`` call is asked about.
-PREFIX_WINDOW = 4096
+#: The most end events one ``query_prefix`` call is asked about: few enough that a window's transfers, events and
+#: records are still in cache when the proven heads are booked (a drain of thousands runs window by window).
+PREFIX_WINDOW = 512
 
 
 class _Taken:
@@ -94,33 +95,30 @@ class _Taken:
         return item
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _Transfer:
+    """One queued transfer (slotted, its two events held directly: a drain of thousands frees fewer objects)."""
+
     job_id: int
-    events: tuple[Event, Event]  # (start, end)
+    start: Event
+    end: Event
     descriptors: DescriptorBuffer | None  # None for a zero-op transfer
     nbytes: int
     dst_blocks: Int64Array  # R22: the destination's block ids (GPU blocks of a load, CPU chunks of a store)
-    # Invariant: True once the transfer left the queue (proven, failed or abandoned).
+    tag: Tag  # (direction, job_id): the one tuple every record of the transfer is tagged with
+    # Invariant: True once the transfer left the queue (proven, failed or abandoned) if it was a mark (see
+    # DirectionHandler._marks) when it left; a transfer no caller waits on is never marked resolved.
     resolved: bool = False
     # Invariant: why its end event could not be recorded after the device took its copy (it can never be proven
     # by that event, so it fails when it reaches the head); None normally.
     broken: DeviceError | None = None
 
-    @property
-    def start(self) -> Event:
-        return self.events[0]
 
-    @property
-    def end(self) -> Event:
-        return self.events[1]
-
-
-_EVENTS = operator.attrgetter("events")
+_EVENTS = operator.attrgetter("start", "end")
 _JOB_ID = operator.attrgetter("job_id")
 _NBYTES = operator.attrgetter("nbytes")
 _DESCRIPTORS = operator.attrgetter("descriptors")
-_END = operator.itemgetter(1)  # of the events
+_END = operator.attrgetter("end")
 
 
 class DirectionHandler:
@@ -156,6 +154,9 @@ class DirectionHandler:
         self._resolved: list[TransferResult] = []
         # Invariant: job ids in _queue or _resolved (the ids "in flight" for R7's duplicate check).
         self._jobs: set[int] = set()
+        # Invariant: the marks last_of handed out that are still queued: when one leaves the queue it is marked
+        # resolved (and dropped from here), so that no other transfer is written to on its way out.
+        self._marks: set[_Transfer] = set()
         # Invariant: transfers whose completion is unknown; their resources are never reused.
         self._unproven: list[_Transfer] = []
         # Invariant: pooled objects are idle (their last use was proven complete); LIFO.
@@ -175,7 +176,7 @@ class DirectionHandler:
         self._broken = False
         # Invariant: the first failure of the shutdown drain (None before it or if there was none).
         self._drain_error: BaseException | None = None
-        # Invariant: changed only through lifecycle.step(HANDLER_TABLE, ...), in _step.
+        # Invariant: changed only through tables.step(HANDLER_TABLE, ...), in _step.
         self.state = HandlerState.ACCEPTING
         # Invariant: every transfer of this handler runs on this one stream (R4); None once released.
         self._stream: Stream | None = None
@@ -230,7 +231,7 @@ class DirectionHandler:
         backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
         backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
-        transfer = taken.transfer = _Transfer(job_id, (start, end), descriptors, plan.nbytes, dst_blocks)
+        transfer = taken.transfer = _Transfer(job_id, start, end, descriptors, plan.nbytes, dst_blocks, tag)
         taken.marker = marker
         if descriptors is None:
             backend.record(end, stream, tag=tag)  # no copy: until this returns, an interrupt leaves no trace
@@ -243,9 +244,8 @@ class DirectionHandler:
     def _record_end(self, transfer: _Transfer, shield: Shield) -> None:
         """Record the end event of a transfer whose copy the device already took, retried through interrupts;
         if it cannot be recorded, the transfer can never be proven by it and fails at the head (R5)."""
-        tag = (self.direction, transfer.job_id)
         try:
-            shield.run(functools.partial(self._backend.record, transfer.end, self._stream, tag=tag))
+            shield.run(functools.partial(self._backend.record, transfer.end, self._stream, tag=transfer.tag))
         except Exception as exc:
             transfer.broken = detached(DeviceError(f"recording the end event of {self.direction} job "
                                                     f"{transfer.job_id} failed: {exc!r}"))
@@ -300,7 +300,10 @@ class DirectionHandler:
     def last_of(self, job_ids: set[int]) -> _Transfer | None:
         """The last queued transfer among ``job_ids`` (None if none is queued): in FIFO order, once it is
         resolved, every listed job here is (R6)."""
-        return next((t for t in reversed(self._queue) if t.job_id in job_ids), None)
+        mark = next((t for t in reversed(self._queue) if t.job_id in job_ids), None)
+        if mark is not None:
+            self._marks.add(mark)
+        return mark
 
     def settle(self, mark: object) -> bool:
         """Observe the queue's heads without blocking, up to ``mark``; whether ``mark`` is resolved now."""
@@ -321,7 +324,7 @@ class DirectionHandler:
         if self._broken:
             window = itertools.takewhile(lambda t: t.broken is None, window)
         if mark is None:
-            ends = list(map(_END, map(_EVENTS, window)))
+            ends = list(map(_END, window))
         else:
             ends = []
             for transfer in window:
@@ -355,22 +358,36 @@ class DirectionHandler:
         state that allows it, so one table step decides for the whole run: report them, or count them drained."""
         action = self._step(HandlerInput.HEAD_PROVEN)
         queue, kind = self._queue, self._kind
+        whole = count == len(queue)
+        run: Sequence[_Transfer] = queue if whole else list(itertools.islice(queue, count))
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
         if action is Action.REPORT:
             self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h), transfer_type=kind)
-                               for h in itertools.islice(queue, count)]
-        self._events += itertools.chain.from_iterable(map(_EVENTS, itertools.islice(queue, count)))
-        self._descriptors += filter(None, map(_DESCRIPTORS, itertools.islice(queue, count)))  # None: no copy
+                               for h in run]
+        self._events += itertools.chain.from_iterable(map(_EVENTS, run))
+        self._descriptors += filter(None, map(_DESCRIPTORS, run))  # None: no copy
         # The drain reads no timings: a drained head leaves only its id and byte count (two C arrays); its outcome
         # is built when a report is read, so a teardown of thousands allocates nothing per job.
         if action is Action.COUNT_DRAINED:
-            self._drained_ids.extend(map(_JOB_ID, itertools.islice(queue, count)))
-            self._drained_bytes.extend(map(_NBYTES, itertools.islice(queue, count)))
+            self._drained_ids.extend(map(_JOB_ID, run))
+            self._drained_bytes.extend(map(_NBYTES, run))
             self._counts["drained"] += count
-        for _ in range(count):
-            queue.popleft().resolved = True
+        self._leave(run)
+        if whole:
+            queue.clear()
+        else:  # popleft ``count`` times, in C
+            collections.deque(itertools.starmap(queue.popleft, itertools.repeat((), count)), maxlen=0)
         self._counts["completed"] += count
+
+    def _leave(self, run: Iterable[_Transfer]) -> None:
+        """``run`` (heads of the queue) is leaving it: the marks among them are resolved."""
+        marks = self._marks
+        if marks:
+            for transfer in run:
+                if transfer in marks:
+                    transfer.resolved = True
+                    marks.discard(transfer)
 
     def _seconds(self, transfer: _Transfer) -> float | None:
         try:
@@ -397,9 +414,8 @@ class DirectionHandler:
     def _take_queue(self) -> list[_Transfer]:
         """Empty the queue into the unproven bin; returns what was queued."""
         taken = list(self._queue)
+        self._leave(taken)
         self._queue.clear()
-        for transfer in taken:
-            transfer.resolved = True
         self._unproven.extend(taken)
         return taken
 
@@ -444,7 +460,7 @@ class DirectionHandler:
     def abandon_undrained(self) -> None:
         """R14: an interrupt arrived before this handler's drain began: begin it now and abandon everything, without
         a wait (the table says whether the drain can still begin)."""
-        if isinstance(lifecycle.HANDLER_TABLE[(self.state, HandlerInput.BEGIN_DRAIN)], lifecycle.Transition):
+        if isinstance(lifecycle.HANDLER_TABLE[(self.state, HandlerInput.BEGIN_DRAIN)], tables.Transition):
             self.drain(0.0, interrupted=True)
 
     def _stop_drain(self, event: HandlerInput, error: BaseException | None) -> None:
@@ -503,12 +519,14 @@ class DirectionHandler:
         if self._step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
             return 0, []
         backend = self._backend
-        events = [*self._events, *(e for t in self._unproven for e in t.events)]
+        # The pools' own lists are taken over, extended only by the unproven (a copy of thousands would touch each).
+        events, freed, stream = self._events, self._descriptors, self._stream
+        events += itertools.chain.from_iterable(map(_EVENTS, self._unproven))
         unproven = [t.descriptors for t in self._unproven if t.descriptors is not None]
-        idle, stream = self._descriptors, self._stream
         self._stream, self._events, self._descriptors, self._unproven = None, [], [], []
         kept = [] if fate is Fate.RELEASE else unproven
-        freed = [*idle, *unproven] if fate is Fate.RELEASE else idle
+        if fate is Fate.RELEASE:
+            freed += unproven
         streams = [] if stream is None else [stream]
         steps: list[tuple[str, Callable[[], object]]] = [
             (f"destroy the {self.direction} stream", lambda: each(backend.destroy_stream, streams)),
@@ -545,5 +563,5 @@ class DirectionHandler:
         )
 
     def _step(self, event: HandlerInput) -> Action:
-        self.state, action = lifecycle.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)
+        self.state, action = tables.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)
         return action

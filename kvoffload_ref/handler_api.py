@@ -1,6 +1,6 @@
 """What the worker asks of one direction's handler: the seam between the worker level and a handler.
 
-Both workers share one worker level (``reference.ReferenceWorker``: the lock, the calls, the shutdown sequence) and
+Both workers share one worker level (``reference.Core``: the lock, the calls, the shutdown sequence) and
 differ in the handler behind this protocol: ``reference.ReferenceHandler`` (plain: one query per head, no pools)
 and ``handler.DirectionHandler`` (fast: pools, batched calls, prefix queries, the vectorized planner). The worker
 serialises every call under its lock while it is open (R19); from shutdown on only the shutdown thread calls.
@@ -8,15 +8,17 @@ serialises every call under its lock while it is open (R19); from shutdown on on
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from kvoffload_ref.backends.base import Event, Stream
+from kvoffload_ref.backends.base import Backend, Event, Stream
+from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.lifecycle import Fate
 from kvoffload_ref.results import HandlerReport, HandlerStats, TransferResult
 from kvoffload_ref.shield import Shield
-from kvoffload_ref.specs import Direction
+from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 
-__all__ = ["DirectionHandlerAPI"]
+__all__ = ["DirectionHandlerAPI", "NewHandler"]
 
 
 class DirectionHandlerAPI(Protocol):
@@ -79,3 +81,9 @@ class DirectionHandlerAPI(Protocol):
 
     def stats(self) -> HandlerStats:
         """A frozen snapshot."""
+
+
+#: A handler's constructor as ``reference.build_core`` calls it: (backend, direction, compute stream, layout, GPU
+#: geometries, CPU geometries, blocks per chunk, canonical layout or None).
+NewHandler = Callable[[Backend, Direction, Stream, KVCacheLayout, Sequence[TensorGeometry], Sequence[TensorGeometry],
+                       int, CanonicalLayout | None], DirectionHandlerAPI]

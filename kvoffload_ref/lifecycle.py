@@ -1,50 +1,31 @@
 """The lifecycle state machines of kvoffload_ref, kept as data.
 
-Theory of operation
--------------------
-Three small machines describe everything that can happen to an offloading worker:
-
-* the **worker** (open -> shutting down -> closed): which public calls are allowed when;
-* each **handler** (one per direction; accepting -> draining -> drained | abandoned -> closed): when a transfer
-  may be submitted, and how the shutdown drain ends;
-* the **region** (caller-owned -> worker-owned -> released | quarantined): who may release the host memory and
-  whether it is released at all.
-
-Two decision tables join them at shutdown: :data:`PROOF_DECISION` says whether the device-level proof (R13) is
-needed (never on the clean path, skipped after an interrupt), and :data:`FATE` says, from the proof's outcome and
-the policy, whether what may still be under DMA is released or quarantined (R12).
-
-Two rules for this file:
-
-1. Every transition lives here. ``reference.py`` (the worker level and the reference handler), ``handler.py`` and
-   ``region.py`` report what happened (an input) and do what the table decides; they never decide one themselves.
-2. This file knows nothing about devices, clocks or I/O: it imports only ``enum``/``typing`` and the error
-   taxonomy. The docs diagram is generated from these tables.
-
-Every table is total: each (state, input) pair maps either to a :class:`Transition` (next state and the action
-the driver carries out) or to a :class:`Refusal` (the typed error to raise; the state does not change).
+Three machines: the **worker** (open -> shutting down -> closed: which public calls are allowed when), each
+**handler** (one per direction; accepting -> draining -> drained | abandoned -> closed: when a transfer may be
+submitted, how the shutdown drain ends) and the **region** (caller-owned -> worker-owned -> released | quarantined:
+who may release the host memory, and whether it is released at all). Two decision tables join them at shutdown:
+:data:`PROOF_DECISION` (is the device-level proof needed? R13, R14) and :data:`FATE` (from the proof's outcome and
+the policy: release or quarantine what may be under DMA, R12). Every transition lives here: ``reference.py``,
+``handler.py`` and ``region.py`` report an input and do what the table decides. Every table is total: each (state,
+input) pair maps to a ``Transition`` (next state, action) or a ``Refusal`` (the typed error; the state stays);
+``tables.step`` reads one. No devices, clocks or I/O here; the docs diagram is generated from these tables.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Final, NamedTuple, TypeVar
+from typing import Final
 
-from kvoffload_ref.errors import LifecycleError, OffloadError, OwnershipError, WorkerClosedError
+from kvoffload_ref.errors import LifecycleError, OwnershipError, WorkerClosedError
+from kvoffload_ref.tables import Refusal, Table, Transition
 
-__all__ = ["FATE", "HANDLER_TABLE", "PROOF_DECISION", "REGION_TABLE", "WORKER_TABLE", "Action", "Fate",
-           "HandlerInput", "HandlerState", "Policy", "ProofOutcome", "Refusal", "RegionInput", "RegionState",
-           "Transition", "WorkerInput", "WorkerState", "decide_fate", "decide_proof", "step"]
-
-
-class _IdentityHash:
-    """Enum mixin: members (singletons) hash by identity, in C, not by name in Python: table lookups are hot."""
-
-    __hash__ = object.__hash__
+__all__ = ["FATE", "HANDLER_TABLE", "MACHINES", "PROOF_DECISION", "REGION_TABLE", "WORKER_TABLE", "Action", "Fate",
+           "HandlerInput", "HandlerState", "Policy", "ProofOutcome", "RegionInput", "RegionState", "WorkerInput",
+           "WorkerState"]
 
 
-class Action(_IdentityHash, enum.Enum):
+class Action(enum.Enum):
     """What the driver does after a transition."""
 
     PROCEED = "proceed"  # carry out the call normally
@@ -65,31 +46,14 @@ class Action(_IdentityHash, enum.Enum):
     RELEASE_RESOURCES = "release_resources"  # release streams, events, descriptor buffers (R10)
 
 
-class Transition(NamedTuple):
-    """A legal step: the next state and the action the driver carries out."""
-
-    next: enum.Enum
-    action: Action
-
-
-class Refusal(NamedTuple):
-    """An illegal step: the error type to raise and why. The state does not change."""
-
-    error: type[OffloadError]
-    reason: str
-
-
-Table = Mapping[tuple[enum.Enum, enum.Enum], Transition | Refusal]
-
-
 # -- worker -----------------------------------------------------------------------------------------------------
-class WorkerState(_IdentityHash, enum.Enum):
+class WorkerState(enum.Enum):
     OPEN = "open"
     SHUTTING_DOWN = "shutting_down"
     CLOSED = "closed"
 
 
-class WorkerInput(_IdentityHash, enum.Enum):
+class WorkerInput(enum.Enum):
     SUBMIT = "submit"  # submit_store / submit_load
     GET_FINISHED = "get_finished"
     WAIT = "wait"
@@ -105,7 +69,7 @@ _CLOSED_SUBMIT = Refusal(WorkerClosedError, "the worker's shutdown has begun; it
 _CLOSED_SNAPSHOT = Refusal(WorkerClosedError, "the worker's CPU region is gone after shutdown began")
 _NOT_SHUTTING_DOWN = Refusal(LifecycleError, "no shutdown is running")
 
-WORKER_TABLE: Final[Table] = {
+WORKER_TABLE: Final[Table[Action]] = {
     (_W.OPEN, _WI.SUBMIT): Transition(_W.OPEN, Action.PROCEED),
     (_W.OPEN, _WI.GET_FINISHED): Transition(_W.OPEN, Action.PROCEED),
     (_W.OPEN, _WI.WAIT): Transition(_W.OPEN, Action.PROCEED),
@@ -134,7 +98,7 @@ WORKER_TABLE: Final[Table] = {
 
 
 # -- handler ----------------------------------------------------------------------------------------------------
-class HandlerState(_IdentityHash, enum.Enum):
+class HandlerState(enum.Enum):
     ACCEPTING = "accepting"
     DRAINING = "draining"
     DRAINED = "drained"  # every queued transfer was proven complete by its own event
@@ -142,7 +106,7 @@ class HandlerState(_IdentityHash, enum.Enum):
     CLOSED = "closed"  # transfer-side resources released (or handed to quarantine)
 
 
-class HandlerInput(_IdentityHash, enum.Enum):
+class HandlerInput(enum.Enum):
     SUBMIT = "submit"
     HEAD_PROVEN = "head_proven"  # the oldest transfer's end event was observed done without error
     HEAD_FAILED = "head_failed"  # observing the oldest transfer raised (R5/R10)
@@ -159,7 +123,7 @@ _NOT_DRAINING = Refusal(LifecycleError, "the handler is not draining")
 _NOT_DRAINED = Refusal(LifecycleError, "the handler must finish draining before it is released")
 _H_DONE = Refusal(LifecycleError, "the handler is closed")
 
-HANDLER_TABLE: Final[Table] = {
+HANDLER_TABLE: Final[Table[Action]] = {
     (_H.ACCEPTING, _HI.SUBMIT): Transition(_H.ACCEPTING, Action.ENQUEUE),
     (_H.ACCEPTING, _HI.HEAD_PROVEN): Transition(_H.ACCEPTING, Action.REPORT),
     (_H.ACCEPTING, _HI.HEAD_FAILED): Transition(_H.ACCEPTING, Action.REPORT_FAILED),
@@ -188,14 +152,14 @@ HANDLER_TABLE: Final[Table] = {
 
 
 # -- region -----------------------------------------------------------------------------------------------------
-class RegionState(_IdentityHash, enum.Enum):
+class RegionState(enum.Enum):
     CALLER_OWNED = "caller_owned"  # built, not (yet) adopted by a worker (R1)
     WORKER_OWNED = "worker_owned"  # a worker's constructor returned successfully with it (R1)
     RELEASED = "released"  # unpinned, views dropped, unmapped (R3)
     QUARANTINED = "quarantined"  # kept mapped and pinned until process exit (R12)
 
 
-class RegionInput(_IdentityHash, enum.Enum):
+class RegionInput(enum.Enum):
     ADOPT = "adopt"  # a worker takes ownership
     CALLER_RELEASE = "caller_release"  # region.release() by its caller
     WORKER_RELEASE = "worker_release"  # the owning worker's shutdown proved it idle (or policy "release")
@@ -208,7 +172,7 @@ _WORKER_OWNS = Refusal(OwnershipError, "a worker owns this region; its shutdown 
 _NOT_WORKERS = Refusal(LifecycleError, "the region is not owned by a worker")
 _GONE = Refusal(OwnershipError, "the region was already released or quarantined")
 
-REGION_TABLE: Final[Table] = {
+REGION_TABLE: Final[Table[Action]] = {
     (_R.CALLER_OWNED, _RI.ADOPT): Transition(_R.WORKER_OWNED, Action.PROCEED),
     (_R.CALLER_OWNED, _RI.CALLER_RELEASE): Transition(_R.RELEASED, Action.RELEASE),
     (_R.CALLER_OWNED, _RI.WORKER_RELEASE): _NOT_WORKERS,
@@ -219,23 +183,16 @@ REGION_TABLE: Final[Table] = {
     (_R.WORKER_OWNED, _RI.WORKER_RELEASE): Transition(_R.RELEASED, Action.RELEASE),
     (_R.WORKER_OWNED, _RI.WORKER_QUARANTINE): Transition(_R.QUARANTINED, Action.QUARANTINE),
     (_R.WORKER_OWNED, _RI.DROPPED): Transition(_R.WORKER_OWNED, Action.NOTHING),  # its worker's to release (R1)
-    (_R.RELEASED, _RI.ADOPT): _GONE,
-    (_R.RELEASED, _RI.CALLER_RELEASE): Transition(_R.RELEASED, Action.NOTHING),  # idempotent (R3)
-    (_R.RELEASED, _RI.WORKER_RELEASE): Transition(_R.RELEASED, Action.NOTHING),
-    (_R.RELEASED, _RI.WORKER_QUARANTINE): Transition(_R.RELEASED, Action.NOTHING),
-    (_R.RELEASED, _RI.DROPPED): Transition(_R.RELEASED, Action.NOTHING),
-    (_R.QUARANTINED, _RI.ADOPT): _GONE,
-    (_R.QUARANTINED, _RI.CALLER_RELEASE): Transition(_R.QUARANTINED, Action.NOTHING),
-    (_R.QUARANTINED, _RI.WORKER_RELEASE): Transition(_R.QUARANTINED, Action.NOTHING),
-    (_R.QUARANTINED, _RI.WORKER_QUARANTINE): Transition(_R.QUARANTINED, Action.NOTHING),
-    (_R.QUARANTINED, _RI.DROPPED): Transition(_R.QUARANTINED, Action.NOTHING),  # held until exit (R12)
+    # Released or quarantined: gone for good; every other input changes nothing (R3: idempotent; R12: held until
+    # process exit).
+    **{(state, inp): _GONE if inp is _RI.ADOPT else Transition(state, Action.NOTHING)
+       for state in (_R.RELEASED, _R.QUARANTINED) for inp in _RI},
 }
 
 
 # -- shutdown decisions -----------------------------------------------------------------------------------------
-class ProofOutcome(_IdentityHash, enum.Enum):
-    """What the device-level proof (R13) established -- the one spelling of it: the values are the report's
-    ``ShutdownReport.device_sync`` strings (``results.DeviceSync`` lists the same values)."""
+class ProofOutcome(enum.Enum):
+    """What the device-level proof (R13) established; the values are ``ShutdownReport.device_sync``'s strings."""
 
     NOT_NEEDED = "not_needed"  # the clean path held: every transfer proven by its own event; no proof ran
     OK = "ok"  # the proof ran and the device is idle
@@ -244,14 +201,14 @@ class ProofOutcome(_IdentityHash, enum.Enum):
     SKIPPED = "skipped"  # a BaseException stopped all waiting (R14); no proof ran
 
 
-class Policy(_IdentityHash, enum.Enum):
+class Policy(enum.Enum):
     """``ShutdownPolicy.on_unproven``: what to do with memory that may still be under DMA."""
 
     QUARANTINE = "quarantine"  # the default: keep it alive until process exit (R12)
     RELEASE = "release"  # vLLM #51622: release regardless, after a best-effort proof
 
 
-class Fate(_IdentityHash, enum.Enum):
+class Fate(enum.Enum):
     """What happens to the region and to the descriptor buffers of unproven transfers."""
 
     RELEASE = "release"
@@ -282,45 +239,9 @@ FATE: Final[Mapping[tuple[ProofOutcome, Policy], Fate]] = {
     (ProofOutcome.SKIPPED, Policy.RELEASE): Fate.QUARANTINE,
 }
 
-S = TypeVar("S", bound=enum.Enum)
-
-
-def step(table: Table, machine: str, state: S, event: enum.Enum) -> tuple[S, Action]:
-    """One transition of ``table`` (``machine`` names it in errors): ``(next_state, action)``.
-
-    Raises:
-        The refusal's error type (e.g. WorkerClosedError) when the pair is refused; LifecycleError when the pair
-        is missing from the table (a bug: the tables are total and tested whole).
-    """
-    try:
-        entry = table[(state, event)]
-    except KeyError:
-        raise LifecycleError(f"{machine}: no transition for input {event.name} in state {state.name}") from None
-    if isinstance(entry, Refusal):
-        raise entry.error(f"{machine} in state {state.name} refuses {event.name}: {entry.reason}")
-    next_state: S = entry.next  # type: ignore[assignment]  # tables map a machine's states to its own states
-    return next_state, entry.action
-
-
-def decide_proof(clean: bool, interrupted: bool) -> ProofOutcome | None:
-    """Whether to attempt the device-level proof (R13: never on the clean path; R14: skipped if interrupted).
-
-    Returns:
-        The outcome when it is decided without a proof (``NOT_NEEDED`` on the clean path, ``SKIPPED`` after an
-        interrupt), or None: attempt the proof, whose result (``OK``, ``TIMEOUT``, ``FAILED``) is the outcome.
-    """
-    return PROOF_DECISION[(clean, interrupted)]
-
-
-def decide_fate(outcome: ProofOutcome, policy: Policy) -> Fate:
-    """Release or quarantine what may still be under DMA, from the proof's outcome and the policy (R12)."""
-    return FATE[(outcome, policy)]
-
-
-def machines() -> dict[str, tuple[type[enum.Enum], type[enum.Enum], Table]]:
-    """The three machines as (state enum, input enum, table), by name; used by docs and tests."""
-    return {
-        "worker": (WorkerState, WorkerInput, WORKER_TABLE),
-        "handler": (HandlerState, HandlerInput, HANDLER_TABLE),
-        "region": (RegionState, RegionInput, REGION_TABLE),
-    }
+#: The three machines as (state enum, input enum, table), by name: the docs diagram and the tests walk them.
+MACHINES: Final[Mapping[str, tuple[type[enum.Enum], type[enum.Enum], Table[Action]]]] = {
+    "worker": (WorkerState, WorkerInput, WORKER_TABLE),
+    "handler": (HandlerState, HandlerInput, HANDLER_TABLE),
+    "region": (RegionState, RegionInput, REGION_TABLE),
+}

@@ -1,17 +1,13 @@
 """The reference worker: the normative statement of what a KV-cache offloading worker does.
 
-**This file is the rule; ``worker.py`` is the fast implementation.** Its worker level (``build_core`` and ``Core``:
-the calls, the lock, the shutdown sequence) is the one both run: ``CPUOffloadingWorker`` builds the same ``Core``
-over its fast direction handler (pools, batched calls, prefix queries, the vectorized planner) behind
-``handler_api.DirectionHandlerAPI``, and ``facade.py`` is the public face both share. The conformance kit, the
-call-point explorer and the differential test run both; where they disagree, the reference is right.
-
-Read it top to bottom together with ``lifecycle.py`` (the state machines as data): every transition goes through
-``lifecycle.step`` (the region's through its own methods), every shutdown decision through ``decide_proof`` and
-``decide_fate``, and each rule is carried out where its R-number stands. Built from the specs, the plain placement
-rule (one copy descriptor per ``placement.Move``), the Backend protocol's per-call methods, ``HostRegion``, the
-shield, the result types and ``process`` (fork, signals, the collector). One stream per direction, one lock, no
-pools, no batching: each transfer creates its three events and its descriptor buffer and frees them once proven.
+**This file is the rule; ``worker.py`` is the fast implementation.** Its worker level (``build_core``, ``Core``) is
+the one both run: ``CPUOffloadingWorker`` is the same ``Core`` over its fast handler (pools, batched calls, the
+vectorized planner), and ``facade.py`` is the public face of both. The conformance kit, the call-point explorer and
+the differential test run both; where they disagree, the reference is right. Read it top to bottom with
+``lifecycle.py``: every transition goes through a lifecycle table (the region's through its own methods), every
+shutdown decision through ``PROOF_DECISION`` and ``FATE``, and each rule is carried out where its R-number stands.
+One stream per direction, one lock, no pools, no batching: each transfer creates its three events and its
+descriptor buffer (one descriptor per ``placement.Move``) and frees them once proven.
 """
 
 from __future__ import annotations
@@ -23,45 +19,27 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final
+from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from kvoffload_ref import errors, lifecycle
+from kvoffload_ref import errors, lifecycle, results, tables
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, poll_until, wait_polling
 from kvoffload_ref.canonical import PageMapping
 from kvoffload_ref.canonical_plan import CanonicalLayout, check_canonical, cpu_pages
 from kvoffload_ref.facade import WorkerFacade, WorkerOptions, build_with_region, check_options
-from kvoffload_ref.handler_api import DirectionHandlerAPI
+from kvoffload_ref.handler_api import DirectionHandlerAPI, NewHandler
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, ProofOutcome, RegionState, WorkerInput, WorkerState
 from kvoffload_ref.placement import check_transfer
 from kvoffload_ref.process import CallGuard, ProcessOwner, finalize_safely, sigint_deferred
 from kvoffload_ref.quarantine import keeper
 from kvoffload_ref.region import DEFAULT_PIN_CHUNK_BYTES, HostRegion
-from kvoffload_ref.results import (
-    TRANSFER_TYPE,
-    HandlerReport,
-    HandlerStats,
-    JobOutcome,
-    ShutdownPolicy,
-    ShutdownReport,
-    ShutdownRun,
-    TransferResult,
-    WorkerStats,
-    failed_in_order,
-    stopped_outcomes,
-)
+from kvoffload_ref.results import JobOutcome, ShutdownPolicy, ShutdownReport, ShutdownRun, TransferResult
 from kvoffload_ref.shield import Shield, each, finish_all
-from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry, check_geometry
-from kvoffload_ref.validate import Int64Array, check_int, check_job_ids, check_timeout
+from kvoffload_ref.specs import DIRECTIONS, Direction, KVCacheLayout, TensorGeometry, check_geometry
+from kvoffload_ref.validate import ByteArray, Int64Array, check_int, check_job_ids, check_timeout
 
 __all__ = ["Core", "ReferenceHandler", "ReferenceWorker", "build_core", "create_reference_worker"]
 
 logger = logging.getLogger("kvoffload_ref.worker")
-DIRECTIONS: Final[tuple[Direction, Direction]] = ("store", "load")
-NewHandler = Callable[[Backend, Direction, Stream, KVCacheLayout, Sequence[TensorGeometry], Sequence[TensorGeometry],
-                       int, CanonicalLayout | None], DirectionHandlerAPI]
 
 
 class ReferenceWorker(WorkerFacade):
@@ -83,8 +61,7 @@ def create_reference_worker(backend: Backend, gpu_tensors: Sequence[object], lay
                             require_pinned: bool = False, compute_stream: object | None = None,
                             canonical: CanonicalLayout | Sequence[PageMapping] | None = None) -> ReferenceWorker:
     """Build the region (``num_cpu_chunks`` rows per tensor; canonical rows in canonical mode, R24) unless ``region``
-    is given, then the worker (R1, R2). The other arguments, the result and the errors: as for
-    :class:`ReferenceWorker`."""
+    is given, then the worker (R1, R2). The rest: as for :class:`ReferenceWorker` and ``worker.create_worker``."""
     options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, None, canonical)  # R7 first
     return build_with_region(
         lambda r: ReferenceWorker(backend, gpu_tensors, layout, blocks_per_chunk=blocks_per_chunk, region=r,
@@ -103,20 +80,13 @@ def build_core(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheL
     canonical = check_canonical(layout, options.canonical)  # R7/R24: the mappings verified and fitting the layout
     check_geometry(layout, gpu, region.geometries(), bpc, cpu_pages(layout, canonical))  # R7: before device work
     if region.state is not RegionState.CALLER_OWNED:  # R1: only a caller-owned region is handed over
-        lifecycle.step(lifecycle.REGION_TABLE, "region", region.state, lifecycle.RegionInput.ADOPT)
+        tables.step(lifecycle.REGION_TABLE, "region", region.state, lifecycle.RegionInput.ADOPT)
     compute = backend.compute_stream(options.compute_stream)
     logger.info("Allocating %d CPU tensors...", layout.num_tensors)
     undo: list[tuple[str, Callable[[], object]]] = []  # R2: what to give back, in acquisition order
     try:
-        if not region.pinned:
-            try:
-                region.pin(options.pin_chunk_bytes)
-                undo.append(("unpin the region", region.unpin))
-            except errors.DeviceError as exc:
-                if options.require_pinned:
-                    raise
-                logger.warning("Failed to pin the CPU region (status %d); transfers run from pageable memory",
-                               exc.status)
+        if not region.pinned and region.pin(options.pin_chunk_bytes, required=options.require_pinned):
+            undo.append(("unpin the region", region.unpin))  # a failure left it pageable (a warning), unless required
         handlers = []
         for direction in DIRECTIONS:  # R4: one handler, with its own stream, per direction
             handlers.append(new_handler(backend, direction, compute, layout, gpu, region.geometries(), bpc, canonical))
@@ -136,7 +106,7 @@ class Core:
         self.backend, self.store, self.load, self.policy, self.compute = backend, store, load, policy, compute
         self.name = name  # the worker's class, for the finalizer's log line
         self.region = region  # Invariant: WORKER_OWNED until shutdown releases or quarantines it (R1)
-        self.state = WorkerState.OPEN  # Invariant: changed only through lifecycle.step(WORKER_TABLE), under lock
+        self.state = WorkerState.OPEN  # Invariant: changed only through tables.step(WORKER_TABLE), under lock
         self.report: ShutdownReport | None = None  # Invariant: set once, under lock, as the sequence ends
         self.shutdown_thread: int | None = None  # Invariant: the thread running the sequence (None before)
         # Invariant: reentrant, so a signal handler's shutdown() on a thread inside a call finds it owned (R19).
@@ -147,7 +117,7 @@ class Core:
         self.call = CallGuard(self)  # R19/R21: every public call enters through it
 
     def transition(self, event: WorkerInput) -> Action:
-        self.state, action = lifecycle.step(lifecycle.WORKER_TABLE, "worker", self.state, event)
+        self.state, action = tables.step(lifecycle.WORKER_TABLE, "worker", self.state, event)
         return action
 
     # -- the calls (R4-R8, R19) -------------------------------------------------------------------------------------
@@ -198,15 +168,15 @@ class Core:
                 for end in handler.end_events(ids):  # R23: only jobs still queued; the rest order nothing
                     self.backend.wait_event(target, end)  # on the device: the host never blocks
 
-    def snapshot(self) -> list[npt.NDArray[np.uint8]]:
+    def snapshot(self) -> list[ByteArray]:
         with self.call:
             self.transition(WorkerInput.SNAPSHOT)
             return self.region.snapshot()
 
-    def stats(self) -> WorkerStats:
+    def stats(self) -> results.WorkerStats:
         with self.call:
-            return WorkerStats(self.state.value, self.store.stats(), self.load.stats(), self.region.state.value,
-                               self.region.pinned, self.backend.ledger.live())
+            return results.WorkerStats(self.state.value, self.store.stats(), self.load.stats(),
+                                       self.region.state.value, self.region.pinned, self.backend.ledger.live())
 
     def finalize(self) -> None:
         """R15: shut down a worker dropped (or alive at exit) without shutdown(), safely from the collector; R21:
@@ -225,12 +195,12 @@ class Core:
         if self.lock._is_owned() or (self.shutdown_thread == me and self.report is None):  # type: ignore[attr-defined]
             self.shutdown_requested = self.shutdown_thread is None  # R19: carried out as the call returns
             raise errors.ShutdownDeferred("shutdown() was called on a thread inside a call of this worker (a signal "
-                                          "handler interrupted it); the worker shuts down as that call returns, "
-                                          "and a later shutdown() returns the report")
+                                          "handler?); it shuts down as that call returns, and a later shutdown() "
+                                          "returns the report")
         run = ShutdownRun()
         try:
             with self.lock:
-                state, action = lifecycle.step(lifecycle.WORKER_TABLE, "worker", self.state, WorkerInput.SHUTDOWN)
+                state, action = tables.step(lifecycle.WORKER_TABLE, "worker", self.state, WorkerInput.SHUTDOWN)
                 # R14: the state and the running thread change together: an interrupt after this finds it begun
                 self.state, self.shutdown_thread = state, me if action is Action.RUN_SHUTDOWN else self.shutdown_thread
                 if action is Action.AWAIT_REPORT:  # R8/R19: a second shutdown waits for the first (bounded, R11)
@@ -266,7 +236,7 @@ class Core:
     def _prove(self, deadline: float, run: ShutdownRun) -> None:
         """R13: the device-level proof, only off the clean path (it shares the drains' deadline); R14: skipped after
         an interrupt."""
-        decided = lifecycle.decide_proof(run.clean, run.interrupt is not None)
+        decided = lifecycle.PROOF_DECISION[(run.clean, run.interrupt is not None)]
         if decided is not None:  # NOT_NEEDED on the clean path, SKIPPED after an interrupt
             run.proof = decided
             return
@@ -293,9 +263,8 @@ class Core:
             if run.interrupt is not None:
                 self._stop_waiting(run, shield)
             with sigint_deferred() as deferred:
-                failed, _ = finish_all([("release the worker's resources", lambda: self._release(run, shield))],
-                                       shield)
-                run.errors.extend(failed)
+                run.errors += finish_all([("release the worker's resources", lambda: self._release(run, shield))],
+                                         shield)[0]
             run.interrupt = run.interrupt or shield.interrupt or deferred.interrupt
         except BaseException as exc:  # a second interrupt after the release
             run.interrupt = run.interrupt or exc
@@ -313,11 +282,11 @@ class Core:
                    shield)
         run.clean = run.clean and self.store.clean and self.load.clean
         if run.proof is ProofOutcome.NOT_NEEDED:
-            run.proof = lifecycle.decide_proof(run.clean, True) or ProofOutcome.SKIPPED  # never None here
+            run.proof = lifecycle.PROOF_DECISION[(run.clean, True)] or ProofOutcome.SKIPPED  # never None here
 
     def _release(self, run: ShutdownRun, shield: Shield) -> None:
-        """R10/R12/R3: both handlers, then the region, released or quarantined as decide_fate says. Never waits."""
-        fate = lifecycle.decide_fate(run.proof, self.policy.policy)
+        """R10/R12/R3: both handlers, then the region, released or quarantined as FATE says. Never waits."""
+        fate = lifecycle.FATE[(run.proof, self.policy.policy)]
         reason = f"device not proven idle (device_sync={run.proof.value})"
         for name, handler in (("store", self.store), ("load", self.load)):
             kept, failed = handler.release(fate, shield, reason=reason)
@@ -356,6 +325,11 @@ class _Transfer:
     broken: errors.DeviceError | None = None  # Invariant: its end event could not be recorded: it fails at the head
     resolved: bool = False  # Invariant: True once it left the queue (proven, failed or abandoned)
 
+    def resources(self, backend: Backend) -> list[tuple[Callable[[Any], object], object]]:
+        """(release call, resource) for each of its events and its descriptor buffer."""
+        held: list[tuple[Callable[[Any], object], object]] = [(backend.destroy_event, e) for e in self.events]
+        return held + ([] if self.descriptors is None else [(backend.free_descriptors, self.descriptors)])
+
 
 class ReferenceHandler:
     """One direction (R4): its stream, its FIFO of transfers, its results. The worker serialises calls (R19)."""
@@ -367,19 +341,19 @@ class ReferenceHandler:
         self.canonical = canonical  # Invariant: None (plain mode) or this rank's mappings, fitting the layout (R24)
         self.gpu, self.cpu = gpu, cpu  # R1: geometries only, never the region
         self.stream: Stream | None = backend.create_stream()  # Invariant: all of this direction's copies; R4
-        self.state = lifecycle.HandlerState.ACCEPTING  # Invariant: changed only through lifecycle.step
+        self.state = lifecycle.HandlerState.ACCEPTING  # Invariant: changed only through tables.step
         self.queue: collections.deque[_Transfer] = collections.deque()  # Invariant: submission order, unproven
-        self.results: list[TransferResult] = []  # Invariant: known, not yet handed over (R5), in order
-        self.jobs: set[int] = set()  # Invariant: the ids in the queue or in results: R7's "in flight"
+        self.ready: list[TransferResult] = []  # Invariant: results known, not yet handed over (R5), in order
+        self.jobs: set[int] = set()  # Invariant: the ids in the queue or in ready: R7's "in flight"
         self.spent: list[tuple[Callable[[Any], object], object]] = []  # Invariant: proven idle, not yet freed
         self.unproven: list[_Transfer] = []  # Invariant: failed/abandoned: kept until the device-level proof (R13)
         self.outcomes: list[JobOutcome] = []  # Invariant: jobs the drain took over, unreported (R14)
         self.drain_error: BaseException | None = None  # Invariant: the drain's first failure
-        self.kind = TRANSFER_TYPE[direction]
+        self.kind = results.TRANSFER_TYPE[direction]
         self.counts: collections.Counter[str] = collections.Counter()
 
     def step(self, event: HandlerInput) -> Action:
-        self.state, action = lifecycle.step(lifecycle.HANDLER_TABLE, f"{self.direction} handler", self.state, event)
+        self.state, action = tables.step(lifecycle.HANDLER_TABLE, f"{self.direction} handler", self.state, event)
         return action
 
     def submit(self, job_id: int, src: object, dst: object) -> None:
@@ -397,7 +371,7 @@ class ReferenceHandler:
                     buf.src[i], buf.dst[i], buf.sizes[i] = move.addresses(self.direction, self.gpu, self.cpu)
             while len(transfer.events) < 3:
                 transfer.events.append(backend.create_event(tag=tag))
-            marker, start, end = transfer.events  # (compute marker, start, end)
+            marker, start, end = transfer.events
             backend.record(marker, self.compute, tag=tag)
             backend.wait_event(stream, marker)  # R4: after the compute work queued so far
             backend.record(start, stream, tag=tag)  # R4: after this direction's previous transfer (stream order)
@@ -407,7 +381,7 @@ class ReferenceHandler:
                 backend.copy_batch(stream, transfer.descriptors, len(moves), tag=tag)
         except BaseException:  # R14: the device did not take the copy: give everything back, the id stays free
             finish_all([(f"release a {self.direction} {type(obj).__name__}", functools.partial(release, obj))
-                        for release, obj in reversed(self._resources(transfer))])
+                        for release, obj in reversed(transfer.resources(backend))])
             raise
         shield = Shield()
         if transfer.descriptors is not None:  # R14: the device took the copy: the job is queued whole, whatever comes
@@ -428,30 +402,19 @@ class ReferenceHandler:
         """R23: the end events of the listed jobs still queued here (a broken transfer's was never recorded)."""
         return [t.events[2] for t in self.queue if t.job_id in job_ids and t.broken is None]
 
-    def reap(self) -> None:
-        self._reap(None)
-
     def last_of(self, job_ids: set[int]) -> _Transfer | None:
         return next((t for t in reversed(self.queue) if t.job_id in job_ids), None)
 
     def settle(self, mark: object) -> bool:
         assert isinstance(mark, _Transfer)  # Invariant: the worker passes what last_of returned
-        self._reap(mark)
+        self.reap(mark)
         return mark.resolved
 
-    def _reap(self, mark: _Transfer | None) -> None:
+    def reap(self, mark: _Transfer | None = None) -> None:
         """Observe heads, one ``query`` each, until one is pending or ``mark`` resolved; free what is proven."""
         while self.queue and not (mark is not None and mark.resolved) and self._observe_head(self.backend.query):
             pass
-        self._free_spent()
-
-    def _free_spent(self) -> None:
         each(lambda spent: spent[0](spent[1]), self.spent)  # R10: proven transfers' resources are idle
-
-    def _resources(self, transfer: _Transfer) -> list[tuple[Callable[[Any], object], object]]:
-        """(release call, resource) of a transfer: its events and its descriptor buffer."""
-        held: list[tuple[Callable[[Any], object], object]] = [(self.backend.destroy_event, e) for e in transfer.events]
-        return held + ([] if transfer.descriptors is None else [(self.backend.free_descriptors, transfer.descriptors)])
 
     def _observe_head(self, observe: Callable[[Event], bool]) -> bool:
         """Observe the head's end event once (R5): proven, failed, or (False) still pending."""
@@ -476,10 +439,10 @@ class ReferenceHandler:
                 seconds = self.backend.elapsed(head.events[1], head.events[2])
         self.queue.popleft()  # from here on no backend call: the head moves to the results as one step
         head.resolved = True
-        self.spent += self._resources(head)
+        self.spent += head.resources(self.backend)
         self.counts["completed"] += 1
         if action is Action.REPORT:
-            self.results.append(TransferResult(head.job_id, True, head.nbytes, seconds, transfer_type=self.kind))
+            self.ready.append(TransferResult(head.job_id, True, head.nbytes, seconds, transfer_type=self.kind))
         else:  # COUNT_DRAINED
             self.counts["drained"] += 1
             self.outcomes.append(JobOutcome(TransferResult(head.job_id, True, head.nbytes, transfer_type=self.kind),
@@ -491,7 +454,7 @@ class ReferenceHandler:
             return self._abandon(exc, head_failed=True)
         failed = self._take_queue()
         self.counts["failed"] += len(failed)
-        self.results += failed_in_order(self.direction, [(t.job_id, t.dst_blocks) for t in failed], exc)  # R22
+        self.ready += results.failed_in_order(self.direction, [(t.job_id, t.dst_blocks) for t in failed], exc)  # R22
 
     def _take_queue(self) -> list[_Transfer]:
         taken, self.queue = list(self.queue), collections.deque()
@@ -501,14 +464,14 @@ class ReferenceHandler:
         return taken
 
     def take_results(self) -> list[TransferResult]:
-        handed, self.results = self.results, []  # R14: no backend call, so no interrupt splits it
+        handed, self.ready = self.ready, []  # R14: no backend call, so no interrupt splits it
         self.jobs.difference_update(r.job_id for r in handed)
         return handed
 
     def drain(self, deadline: float, *, interrupted: bool = False) -> None:
         self.step(HandlerInput.BEGIN_DRAIN)  # DROP_RESULTS: nothing is reported after shutdown began (R8) ...
-        self.outcomes += [JobOutcome(r, "unreaped") for r in self.results]  # ... but the report lists them (R14)
-        self.results, self.jobs = [], set()
+        self.outcomes += [JobOutcome(r, "unreaped") for r in self.ready]  # ... but the report lists them (R14)
+        self.ready, self.jobs = [], set()
         backend = self.backend
 
         def observe(event: Event) -> bool:  # R11: a bounded poll on the backend's clock, never a blocking wait
@@ -518,10 +481,9 @@ class ReferenceHandler:
             if interrupted and self.queue:
                 self._stop(HandlerInput.INTERRUPT, None)  # R14: stop all waiting
             while self.queue:
-                head = self.queue[0]
-                if not self._observe_head(observe):
-                    self._stop(HandlerInput.DEADLINE, errors.DeadlineExceeded(
-                        f"{self.direction} job {head.job_id} was not proven complete within the shutdown timeout"))
+                if not self._observe_head(observe):  # the head is still pending at the deadline
+                    self._stop(HandlerInput.DEADLINE, errors.DeadlineExceeded(f"{self.direction} job "
+                               f"{self.queue[0].job_id} was not proven complete within the shutdown timeout"))
         except BaseException as exc:
             self._stop(HandlerInput.INTERRUPT, exc)  # R14: the rest is abandoned, the interrupt propagates
             raise
@@ -529,7 +491,7 @@ class ReferenceHandler:
             self.step(HandlerInput.QUEUE_EMPTY)
 
     def abandon_undrained(self) -> None:
-        if isinstance(lifecycle.HANDLER_TABLE[(self.state, HandlerInput.BEGIN_DRAIN)], lifecycle.Transition):
+        if isinstance(lifecycle.HANDLER_TABLE[(self.state, HandlerInput.BEGIN_DRAIN)], tables.Transition):
             self.drain(0.0, interrupted=True)
 
     def _stop(self, event: HandlerInput, error: BaseException | None) -> None:
@@ -541,8 +503,8 @@ class ReferenceHandler:
         remaining = self._take_queue()
         self.counts["abandoned"] += len(remaining)
         self.drain_error = self.drain_error or error
-        self.outcomes += stopped_outcomes(self.direction, [(t.job_id, t.dst_blocks) for t in remaining], error,
-                                   head_failed=head_failed)
+        self.outcomes += results.stopped_outcomes(self.direction, [(t.job_id, t.dst_blocks) for t in remaining],
+                                                  error, head_failed=head_failed)
         if error is not None and remaining:
             logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
                          len(remaining) - 1, exc_info=error)
@@ -567,7 +529,7 @@ class ReferenceHandler:
         self.stream, self.unproven = None, []
         failed, _ = finish_all([
             (f"destroy the {self.direction} stream", lambda: each(backend.destroy_stream, streams)),
-            (f"free the resources of proven {self.direction} transfers", self._free_spent),
+            (f"free the resources of proven {self.direction} transfers", self.reap),
             (f"destroy {len(events)} {self.direction} events", lambda: each(backend.destroy_event, events)),
             (f"free {len(freed)} {self.direction} descriptor buffers", lambda: each(backend.free_descriptors, freed)),
             ("quarantine descriptor buffers", keeper(backend.ledger.quarantine, "descriptor", kept, reason)),
@@ -579,11 +541,12 @@ class ReferenceHandler:
             self.backend.destroy_stream(self.stream)
             self.stream = None
 
-    def report(self) -> HandlerReport:
-        return HandlerReport(self.counts["drained"], self.counts["abandoned"], self.drain_error, tuple(self.outcomes))
-
-    def stats(self) -> HandlerStats:
+    def report(self) -> results.HandlerReport:
         c = self.counts
-        return HandlerStats(self.direction, self.state.value, len(self.queue), len(self.results), c["submitted"],
-                            c["completed"], c["failed"], c["abandoned"], len(self.unproven),
-                            int(self.stream is not None), 0, 0)
+        return results.HandlerReport(c["drained"], c["abandoned"], self.drain_error, tuple(self.outcomes))
+
+    def stats(self) -> results.HandlerStats:
+        c = self.counts
+        return results.HandlerStats(self.direction, self.state.value, len(self.queue), len(self.ready),
+                                    c["submitted"], c["completed"], c["failed"], c["abandoned"], len(self.unproven),
+                                    int(self.stream is not None), 0, 0)

@@ -46,7 +46,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref import lifecycle
+from kvoffload_ref import lifecycle, tables
 from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipError
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
@@ -156,7 +156,7 @@ class _Held:
         self.views: list[npt.NDArray[np.uint8]] = []
         # Invariant: start addresses of the ranges registered and not yet unregistered, in registration order.
         self.pinned: list[int] = []
-        # Invariant: changed only through step(), i.e. lifecycle.step(REGION_TABLE, ...), under lock.
+        # Invariant: changed only through step(), i.e. tables.step(REGION_TABLE, ...), under lock.
         self.state = RegionState.CALLER_OWNED
         # Invariant: what release could not release, by ledger kind (filled by release; zeros omitted by users).
         self.leaked: dict[ResourceKind, int] = {}
@@ -167,7 +167,7 @@ class _Held:
 
     def step(self, event: RegionInput) -> Action:
         with self.lock:
-            self.state, action = lifecycle.step(lifecycle.REGION_TABLE, "region", self.state, event)
+            self.state, action = tables.step(lifecycle.REGION_TABLE, "region", self.state, event)
             return action
 
     def unpin(self, shield: Shield | None = None) -> list[DeviceError]:
@@ -444,18 +444,23 @@ class HostRegion:
             cap = min(cap, check_int("pin_chunk_bytes", chunk_bytes, minimum=1))
         return register_chunks(self.ptr, self.nbytes, self._geometries, cap, PAGE)
 
-    def pin(self, chunk_bytes: int | None = None) -> None:
+    def pin(self, chunk_bytes: int | None = None, *, required: bool = True) -> bool:
         """Register the whole region with the device, one ``host_register`` per chunk of
         :meth:`registration_chunks` (R25: no CPU row straddles two registrations).
 
-        On a failure, the chunks already registered are unregistered in reverse order and the original
-        exception propagates; a chunk whose rollback fails stays recorded, so release retries it.
+        On a failure, the chunks already registered are unregistered in reverse order; a chunk whose rollback fails
+        stays recorded, so release retries it.
 
         Args:
             chunk_bytes: a cap for this call besides the region's ``max_register_bytes`` (the smaller applies).
+            required: False: a failed registration is logged as a warning (transfers then run from pageable memory)
+                and False returned, instead of raised.
+
+        Returns:
+            True once the region is pinned; False when a registration failed and ``required`` is False.
 
         Raises:
-            DeviceError: a registration failed (after the rollback).
+            DeviceError: a registration failed (after the rollback) and ``required`` is True.
             InvalidTransferError: ``chunk_bytes`` is not an int >= 1.
             WorkerClosedError: this is a forked child's copy of the region (R21).
         """
@@ -465,9 +470,13 @@ class HostRegion:
             for ptr, nbytes in chunks:
                 self._backend.host_register(ptr, nbytes)
                 self._pinned.append(ptr)
-        except BaseException:
+        except BaseException as exc:
             self.unpin()
-            raise
+            if required or not isinstance(exc, DeviceError):
+                raise
+            logger.warning("Failed to pin the CPU region (status %d); transfers run from pageable memory", exc.status)
+            return False
+        return True
 
     def unpin(self) -> list[DeviceError]:
         """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned; in a

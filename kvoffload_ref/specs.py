@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Literal, SupportsIndex
+from typing import Final, Literal, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +45,7 @@ from kvoffload_ref.validate import (
 )
 
 __all__ = [
+    "DIRECTIONS",
     "CPULoadStoreSpec",
     "Direction",
     "GPULoadStoreSpec",
@@ -63,6 +64,7 @@ __all__ = [
 
 #: ``"store"`` copies GPU -> CPU, ``"load"`` copies CPU -> GPU.
 Direction = Literal["store", "load"]
+DIRECTIONS: Final[tuple[Direction, Direction]] = ("store", "load")  # in the order shutdown drains them (R9)
 
 
 @dataclasses.dataclass(frozen=True)

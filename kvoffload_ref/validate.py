@@ -32,6 +32,7 @@ from kvoffload_ref.errors import InvalidTransferError
 
 __all__ = [
     "INT64_MAX",
+    "ByteArray",
     "Int64Array",
     "check_id_array",
     "check_int",
@@ -43,7 +44,8 @@ __all__ = [
     "readonly",
 ]
 
-Int64Array = npt.NDArray[np.int64]
+Int64Array = npt.NDArray[np.int64]  # an array of int64 ids or sizes
+ByteArray = npt.NDArray[np.uint8]  # bytes: a region row, a snapshot
 
 INT64_MAX: Final = 2**63 - 1
 

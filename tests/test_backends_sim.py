@@ -773,6 +773,8 @@ def test_ledger_release_many_is_release_for_each_key() -> None:
         ledger.release_many("event", [3, 9, 4])
     assert ledger.state_of("event", 3) == "released" and ledger.state_of("event", 4) == "live"
     assert ledger.acquired() == {"event": 6} and ledger.released() == {"event": 5} and ledger.live() == {"event": 1}
+    ledger.release_many("event", iter([4]))            # any iterable of keys
+    assert ledger.live() == {} and ledger.released() == {"event": 6}
 
 
 # -- scale and speed ---------------------------------------------------------------------------------------------
@@ -945,6 +947,25 @@ def test_sim_alloc_descriptors_refuses_bad_capacities_before_counting_a_fault(va
     assert be.ledger.live() == {} and plan.fired == []
     with pytest.raises(DeviceError):   # the first valid call is still the first call at the point
         be.alloc_descriptors(1)
+
+
+def test_sim_descriptor_buffers_are_zeroed_writeable_and_share_no_word() -> None:
+    be = SimBackend()
+    capacities = [0, 1, 2, 3, 42, 43, 100, *[2] * 200]   # small ones share blocks (43 and up: their own array)
+    bufs = [be.alloc_descriptors(c) for c in capacities]
+    for n, buf in enumerate(bufs):
+        for k, row in enumerate((buf.src, buf.dst, buf.sizes)):
+            assert row.dtype == np.int64 and row.shape == (buf.capacity,) and row.flags.c_contiguous
+            assert row.flags.writeable and not row.any(), "zeroed when allocated"
+            row[...] = 3 * n + k + 1
+    be.free_descriptors_many(bufs[::2])
+    fresh = [be.alloc_descriptors(2) for _ in range(100)]
+    assert not any(row.any() for buf in fresh for row in (buf.src, buf.dst, buf.sizes)), "words never reused"
+    for n, buf in enumerate(bufs):   # nothing written since overlapped another buffer's words
+        for k, row in enumerate((buf.src, buf.dst, buf.sizes)):
+            assert (row == 3 * n + k + 1).all()
+    be.free_descriptors_many([*bufs[1::2], *fresh])
+    assert be.ledger.live() == {} and not be.violations
 
 
 @pytest.mark.rule("R7")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload_ref import lifecycle
+from kvoffload_ref import lifecycle, tables
 from kvoffload_ref.errors import LifecycleError, OffloadError, OwnershipError, WorkerClosedError
 from kvoffload_ref.lifecycle import (
     Action,
@@ -19,15 +19,14 @@ from kvoffload_ref.lifecycle import (
     HandlerState,
     Policy,
     ProofOutcome,
-    Refusal,
     RegionInput,
     RegionState,
-    Transition,
     WorkerInput,
     WorkerState,
 )
+from kvoffload_ref.tables import Refusal, Transition
 
-MACHINES = lifecycle.machines()
+MACHINES = lifecycle.MACHINES
 
 
 @pytest.mark.parametrize("name", sorted(MACHINES))
@@ -49,10 +48,10 @@ def test_lifecycle_every_pair_is_a_transition_or_one_typed_error(name: str, data
     event = data.draw(st.sampled_from(list(inputs)))
     entry = table[(state, event)]
     if isinstance(entry, Transition):
-        assert lifecycle.step(table, name, state, event) == (entry.next, entry.action)
+        assert tables.step(table, name, state, event) == (entry.next, entry.action)
     else:
         with pytest.raises(entry.error, match=rf"^{name} in state {state.name} refuses {event.name}: "):
-            lifecycle.step(table, name, state, event)
+            tables.step(table, name, state, event)
 
 
 def test_lifecycle_missing_pair_raises_lifecycle_error() -> None:
@@ -60,16 +59,15 @@ def test_lifecycle_missing_pair_raises_lifecycle_error() -> None:
         X = "x"
 
     with pytest.raises(LifecycleError, match=r"^worker: no transition for input X in state OPEN$"):
-        lifecycle.step(lifecycle.WORKER_TABLE, "worker", WorkerState.OPEN, Other.X)
+        tables.step(lifecycle.WORKER_TABLE, "worker", WorkerState.OPEN, Other.X)
 
 
-def test_lifecycle_members_hash_by_identity_and_behave_as_plain_enums() -> None:
-    """The enums hash in C (by identity) for the table lookups; nothing else about them changes."""
+def test_lifecycle_tables_are_keyed_by_plain_enum_members() -> None:
+    """The enums are plain enums (they pickle and copy as themselves), and every table key is a member."""
     enums = [Action, ProofOutcome, Policy, Fate, *(c for m in MACHINES.values() for c in m[:2])]
     for cls in enums:
         assert issubclass(cls, enum.Enum)
         for member in cls:
-            assert hash(member) == object.__hash__(member)
             assert cls(member.value) is member and cls[member.name] is member
             assert pickle.loads(pickle.dumps(member)) is member and copy.deepcopy(member) is member
     for _, _, table in MACHINES.values():
@@ -81,55 +79,55 @@ def test_lifecycle_members_hash_by_identity_and_behave_as_plain_enums() -> None:
 @pytest.mark.parametrize("state", [WorkerState.SHUTTING_DOWN, WorkerState.CLOSED])
 def test_lifecycle_worker_refuses_submit_once_shutdown_began(state: WorkerState) -> None:
     with pytest.raises(WorkerClosedError):
-        lifecycle.step(lifecycle.WORKER_TABLE, "worker", state, WorkerInput.SUBMIT)
-    assert lifecycle.step(lifecycle.WORKER_TABLE, "worker", state, WorkerInput.GET_FINISHED) == (
+        tables.step(lifecycle.WORKER_TABLE, "worker", state, WorkerInput.SUBMIT)
+    assert tables.step(lifecycle.WORKER_TABLE, "worker", state, WorkerInput.GET_FINISHED) == (
         state, Action.RETURN_EMPTY)
 
 
 @pytest.mark.rule("R8")
 def test_lifecycle_second_shutdown_returns_the_report() -> None:
-    assert lifecycle.step(lifecycle.WORKER_TABLE, "worker", WorkerState.CLOSED, WorkerInput.SHUTDOWN) == (
+    assert tables.step(lifecycle.WORKER_TABLE, "worker", WorkerState.CLOSED, WorkerInput.SHUTDOWN) == (
         WorkerState.CLOSED, Action.RETURN_REPORT)
-    assert lifecycle.step(lifecycle.WORKER_TABLE, "worker", WorkerState.OPEN, WorkerInput.SHUTDOWN) == (
+    assert tables.step(lifecycle.WORKER_TABLE, "worker", WorkerState.OPEN, WorkerInput.SHUTDOWN) == (
         WorkerState.SHUTTING_DOWN, Action.RUN_SHUTDOWN)
 
 
 @pytest.mark.rule("R1")
 def test_lifecycle_region_release_by_caller_refused_once_a_worker_owns_it() -> None:
     table = lifecycle.REGION_TABLE
-    state, _ = lifecycle.step(table, "region", RegionState.CALLER_OWNED, RegionInput.ADOPT)
+    state, _ = tables.step(table, "region", RegionState.CALLER_OWNED, RegionInput.ADOPT)
     assert state is RegionState.WORKER_OWNED
     with pytest.raises(OwnershipError):
-        lifecycle.step(table, "region", state, RegionInput.CALLER_RELEASE)
+        tables.step(table, "region", state, RegionInput.CALLER_RELEASE)
 
 
 @pytest.mark.rule("R3")
 @pytest.mark.parametrize("event", [RegionInput.CALLER_RELEASE, RegionInput.WORKER_RELEASE])
 def test_lifecycle_region_released_at_most_once(event: RegionInput) -> None:
-    assert lifecycle.step(lifecycle.REGION_TABLE, "region", RegionState.RELEASED, event) == (
+    assert tables.step(lifecycle.REGION_TABLE, "region", RegionState.RELEASED, event) == (
         RegionState.RELEASED, Action.NOTHING)
 
 
 @pytest.mark.rule("R10")
 @pytest.mark.parametrize("event", [HandlerInput.HEAD_FAILED, HandlerInput.DEADLINE, HandlerInput.INTERRUPT])
 def test_lifecycle_handler_drain_stops_at_first_failure(event: HandlerInput) -> None:
-    state, _ = lifecycle.step(lifecycle.HANDLER_TABLE, "handler", HandlerState.DRAINING, event)
+    state, _ = tables.step(lifecycle.HANDLER_TABLE, "handler", HandlerState.DRAINING, event)
     assert state is HandlerState.ABANDONED
     with pytest.raises(LifecycleError):
-        lifecycle.step(lifecycle.HANDLER_TABLE, "handler", state, HandlerInput.HEAD_PROVEN)
+        tables.step(lifecycle.HANDLER_TABLE, "handler", state, HandlerInput.HEAD_PROVEN)
 
 
 @pytest.mark.rule("R13")
 def test_lifecycle_proof_never_on_the_clean_path() -> None:
-    assert lifecycle.decide_proof(True, False) is ProofOutcome.NOT_NEEDED
-    assert lifecycle.decide_proof(False, False) is None  # attempt the proof
+    assert lifecycle.PROOF_DECISION[(True, False)] is ProofOutcome.NOT_NEEDED
+    assert lifecycle.PROOF_DECISION[(False, False)] is None  # attempt the proof
 
 
 @pytest.mark.rule("R14")
 def test_lifecycle_proof_skipped_after_interrupt_and_quarantines() -> None:
-    assert lifecycle.decide_proof(False, True) is ProofOutcome.SKIPPED
+    assert lifecycle.PROOF_DECISION[(False, True)] is ProofOutcome.SKIPPED
     for policy in Policy:
-        assert lifecycle.decide_fate(ProofOutcome.SKIPPED, policy) is Fate.QUARANTINE
+        assert lifecycle.FATE[(ProofOutcome.SKIPPED, policy)] is Fate.QUARANTINE
 
 
 @pytest.mark.rule("R12")
@@ -137,9 +135,9 @@ def test_lifecycle_proof_skipped_after_interrupt_and_quarantines() -> None:
 def test_lifecycle_fate_releases_only_what_is_proven_under_quarantine(outcome: ProofOutcome) -> None:
     proven = outcome in (ProofOutcome.NOT_NEEDED, ProofOutcome.OK)
     expected = Fate.RELEASE if proven else Fate.QUARANTINE
-    assert lifecycle.decide_fate(outcome, Policy.QUARANTINE) is expected
+    assert lifecycle.FATE[(outcome, Policy.QUARANTINE)] is expected
     if outcome is not ProofOutcome.SKIPPED:
-        assert lifecycle.decide_fate(outcome, Policy.RELEASE) is Fate.RELEASE
+        assert lifecycle.FATE[(outcome, Policy.RELEASE)] is Fate.RELEASE
 
 
 def test_lifecycle_proof_outcome_is_the_reports_device_sync_spelling() -> None:

@@ -43,5 +43,5 @@ def test_spec_diagram_lists_every_legal_transition() -> None:
     assert text.startswith("stateDiagram-v2\n")
     assert "OPEN --> SHUTTING_DOWN: SHUTDOWN / RUN_SHUTDOWN" in text
     assert "SHUTTING_DOWN --> CLOSED: SHUTDOWN_COMPLETE, INTERRUPTED" in text
-    for name in lifecycle.machines():
+    for name in lifecycle.MACHINES:
         assert f"### {name}" in diagram.render()

@@ -10,6 +10,7 @@ from _support import BPC, CPU_CHUNKS, GPU_BLOCKS, PAGE, cspec, gspec, make_worke
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.handler import PREFIX_WINDOW
 
 
 def _expected_cpu_placement(ids: list[int], chunks: list[int], skip: int, bpc: int) -> list[tuple[int, int, int]]:
@@ -183,6 +184,33 @@ def test_worker_wait_removes_nothing_and_ignores_unknown_ids() -> None:
     w.wait({1})  # already resolved: returns at once
     assert [r.job_id for r in w.get_finished()] == [1, 2]
     w.wait({1, 2})  # already reported: ignored
+    w.shutdown()
+
+
+def test_worker_wait_proves_the_queue_up_to_its_job_only_across_prefix_windows() -> None:
+    be, w, _ = make_worker()
+    count = 2 * PREFIX_WINDOW + 3
+    for job in range(count):
+        w.submit_store(job, gspec([job % GPU_BLOCKS]), cspec([job % CPU_CHUNKS]))
+    be.sleep(1.0)  # every copy has run; nothing is observed yet
+    deep = PREFIX_WINDOW + 1  # the second window stops at it
+    w.wait({deep})
+    assert (w.stats().store.queued, w.stats().store.unreported) == (count - deep - 1, deep + 1)
+    w.wait({deep})  # resolved: returns at once, proves nothing more
+    assert w.stats().store.queued == count - deep - 1
+    w.wait({count - 1})
+    assert [r.job_id for r in w.get_finished()] == list(range(count))
+    assert w.shutdown().store.drained == 0 and not be.violations and not be.ledger.live()
+
+
+def test_worker_wait_on_a_job_behind_a_failed_head_returns_with_the_queue_failed() -> None:
+    plan = kv.FaultPlan([kv.Fault("event_query", "error", job_id=1)])
+    be, w, _ = make_worker(SimBackend(plan))
+    for job in range(4):
+        w.submit_store(job, gspec([job]), cspec([job]))
+    w.wait({3})  # job 1's failure fails it and everything behind it: job 3 leaves the queue unproven
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(0, True), (1, False), (2, False), (3, False)]
+    assert w.stats().store.queued == 0
     w.shutdown()
 
 

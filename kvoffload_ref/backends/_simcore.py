@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends._simcost import CostModel, CostProfile, profile_named
-from kvoffload_ref.backends._simmem import Memory, Span, address, host_view
+from kvoffload_ref.backends._simmem import DescriptorWords, Memory, Span, address, host_view
 from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, ViolationKind, transfer_name
 from kvoffload_ref.backends._simsched import (
     ComputeOp,
@@ -139,6 +139,8 @@ class SimCore:
         self._streams: dict[int, SimStream] = {}
         self._events: dict[int, SimEvent] = {}
         self._buffers: dict[int, DescriptorBuffer] = {}
+        # Invariant: where new descriptor buffers' rows come from (zeroed words, never handed out twice).
+        self._descriptor_words = DescriptorWords()
         # Invariant: id(buffer) -> number of pending copies reading it (no entry when zero).
         self._buffer_users: collections.Counter[int] = collections.Counter()
         # Invariant: the copies submitted and not yet executed, including those stuck behind a hang.
@@ -484,7 +486,7 @@ class SimCore:
         if self.on_call is not None:
             self.on_call("destroy_event", None)
         with self._lock:
-            keys = list(map(id, events))
+            keys = _event_keys(events)
             self._ledger.release_many("event", self._pop_live(self._events, keys, events, "destroy_event", "event"))
 
     def _pop_live(self, live: dict[int, Any], keys: list[int], handles: Sequence[object], call: str,
@@ -511,7 +513,7 @@ class SimCore:
             return 0
         with self._lock:
             self._catch_up()
-            live = list(map(self._events.get, map(id, events)))
+            live = list(map(self._events.get, _event_keys(events)))
             if not all(map(operator.is_, live, events)):  # a handle that is not live: stop before it
                 live = live[:next(i for i, (a, b) in enumerate(zip(live, events, strict=True)) if a is not b)]
             latest: list[Record | None] = list(map(_LATEST, live))
@@ -520,8 +522,8 @@ class SimCore:
                 count = pending.index(True) if True in pending else len(pending)
                 last = next((r for r in reversed(latest[:count]) if r is not None), None)
             else:
-                done_at = list(map(_DONE_AT, latest))
-                count = done_at.index(None) if None in done_at else len(done_at)
+                done = list(map(_DONE, latest))
+                count = len(done) if all(done) else done.index(False)
                 last = latest[count - 1] if count else None
             if last is not None and self._race is not None:
                 self._race.observe(last)  # one stream's records: observing the last covers those before it
@@ -529,7 +531,15 @@ class SimCore:
 
 
 _LATEST = operator.attrgetter("latest")
-_DONE_AT = operator.attrgetter("done_at")
+_DONE = operator.attrgetter("done")
+_KEY = operator.attrgetter("key")
+
+
+def _event_keys(events: Sequence[Event]) -> list[int]:
+    """``id()`` of each handle: the ``key`` a SimEvent holds when all are SimEvents (no new int per event)."""
+    if all(map(isinstance, events, itertools.repeat(SimEvent))):
+        return list(map(_KEY, events))
+    return list(map(id, events))
 
 
 def tag_of(event: Event) -> Tag | None:

@@ -23,6 +23,9 @@ exactly one row (run breaks), and whether they sit on one row grid. Per group th
 * otherwise large rows move one slice assignment each, small rows by chunked fancy indexing over windows.
 
 When a span is both read and written by one copy, every group's rows are gathered first, then written.
+
+*Descriptor words.* Descriptor buffers are host memory outside the address map: :class:`DescriptorWords` carves
+small buffers' three rows out of shared zeroed blocks, so that a buffer is three views and nothing more.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from kvoffload_ref.errors import InvalidTransferError
 
-__all__ = ["SMALL_BATCH", "CopyPlan", "Intervals", "Memory", "Span", "address", "host_view"]
+__all__ = ["SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Span", "address", "host_view"]
 
 I64 = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
@@ -53,6 +56,9 @@ SMALL_BATCH: Final = 16
 _MIN_RUN_ROWS: Final = 32
 #: Bytes gathered per fancy-indexing chunk: large enough to amortize the call, small enough to stay in cache.
 _CHUNK_BYTES: Final = 2 * 1024 * 1024
+#: int64 words per shared block of descriptor words (4 KiB); buffers needing more than a quarter of one get
+#: their own array, so a block that one live buffer keeps alive wastes at most 4 KiB.
+DESCRIPTOR_BLOCK_WORDS: Final = 512
 
 
 class Intervals:
@@ -430,3 +436,40 @@ def host_view(ptr: int, nbytes: int) -> Bytes:
 def address(array: npt.NDArray[np.uint8]) -> int:
     """The address of an array's first byte."""
     return int(array.__array_interface__["data"][0])
+
+
+class DescriptorWords:
+    """Zeroed ``(src, dst, sizes)`` rows for descriptor buffers, carved from shared blocks. Not thread-safe (the
+    sim calls it under its lock).
+
+    A small buffer's rows are three adjacent views into the current block: no array of its own, so allocating
+    and freeing thousands of buffers makes and frees a quarter fewer numpy objects. Words are never handed out
+    twice: a block is zero where it was never carved, and numpy frees it once no view of it is left.
+    """
+
+    __slots__ = ("_block", "_used")
+
+    def __init__(self) -> None:
+        # Invariant: the block small buffers are carved from; words [_used:] of it were never handed out (zero).
+        self._block: I64 = np.zeros(0, dtype=np.int64)
+        self._used = 0
+
+    def carve(self, capacity: int) -> tuple[I64, I64, I64]:
+        """Three new zeroed int64 arrays of ``capacity`` words each, sharing no word with any other buffer's.
+
+        Args:
+            capacity: words per row, >= 0 (checked by the caller).
+
+        Raises:
+            ValueError, MemoryError: numpy cannot allocate ``3 * capacity`` words (what ``np.zeros`` raises).
+        """
+        words = 3 * capacity
+        if words > DESCRIPTOR_BLOCK_WORDS // 4:
+            src, dst, sizes = np.zeros((3, capacity), dtype=np.int64)  # one allocation, three rows
+            return src, dst, sizes
+        if self._used + words > self._block.shape[0]:
+            self._block, self._used = np.zeros(DESCRIPTOR_BLOCK_WORDS, dtype=np.int64), 0
+        block, first = self._block, self._used
+        self._used = first + words
+        second, third = first + capacity, first + 2 * capacity  # where the dst and sizes rows start
+        return block[first:second], block[second:third], block[third:first + words]

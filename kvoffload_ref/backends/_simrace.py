@@ -81,33 +81,58 @@ class Violation:
 class Access:
     """The byte ranges one op reads and writes, with the sorted views the overlap test needs (built lazily).
 
-    One array per op (the detector may hold thousands of ops until the host observes them complete).
+    Once :meth:`RaceDetector.on_op` enqueued its op, it is also the detector's record of that op while the op is
+    not known complete to the host (its sequence number, lane count, name and tag). The ranges are kept packed in
+    one ``bytes`` (its words inline, no array object): the detector may hold thousands of ops until the host
+    observes them complete, and their arrays are only needed when another op is checked against them.
     """
 
-    __slots__ = ("_sorted", "ranges", "split")
+    __slots__ = ("_name", "_sorted", "count", "packed", "seq", "split", "tag")
 
     def __init__(self, ranges: I64, split: int) -> None:
-        # Invariant: a (2, n) int64 array, row 0 the starts and row 1 the ends of n ranges (every end > start);
-        # columns [:split] are read, [split:] written.
-        self.ranges, self.split = ranges, split
+        # Invariant: the words of a (2, n) int64 array, row 0 the starts and row 1 the ends of n ranges (every
+        # end > start); columns [:split] are read, [split:] written.
+        self.packed, self.split = ranges.tobytes(), split
         # Invariant: None until a view is asked for; then per kind ("r", "w", "rw"): (lo sorted, running max of
         # hi in that order, hi in that order).
         self._sorted: dict[str, tuple[I64, I64, I64]] | None = None
+        # Invariant: set once, by on_op: the op's number (in enqueue order), its count on its lane, its tag, and
+        # what it is for messages (None only with a tag: the transfer it names, a string built only for a
+        # message, not for each of the thousands of ops a detector may hold). Unset before on_op.
+        self.seq: int
+        self.count: int
+        self.tag: Tag | None
+        self._name: str | None
+
+    @property
+    def name(self) -> str:
+        """What the op is, in messages (set by on_op)."""
+        if self._name is not None:
+            return self._name
+        assert self.tag is not None  # Invariant: a nameless op has a tag
+        return _tag_name(self.tag)
+
+    @property
+    def ranges(self) -> I64:
+        """The (2, n) ranges (a new read-only array over the packed words)."""
+        return np.frombuffer(self.packed, dtype=np.int64).reshape(2, -1)
 
     @property
     def reads(self) -> tuple[I64, I64]:
         """(starts, ends) of the ranges read."""
-        return self.ranges[0, :self.split], self.ranges[1, :self.split]
+        ranges = self.ranges
+        return ranges[0, :self.split], ranges[1, :self.split]
 
     @property
     def writes(self) -> tuple[I64, I64]:
         """(starts, ends) of the ranges written."""
-        return self.ranges[0, self.split:], self.ranges[1, self.split:]
+        ranges = self.ranges
+        return ranges[0, self.split:], ranges[1, self.split:]
 
     @property
     def touches(self) -> bool:
         """Whether the op touches any byte."""
-        return bool(self.ranges.shape[1])
+        return bool(self.packed)
 
     def view(self, which: str) -> tuple[I64, I64, I64]:
         """The ranges of ``which`` ("r", "w" or "rw") sorted by start, with the running maximum of their ends."""
@@ -117,7 +142,8 @@ class Access:
         found = cache.get(which)
         if found is None:
             part = slice(None, self.split) if which == "r" else slice(self.split, None) if which == "w" else slice(None)
-            lo, hi = self.ranges[0, part], self.ranges[1, part]
+            ranges = self.ranges
+            lo, hi = ranges[0, part], ranges[1, part]
             order = np.argsort(lo, kind="stable")
             lo, hi = lo[order], hi[order]
             found = (lo, np.maximum.accumulate(hi) if hi.size else hi, hi)
@@ -151,23 +177,9 @@ def _tag_name(tag: Tag) -> str:
     return f"{tag[0]} job {tag[1]}"
 
 
-class _LiveOp:
-    """An op not yet known complete to the host."""
-
-    __slots__ = ("_name", "access", "count", "seq", "tag")
-
-    def __init__(self, seq: int, count: int, name: str | None, tag: Tag | None, access: Access) -> None:
-        self.seq, self.count, self.tag, self.access = seq, count, tag, access
-        # Invariant: what the op is, for messages; None only with a tag: the transfer it names (a string built
-        # only for a message, not for each of the thousands of ops a detector may hold).
-        self._name = name
-
-    @property
-    def name(self) -> str:
-        if self._name is not None:
-            return self._name
-        assert self.tag is not None  # Invariant: a nameless op has a tag
-        return _tag_name(self.tag)
+def _consume(calls: Iterator[object]) -> None:
+    """Run an iterator of calls to the end in C, dropping what they return."""
+    collections.deque(calls, maxlen=0)
 
 
 class _Lane:
@@ -181,7 +193,7 @@ class _Lane:
         # Invariant: the count of the lane's latest op (0: none yet).
         self.head = 0
         # Invariant: the lane's live ops, by increasing count; counts mirrors their counts (for bisection).
-        self.live: collections.deque[_LiveOp] = collections.deque()
+        self.live: collections.deque[Access] = collections.deque()
         self.counts: collections.deque[int] = collections.deque()
 
 
@@ -225,10 +237,10 @@ class RaceDetector:
             if counts and counts[-1] <= count:  # everything the lane holds was observed
                 counts.clear()
                 live.clear()
-            else:
-                for _ in range(bisect.bisect_right(counts, count)):
-                    counts.popleft()
-                    live.popleft()
+            else:  # popleft the observed ones, in C
+                observed = bisect.bisect_right(counts, count)
+                _consume(itertools.starmap(counts.popleft, itertools.repeat((), observed)))
+                _consume(itertools.starmap(live.popleft, itertools.repeat((), observed)))
             if lane.live:
                 host[lane_id] = count
             else:
@@ -258,11 +270,14 @@ class RaceDetector:
         lane.head += 1
         clock[lane_id] = lane.head
         stream.clock = clock
-        op = _LiveOp(next(self._seq), lane.head, name, tag, access)
+        op = access
+        op.seq, op.count, op.tag, op._name = next(self._seq), lane.head, tag, name
         if access.touches:
-            reads, writes = access.reads, access.writes
+            sides: tuple[tuple[I64, I64], tuple[I64, I64]] | None = None  # built for the first unordered op
             for other in self._unordered(clock, lane_id):
-                found = self._conflict(other, op, reads, writes)
+                if sides is None:
+                    sides = access.reads, access.writes
+                found = self._conflict(other, op, *sides)
                 if found is not None:
                     yield found
             lane.live.append(op)
@@ -274,7 +289,7 @@ class RaceDetector:
 
     # -- internals --------------------------------------------------------------------------------------------
 
-    def _unordered(self, clock: Clock, own: int) -> Iterator[_LiveOp]:
+    def _unordered(self, clock: Clock, own: int) -> Iterator[Access]:
         for lane_id, lane in self._lanes.items():
             if lane_id == own or not lane.live:
                 continue
@@ -282,14 +297,14 @@ class RaceDetector:
             start = bisect.bisect_right(lane.counts, known) if known else 0
             yield from itertools.islice(lane.live, start, None)
 
-    def _conflict(self, a: _LiveOp, b: _LiveOp, reads: tuple[I64, I64],
+    def _conflict(self, a: Access, b: Access, reads: tuple[I64, I64],
                   writes: tuple[I64, I64]) -> tuple[str, Tag | None, tuple[int, int]] | None:
         """The race between live op ``a`` and new op ``b`` (which reads ``reads`` and writes ``writes``), if their
         ranges conflict."""
         for b_ranges, b_verb, which, a_verb in ((writes, "writes", "w", "writes"),
                                                 (writes, "writes", "r", "reads"),
                                                 (reads, "reads", "w", "writes")):
-            hull = overlap(b_ranges, a.access.view(which))
+            hull = overlap(b_ranges, a.view(which))
             if hull is not None:
                 where = self._name_range(*hull)
                 detail = (f"{b.name} {b_verb} {where} while {a.name} (still unordered: no stream order, event wait "

@@ -47,14 +47,16 @@ _EMPTY: Clock = {}
 class Record:
     """One generation of an event: completes when its record op runs."""
 
-    __slots__ = ("clock", "done_at", "waiters")
+    __slots__ = ("clock", "done", "done_at", "waiters")
 
     def __init__(self) -> None:
         # Invariant: what the record's stream had been ordered after when it was recorded (the race detector's
         # snapshot; never mutated, may be shared with the stream).
         self.clock: Clock = _EMPTY
-        # Invariant: None until the record op ran; then the virtual time it completed. Never reset.
+        # Invariant: None until the record op ran; then the virtual time it completed. Never reset. ``done`` says
+        # the same as a bool (a drain asking about thousands of records then touches no float).
         self.done_at: float | None = None
+        self.done = False
         # Invariant: the streams whose head op is a wait on this record (None: none, the common case, so that
         # most records allocate no list); None again once the record completed.
         self.waiters: list[SimStream] | None = None
@@ -89,11 +91,14 @@ class SimStream:
 class SimEvent:
     """An event handle of one SimBackend."""
 
-    __slots__ = ("latest", "number", "owner", "tag")
+    __slots__ = ("key", "latest", "number", "owner", "tag")
 
     def __init__(self, owner: object, number: int) -> None:
         # Invariant: the device that created it; the event is live while that device's event table holds it.
         self.owner = owner
+        # Invariant: id(self), made once: the very int the device's tables and ledger key it by (a teardown of
+        # thousands then makes no int per event).
+        self.key = id(self)
         # Invariant: the device's label counter when it was created (the label is built only when shown).
         self.number = number
         # Invariant: the current generation; None while never recorded (such an event counts as complete).
@@ -246,7 +251,9 @@ class Scheduler:
                 op.record.waiters.append(stream)
             return
         start = max(t, op.submitted_at)
-        heapq.heappush(self._heap, (start + self._duration(op), -op.seq, op))
+        duration = self._duration(op)
+        # An instant op (a record, a wait) finishes at its start: the same float, not a new one per record.
+        heapq.heappush(self._heap, (start + duration if duration else start, -op.seq, op))
 
     def _finish(self, op: Op, t: float) -> None:
         if self.trace is not None:
@@ -254,7 +261,7 @@ class Scheduler:
         stream = op.stream
         stream.queue.popleft()
         if isinstance(op, RecordOp):
-            op.record.done_at = t
+            op.record.done_at, op.record.done = t, True
             waiters, op.record.waiters = op.record.waiters, None
             for waiter in waiters or ():
                 self._start_head(waiter, t)

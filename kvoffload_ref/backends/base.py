@@ -180,11 +180,12 @@ class Ledger:
         self._seen: dict[ResourceKind, dict[Hashable, int]] = {kind: {} for kind in RESOURCE_KINDS}
         # Invariant: per fate, per kind, the keys in that fate -> their first acquisition; a key is in at most one
         # fate table. One dict per (fate, kind), so that a transition is a pop and an insert keyed by the key
-        # itself, and a batch of releases is two C-level passes.
+        # itself, and a batch of releases is one C-level pass.
         self._fates: dict[str, dict[ResourceKind, dict[Hashable, int]]] = {
             fate: {kind: {} for kind in RESOURCE_KINDS} for fate in ("live", "quarantined", "leaked")}
         self._live = self._fates["live"]
-        self._sequence = itertools.count()
+        # Invariant: from 1, so that a first acquisition is never falsy (release_many tells a popped None by it).
+        self._sequence = itertools.count(1)
         # Invariant: running totals; acquired == released + (live + quarantined + leaked now), per kind.
         self._acquired: dict[ResourceKind, int] = dict.fromkeys(RESOURCE_KINDS, 0)
         self._released: dict[ResourceKind, int] = dict.fromkeys(RESOURCE_KINDS, 0)
@@ -219,17 +220,16 @@ class Ledger:
             LifecycleError: a key is neither live nor quarantined, or is named twice (the keys before it are
                 released).
         """
-        keys = list(keys)
+        keys = keys if isinstance(keys, list) else list(keys)
         with self._lock:
             live = self._live[kind]
-            if all(map(live.__contains__, keys)):
-                popped = list(map(live.pop, keys, itertools.repeat(None)))
-                if None not in popped:  # the common case: every key live, none named twice
-                    self._released[kind] += len(keys)
-                    return
-                for key, born in zip(keys, popped, strict=True):  # a key named twice: undo, then go one by one
-                    if born is not None:
-                        live[key] = born
+            popped = list(map(live.pop, keys, itertools.repeat(None)))
+            if all(popped):  # the common case: every key live, none named twice (a first acquisition is >= 1)
+                self._released[kind] += len(keys)
+                return
+            for key, born in zip(keys, popped, strict=True):  # a key not live or named twice: undo (the order of
+                if born is not None:                          # a fate table is never read), then one by one
+                    live[key] = born
             for key in keys:  # the slow path: one by one, up to the first bad key
                 if live.pop(key, None) is None and self._fates["quarantined"][kind].pop(key, None) is None:
                     raise LifecycleError(f"ledger: cannot mark {kind} {key!r} released: it is "

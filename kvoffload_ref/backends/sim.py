@@ -234,7 +234,7 @@ class SimBackend(SimCore):
             self.on_call("descriptor_alloc", tag)
         with self._lock:
             self._fault("descriptor_alloc", tag)
-            src, dst, sizes = np.zeros((3, capacity), dtype=np.int64)  # one allocation, three rows
+            src, dst, sizes = self._descriptor_words.carve(capacity)
             buf = DescriptorBuffer(src, dst, sizes, handle=next(self._labels))  # the handle: the buffer's number
             key = id(buf)  # one int for both tables
             self._buffers[key] = buf
@@ -352,7 +352,7 @@ class SimBackend(SimCore):
         with self._lock:
             self._fault("event_create", tag)
             event = SimEvent(self, next(self._labels))
-            key = id(event)  # one int for both tables (a teardown touches every one)
+            key = event.key  # id(event): one int for both tables (a teardown touches every one)
             self._events[key] = event
             self._ledger.acquire("event", key)
             return event

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvoffload_ref import lifecycle
-from kvoffload_ref.lifecycle import Action, Transition
+from kvoffload_ref.lifecycle import Action
+from kvoffload_ref.tables import Transition
 
 __all__ = ["render", "render_machine"]
 
@@ -14,7 +15,7 @@ def render_machine(name: str) -> str:
     Refused pairs (which raise a typed error and leave the state unchanged) and pure no-op repeats are left out;
     the tables in lifecycle.py list them.
     """
-    states, _inputs, table = lifecycle.machines()[name]
+    states, _inputs, table = lifecycle.MACHINES[name]
     edges: dict[tuple[str, str], list[str]] = {}
     for (state, event), entry in table.items():
         if not isinstance(entry, Transition) or entry.action is Action.NOTHING:
@@ -32,6 +33,6 @@ def render_machine(name: str) -> str:
 def render() -> str:
     """All three machines, each in a fenced ``mermaid`` block under a heading."""
     parts = []
-    for name in lifecycle.machines():
+    for name in lifecycle.MACHINES:
         parts.append(f"### {name}\n\n```mermaid\n{render_machine(name)}```\n")
     return "\n".join(parts)

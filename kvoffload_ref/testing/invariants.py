@@ -22,7 +22,7 @@ from kvoffload_ref.testing.adapter import (
 )
 from kvoffload_ref.testing.machine_base import MachineBase
 from kvoffload_ref.testing.model import ModelTransfer
-from kvoffload_ref.testing.outcomes import accounting_problems, outcome_problems
+from kvoffload_ref.testing.outcomes import accounting_problems, attribution_problems, outcome_problems
 from kvoffload_ref.testing.shutdown import (
     Expectations,
     report_problems,
@@ -59,20 +59,10 @@ class Checks(MachineBase):
         model.resolve(transfer, result.success)
 
     def _check_attribution(self, transfer: ModelTransfer, result: ResultLike) -> None:
-        """R22: a result says which side its ids index; a failure names exactly the destination ids it was to
-        write (sorted, distinct), a success none."""
-        if not self.capabilities.attribution:
-            return
-        job = transfer.job_id
-        kind = result.transfer_type
-        self._check(kind is not None and tuple(kind) == transfer.transfer_type, "R22",
-                    f"{transfer.direction} job {job} has transfer_type {kind!r}, expected {transfer.transfer_type!r}")
-        blocks = tuple(result.invalid_blocks)
-        expected = () if result.success else transfer.dst_ids
-        side = "CPU chunks" if transfer.direction == "store" else "GPU blocks"
-        self._check(blocks == expected, "R22",
-                    f"{transfer.direction} job {job} (success={result.success}) names invalid_blocks {blocks!r}; "
-                    f"expected {expected!r}" + ("" if result.success else f" (the {side} it was to write)"))
+        """R22 (when the worker has attribution): which side the ids index, and the blocks a failure poisoned."""
+        if self.capabilities.attribution:
+            for rules, message in attribution_problems(result, transfer, f"{transfer.direction} job {transfer.job_id}"):
+                self._check(False, rules, message)
 
     def _check_success(self, transfer: ModelTransfer, result: ResultLike) -> None:
         job = transfer.job_id

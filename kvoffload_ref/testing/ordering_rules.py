@@ -22,7 +22,6 @@ from hypothesis.stateful import precondition, rule
 from kvoffload_ref.errors import InvalidTransferError
 from kvoffload_ref.testing.machine_base import MachineBase
 from kvoffload_ref.testing.model import ModelTransfer
-from kvoffload_ref.testing.rules import COMPUTE_DELAYS
 
 __all__ = ["KIT_STREAM", "ORDER_STREAMS", "OrderingRules"]
 
@@ -51,8 +50,8 @@ class OrderingRules(MachineBase):
     """
 
     if TYPE_CHECKING:  # from TransferRules
-        def _compute(self, tensor: int, rows: list[int], value: int, delay: float,
-                     stream: str | None = None) -> None: ...
+        def _write_rows(self, data: st.DataObject, tensor: int, aimed: list[int],
+                        stream: str | None = None) -> None: ...
 
     @precondition(_can_order)
     @rule(data=st.data())
@@ -76,14 +75,7 @@ class OrderingRules(MachineBase):
             tensors = sorted({m.tensor for t in aimed for m in t.moves})
             tensor = data.draw(st.sampled_from(tensors or list(range(setup.layout.num_tensors))), label="tensor")
             rows = sorted({m.gpu_row for t in aimed for m in t.moves if m.tensor == tensor})
-            if rows:
-                rows = data.draw(st.lists(st.sampled_from(rows), min_size=1, max_size=3, unique=True), label="rows")
-            else:
-                rows = data.draw(st.lists(st.integers(0, setup.num_gpu_blocks - 1), min_size=1, max_size=3,
-                                          unique=True), label="rows")
-            value = data.draw(st.integers(0, 255), label="value")
-            delay = data.draw(st.sampled_from(COMPUTE_DELAYS), label="delay")
-            self._compute(tensor, rows, value, delay, on)
+            self._write_rows(data, tensor, rows, on)  # rows the queued transfers touch, if any
 
     def _order_after(self, ids: list[int], stream: str | None, bad: object) -> None:
         """Call ``order_after`` and tell the models which transfers the stream now waits for: the listed jobs the

@@ -31,10 +31,10 @@ import collections
 from collections.abc import Iterator, Mapping
 from typing import Final
 
-from kvoffload_ref.testing.adapter import HandlerReportLike, JobOutcomeLike, ReportLike
+from kvoffload_ref.testing.adapter import HandlerReportLike, JobOutcomeLike, ReportLike, ResultLike
 from kvoffload_ref.testing.model import Model, ModelTransfer
 
-__all__ = ["ENDINGS", "accounting_problems", "outcome_problems", "settled_jobs"]
+__all__ = ["ENDINGS", "accounting_problems", "attribution_problems", "outcome_problems", "settled_jobs"]
 
 #: How a listed job may have ended, in the order a direction's list goes through them.
 ENDINGS: Final = ("unreaped", "drained", "failed", "abandoned")
@@ -103,16 +103,10 @@ def _one(outcome: JobOutcomeLike, transfer: ModelTransfer, settled: frozenset[in
     """One listed job against the model."""
     result, ended = outcome.result, outcome.ended
     job, direction = transfer.job_id, transfer.direction
-    kind = result.transfer_type
-    if kind is None or tuple(kind) != transfer.transfer_type:
-        yield "R22", f"listed {direction} job {job} has transfer_type {kind!r}, expected {transfer.transfer_type!r}"
     success = result.success
     if success != (ended == "drained") and ended != "unreaped":
         yield "R10/R22", f"listed {direction} job {job} ended {ended!r} with success={success}"
-    blocks, expected = tuple(result.invalid_blocks), () if success else transfer.dst_ids
-    if blocks != expected:
-        yield "R22", (f"listed {direction} job {job} ({ended}, success={success}) names invalid_blocks "
-                      f"{blocks!r}; expected {expected!r}")
+    yield from attribution_problems(result, transfer, f"listed {direction} job {job} ({ended})")
     if job in settled and ended != "unreaped":
         yield "R5/R6/R22", (f"{direction} job {job} ended {ended!r}, but its result was known before shutdown "
                             "began (a wait() returned for it, or an error fired on its end event): 'unreaped'")
@@ -121,6 +115,19 @@ def _one(outcome: JobOutcomeLike, transfer: ModelTransfer, settled: frozenset[in
     if proven_in_time and ended in ("failed", "abandoned"):
         yield "R10/R22", (f"{direction} job {job} ended {ended!r} although the drain could prove every queued "
                           "transfer within the timeout")
+
+
+def attribution_problems(result: ResultLike, transfer: ModelTransfer, what: str) -> Iterator[Problem]:
+    """R22: ``result`` says which side its ids index, and a failure names exactly the destination ids ``transfer``
+    was to write (sorted, distinct), a success none. ``what`` names the job in the messages."""
+    kind = result.transfer_type
+    if kind is None or tuple(kind) != transfer.transfer_type:
+        yield "R22", f"{what} has transfer_type {kind!r}, expected {transfer.transfer_type!r}"
+    blocks, expected = tuple(result.invalid_blocks), () if result.success else transfer.dst_ids
+    if blocks != expected:
+        side = "CPU chunks" if transfer.direction == "store" else "GPU blocks"
+        yield "R22", (f"{what} (success={result.success}) names invalid_blocks {blocks!r}; expected {expected!r}"
+                      + ("" if result.success else f" (the {side} it was to write)"))
 
 
 def _direction(direction: str, items: list[tuple[ModelTransfer, str]], part: HandlerReportLike) -> Iterator[Problem]:

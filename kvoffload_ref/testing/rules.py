@@ -298,14 +298,20 @@ class TransferRules(MachineBase):
             setup = self.current_setup
             tensor = data.draw(st.integers(0, setup.layout.num_tensors - 1), label="tensor")
             aimed = sorted({m.gpu_row for t in self.current_model.pending() for m in t.moves if m.tensor == tensor})
-            if setup.schedule == "racy" and aimed and data.draw(st.booleans(), label="aim at pending"):
-                rows = data.draw(st.lists(st.sampled_from(aimed), min_size=1, max_size=3, unique=True), label="rows")
-            else:
-                rows = data.draw(st.lists(st.integers(0, setup.num_gpu_blocks - 1), min_size=1, max_size=3,
-                                          unique=True), label="rows")
-            value = data.draw(st.integers(0, 255), label="value")
-            delay = data.draw(st.sampled_from(COMPUTE_DELAYS), label="delay")
-            self._compute(tensor, rows, value, delay)
+            aim = setup.schedule == "racy" and aimed and data.draw(st.booleans(), label="aim at pending")
+            self._write_rows(data, tensor, aimed if aim else [])
+
+    def _write_rows(self, data: st.DataObject, tensor: int, aimed: list[int], stream: str | None = None) -> None:
+        """Draw 1-3 GPU rows of ``tensor`` (among ``aimed`` if any, else any row), a value and a delay, and queue
+        that compute write on ``stream``."""
+        if aimed:
+            rows = data.draw(st.lists(st.sampled_from(aimed), min_size=1, max_size=3, unique=True), label="rows")
+        else:
+            rows = data.draw(st.lists(st.integers(0, self.current_setup.num_gpu_blocks - 1), min_size=1, max_size=3,
+                                      unique=True), label="rows")
+        value = data.draw(st.integers(0, 255), label="value")
+        delay = data.draw(st.sampled_from(COMPUTE_DELAYS), label="delay")
+        self._compute(tensor, rows, value, delay, stream)
 
     def _compute(self, tensor: int, rows: list[int], value: int, delay: float, stream: str | None = None) -> None:
         """Queue a compute write on ``stream`` (None: the worker's compute stream) under the schedule's duty (R20),
