@@ -1336,12 +1336,12 @@ def test_coalesce_breaks_runs_only_at_seams_and_discontinuities() -> None:
     src = np.array([0, 10, 20, 30, 100, 110], np.int64)
     dst = np.array([1000, 1010, 1020, 1030, 1040, 1050], np.int64)
     sizes = np.full(6, 10, np.int64)
-    seams = registration_seams({1000: 20, 1020: 500})   # a seam at dst 1020 (and bounds at 1000, 1520)
+    seams = registration_seams([(1000, 1020), (1020, 1520)])   # a seam at dst 1020 (and bounds at 1000, 1520)
     assert seams.tolist() == [1000, 1020, 1520]
     runs = coalesce(src, dst, sizes, seams)
     assert [r.tolist() for r in runs] == [[0, 20, 100], [1000, 1020, 1040], [20, 20, 20]]
     assert [r.tolist() for r in coalesce(src, dst, sizes)] == [[0, 100], [1000, 1040], [40, 20]]
-    assert [r.tolist() for r in coalesce(src, dst, sizes, registration_seams({}))] == [[0, 100], [1000, 1040],
+    assert [r.tolist() for r in coalesce(src, dst, sizes, registration_seams(()))] == [[0, 100], [1000, 1040],
                                                                                         [40, 20]]
 
 

@@ -145,6 +145,29 @@ def test_sim_cost_path_choice_is_the_cupy_backends_rule() -> None:
     assert copies[-1]["args"]["path"] == "dma", "batched DMA where memcpy would be"
 
 
+@pytest.mark.rule("R25")
+def test_sim_cost_memcpy_runs_break_at_registration_seams_as_on_the_cupy_backend() -> None:
+    """The memcpy path pays per contiguous run, and a run never crosses a registration seam (R25) -- the count the
+    CuPy backend's ``coalesce`` issues, from the one rule both call (``copy_paths.run_starts``)."""
+    per_run = 1e-6
+    profile = dataclasses.replace(FLAT, memcpy=PathCost(0.0, per_run, ((1, 10 * GB),)))
+    took = {}
+    for halves in (False, True):
+        be = SimBackend(profile=profile, copy_path="memcpy")
+        rig = Rig(be, pinned=False)
+        half = 32 * PAGE
+        for start, size in ((rig.hptr, half), (rig.hptr + half, half)) if halves else ((rig.hptr, 2 * half),):
+            be.host_register(start, size)
+        took[halves] = rig.took(rig.copy("store", range(16, 48), 1))   # 32 rows, contiguous on both sides
+        assert not be.violations, "each descriptor lies in one registration"
+    assert took[True] - took[False] == pytest.approx(per_run), "the seam at row 32 starts a second run"
+    assert _cupy_copy.coalesce is not None and _cupy_copy.run_starts is copy_paths.run_starts
+    src = np.arange(16, 48, dtype=np.int64) * PAGE
+    seams = copy_paths.registration_seams([(0, 32 * PAGE), (32 * PAGE, 64 * PAGE)])
+    runs = _cupy_copy.coalesce(src, src + 10**9, np.full(32, PAGE, np.int64), seams)
+    assert runs[2].tolist() == [16 * PAGE, 16 * PAGE], "the CuPy backend issues the same two runs"
+
+
 def test_sim_cost_compute_is_slowed_while_a_kernel_copy_runs() -> None:
     be = SimBackend(profile=FLAT, copy_path="kernel")
     rig = Rig(be)

@@ -28,6 +28,8 @@ from kvoffload_ref.backends.copy_paths import (
     DEFAULT_KERNEL_MIN_COUNT,
     CopyPath,
     choose_path,
+    registration_seams,
+    run_starts,
 )
 
 __all__ = [
@@ -120,10 +122,10 @@ class SpanSet:
         # the host pointer); _device maps a seen device array's start to the largest end seen for it.
         self._pinned: dict[int, int] = {}
         self._device: dict[int, int] = {}
-        # Invariant: _registered maps every registered range's start to its size (kernel-usable or not); seams is
-        # registration_seams(_registered), rebuilt (a new array, never changed in place) whenever it changes.
+        # Invariant: _registered maps every registered range's start to its end (kernel-usable or not); seams is
+        # registration_seams of its items, rebuilt (a new array, never changed in place) whenever it changes.
         self._registered: dict[int, int] = {}
-        self.seams: I64 = registration_seams({})
+        self.seams: I64 = registration_seams(())
         # Invariant: the union of both dicts' intervals, merged; _starts sorted, _ends[i] the end of interval i.
         self._starts: npt.NDArray[np.int64] = np.empty(0, np.int64)
         self._ends: npt.NDArray[np.int64] = np.empty(0, np.int64)
@@ -131,8 +133,8 @@ class SpanSet:
     def add_pinned(self, start: int, end: int, *, kernel: bool = True) -> None:
         """Add a registered host range: its bounds become seams; with ``kernel`` (its device pointer equals its
         host pointer) the kernel may dereference it."""
-        self._registered[start] = end - start
-        self.seams = registration_seams(self._registered)
+        self._registered[start] = end
+        self.seams = registration_seams(self._registered.items())
         if kernel:
             self._pinned[start] = end
             self._rebuild()
@@ -140,7 +142,7 @@ class SpanSet:
     def discard_pinned(self, start: int) -> None:
         """Remove the registered range that starts at ``start`` (no-op if there is none)."""
         if self._registered.pop(start, None) is not None:
-            self.seams = registration_seams(self._registered)
+            self.seams = registration_seams(self._registered.items())
         if self._pinned.pop(start, None) is not None:
             self._rebuild()
 
@@ -190,25 +192,6 @@ def upload_in_one_copy(slots: int, count: int) -> bool:
     return 3 * 8 * slots <= _SINGLE_UPLOAD_MAX_BYTES or 2 * count >= slots
 
 
-def registration_seams(registered: dict[int, int]) -> I64:
-    """Where registrations begin and end, sorted: the addresses a merged run must not cross (R25).
-
-    Args:
-        registered: each registered range's start -> its size in bytes.
-
-    Returns:
-        The distinct starts and ends, sorted (int64).
-    """
-    bounds = {start for start in registered} | {start + size for start, size in registered.items()}
-    return np.array(sorted(bounds), np.int64)
-
-
-def _at(sorted_values: I64, addrs: I64) -> npt.NDArray[np.bool_]:
-    """Whether each of ``addrs`` is one of ``sorted_values``."""
-    idx = np.minimum(np.searchsorted(sorted_values, addrs), sorted_values.size - 1)
-    return sorted_values[idx] == addrs  # type: ignore[no-any-return]  # an array of bools
-
-
 def coalesce(src: I64, dst: I64, sizes: I64, seams: I64 | None = None) -> tuple[I64, I64, I64]:
     """Merge runs of descriptors that are contiguous on both sides into single copies.
 
@@ -224,8 +207,5 @@ def coalesce(src: I64, dst: I64, sizes: I64, seams: I64 | None = None) -> tuple[
     """
     if src.shape[0] <= 1:
         return src, dst, sizes
-    breaks = (src[1:] != src[:-1] + sizes[:-1]) | (dst[1:] != dst[:-1] + sizes[:-1])
-    if seams is not None and seams.size and not breaks.all():
-        breaks |= _at(seams, src[1:]) | _at(seams, dst[1:])
-    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    starts = run_starts(src, dst, sizes, seams)
     return src[starts], dst[starts], np.add.reduceat(sizes, starts)

@@ -34,15 +34,16 @@ from collections.abc import Callable
 from typing import Final, Literal
 
 import numpy as np
-import numpy.typing as npt
 
 from kvoffload_ref.backends._simmem import CopyPlan
 from kvoffload_ref.backends._simsched import CopyOp, Op
 from kvoffload_ref.backends.copy_paths import (
     DEFAULT_KERNEL_MAX_MEAN_BYTES,
     DEFAULT_KERNEL_MIN_COUNT,
+    I64,
     CopyPath,
     choose_path,
+    run_starts,
 )
 
 __all__ = ["PROFILES", "CostModel", "CostProfile", "Flow", "PathCost", "PathName", "profile_named"]
@@ -193,9 +194,10 @@ class CostModel:
         # Invariant: how many kernel-path copies are in flight (either phase).
         self._kernels = 0
 
-    def price(self, op: CopyOp, plan: CopyPlan, slow: int, copy_path: CopyPath) -> float:
+    def price(self, op: CopyOp, plan: CopyPlan, slow: int, copy_path: CopyPath, seams: I64 | None = None) -> float:
         """Choose the copy's path (``copy_path``: the backend's setting), attach its :class:`Flow` and return its
-        fixed phase's duration (or, for a copy that does not use the link, its whole duration)."""
+        fixed phase's duration (or, for a copy that does not use the link, its whole duration). ``seams``: where
+        registrations begin and end (the memcpy path's runs never cross one, R25, as on the CuPy backend)."""
         p = self.profile
         sizes = plan.sizes
         live = sizes > 0
@@ -208,7 +210,8 @@ class CostModel:
             path = "dma"
         cost = p.kernel if path == "kernel" else p.dma if path == "dma" else p.memcpy
         assert cost is not None   # Invariant: the kernel path is chosen only when the profile has one
-        units = count if path != "memcpy" or count <= 1 else _runs(plan.src[live], plan.dst[live], sizes[live])
+        units = count if path != "memcpy" or count <= 1 else \
+            int(run_starts(plan.src[live], plan.dst[live], sizes[live], seams).size)
         fixed = p.call_cost + cost.launch + cost.per_descriptor * units
         direction: Direction = "local"
         if count:
@@ -275,9 +278,3 @@ class CostModel:
     def in_flight(self) -> int:
         """How many copies are in the link phase (for tests)."""
         return len(self._active)
-
-
-def _runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64]) -> int:
-    """How many runs of descriptors contiguous on both sides (``_cupy_copy.coalesce``'s count)."""
-    ends = sizes[:-1]
-    return 1 + int(np.count_nonzero((src[1:] != src[:-1] + ends) | (dst[1:] != dst[:-1] + ends)))

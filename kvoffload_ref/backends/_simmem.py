@@ -41,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
+from kvoffload_ref.backends.copy_paths import registration_seams
 from kvoffload_ref.errors import InvalidTransferError
 
 __all__ = ["SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Span", "address", "host_view"]
@@ -337,6 +338,7 @@ class Memory:
         # Invariant: caches of sorted indexes over _spans / pinned; None when stale.
         self._span_index: _SpanIndex | None = None
         self._pin_index: Intervals | None = None
+        self._seams: I64 | None = None  # registration_seams of pinned (R25); None when stale
 
     def add(self, span: Span) -> None:
         """Add a span. Raises InvalidTransferError if it overlaps a live one."""
@@ -367,12 +369,18 @@ class Memory:
 
     def pin(self, start: int, end: int) -> None:
         self.pinned[start] = end
-        self._pin_index = None
+        self._pin_index = self._seams = None
 
     def unpin(self, start: int) -> int:
         """Unpin the range at ``start``; returns its end."""
-        self._pin_index = None
+        self._pin_index = self._seams = None
         return self.pinned.pop(start)
+
+    def seams(self) -> I64:
+        """Where the pinned ranges begin and end, sorted: the seams no memcpy run crosses (R25)."""
+        if self._seams is None:
+            self._seams = registration_seams(self.pinned.items())
+        return self._seams
 
     def pins_overlapping(self, lo: int, hi: int) -> list[int]:
         """Starts of the pinned ranges intersecting [lo, hi)."""

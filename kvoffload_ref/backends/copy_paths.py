@@ -1,19 +1,28 @@
 """Which copy path one batched submission takes: the rule the CuPy backend applies and the simulated device's
 cost profiles model (one function, one set of thresholds).
 
-Pure: no CuPy, no numpy, nothing of the package. ``_cupy_copy`` re-exports these names for the CuPy backend;
-``_simcost`` calls :func:`choose_path` when a profile with copy paths prices a copy.
+Pure: numpy only, no CuPy, nothing of the package. ``_cupy_copy`` re-exports these names for the CuPy backend;
+``_simcost`` calls :func:`choose_path` and counts :func:`run_starts` when a profile with copy paths prices a copy.
 
-* ``"memcpy"``: one ``cudaMemcpyAsync`` per run of descriptors contiguous on both sides. Legal for any memory.
+* ``"memcpy"``: one ``cudaMemcpyAsync`` per run of descriptors contiguous on both sides (:func:`run_starts`); a
+  run never crosses a registration seam (R25: the driver refuses a copy whose host span lies in two
+  registrations; :func:`registration_seams`). Legal for any memory.
 * ``"kernel"``: one gather/scatter kernel launch over all descriptors. Legal only when every descriptor lies in
   device memory or registered host memory the kernel may dereference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final, Literal
 
-__all__ = ["DEFAULT_KERNEL_MAX_MEAN_BYTES", "DEFAULT_KERNEL_MIN_COUNT", "CopyPath", "choose_path"]
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["DEFAULT_KERNEL_MAX_MEAN_BYTES", "DEFAULT_KERNEL_MIN_COUNT", "CopyPath", "choose_path",
+           "registration_seams", "run_starts"]
+
+I64 = npt.NDArray[np.int64]
 
 CopyPath = Literal["auto", "kernel", "memcpy"]
 
@@ -45,3 +54,41 @@ def choose_path(copy_path: CopyPath, *, count: int, total_bytes: int, legal: boo
     if copy_path == "auto" and (count < min_count or total_bytes > count * max_mean_bytes):
         return "memcpy"
     return "kernel"
+
+
+def registration_seams(registered: Iterable[tuple[int, int]]) -> I64:
+    """Where registrations begin and end, sorted: the addresses a merged run must not cross (R25).
+
+    Args:
+        registered: each registered range as ``(start, end)``.
+
+    Returns:
+        The distinct starts and ends, sorted (int64).
+    """
+    bounds = {bound for start, end in registered for bound in (start, end)}
+    return np.array(sorted(bounds), np.int64)
+
+
+def run_starts(src: I64, dst: I64, sizes: I64, seams: I64 | None = None) -> npt.NDArray[np.intp]:
+    """Where the memcpy path's runs begin: the indices of the descriptors that do not continue the previous one on
+    both sides, or that start at a seam on either side (the first descriptor always begins one).
+
+    Args:
+        src, dst, sizes: the descriptors.
+        seams: sorted addresses no run may cross (:func:`registration_seams`); None or empty: no seams.
+
+    Returns:
+        The sorted indices (empty for no descriptors).
+    """
+    if src.shape[0] <= 1:
+        return np.zeros(src.shape[0], dtype=np.intp)
+    breaks = (src[1:] != src[:-1] + sizes[:-1]) | (dst[1:] != dst[:-1] + sizes[:-1])
+    if seams is not None and seams.size and not breaks.all():
+        breaks |= _at(seams, src[1:]) | _at(seams, dst[1:])
+    return np.concatenate(([0], np.flatnonzero(breaks) + 1))
+
+
+def _at(sorted_values: I64, addrs: I64) -> npt.NDArray[np.bool_]:
+    """Whether each of ``addrs`` is one of ``sorted_values``."""
+    idx = np.minimum(np.searchsorted(sorted_values, addrs), sorted_values.size - 1)
+    return sorted_values[idx] == addrs  # type: ignore[no-any-return]  # an array of bools
