@@ -411,7 +411,7 @@ class SimCore:
         op.plan, slow = self._memory.plan(op.buf.src[:n].copy(), op.buf.dst[:n].copy(), op.buf.sizes[:n].copy())
         if self._cost is not None:
             return self._cost.price(op, op.plan, slow, self.copy_path, self._memory.seams())
-        total = int(op.plan.sizes[op.plan.sizes > 0].sum())
+        total = op.plan.live_bytes()
         return self._latency + (total - slow) / self._pinned_bw + slow / self._pageable_bw
 
     def _apply_op(self, op: Op, t: float) -> None:

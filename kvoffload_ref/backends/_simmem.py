@@ -5,7 +5,9 @@ Theory of operation
 *Spans.* Device arrays and tracked host mappings are *spans*: [start, end) address ranges, each with a writeable
 1-D uint8 numpy view of exactly its bytes. :class:`Memory` keeps them (and the pinned ranges) with cached sorted
 indexes; a copy's descriptors are resolved against them vectorized (``np.searchsorted``) when the copy starts,
-giving a :class:`CopyPlan`. The sim never touches an address outside a live span.
+giving a :class:`CopyPlan`. The sim never touches an address outside a live span. Which spans can make a copy
+slow (host mappings that no one pinned range holds whole) is cached too: when there is none, pricing looks at
+no descriptor's pinning.
 
 *Copies.* :meth:`CopyPlan.execute` moves the bytes, every source read before any destination is written. Small
 batches go descriptor by descriptor. Otherwise the descriptors are grouped by (source span, destination span,
@@ -16,12 +18,16 @@ need is computed once per copy, vectorized over all descriptors: where each side
 exactly one row (run breaks), and whether they sit on one row grid. Per group then:
 
 * both sides one run of adjacent rows: one slice assignment;
-* the destination advances in long runs: each run is a contiguous block filled in one ``np.take`` from the
-  source's row grid (or gathered from ``sliding_window_view`` windows when the source is off any grid);
-* the source advances in long runs: each run is scattered with one fancy assignment into the destination's
-  row grid (or windows);
+* the destination one run (the worker's stores) or long runs: each run is a contiguous block filled in one
+  ``np.take`` from the source's row grid (or gathered from ``sliding_window_view`` windows when the source is
+  off any grid);
+* the source one run (the worker's loads) or long runs: each run is scattered onto the destination's row grid
+  with one ``put`` of whole rows -- the grid seen as one void item per row, which numpy moves as one block,
+  faster than a 2-D fancy assignment; ``put`` assigns in order, so a later row wins -- or, off any grid, with
+  one fancy assignment into windows;
 * otherwise large rows move one slice assignment each, small rows by chunked fancy indexing over windows.
 
+The grid views are cached per span snapshot (:data:`Grids`), so a copy of many groups makes no view per group.
 When a span is both read and written by one copy, every group's rows are gathered first, then written.
 
 *Descriptor words.* Descriptor buffers are host memory outside the address map: :class:`DescriptorWords` carves
@@ -33,6 +39,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from typing import Final, NamedTuple
@@ -57,6 +64,8 @@ SMALL_BATCH: Final = 16
 _MIN_RUN_ROWS: Final = 32
 #: Bytes gathered per fancy-indexing chunk: large enough to amortize the call, small enough to stay in cache.
 _CHUNK_BYTES: Final = 2 * 1024 * 1024
+#: Grid views one snapshot of the spans keeps at most (a cache: emptied when full, rather than grown).
+_MAX_GRIDS: Final = 256
 #: int64 words per shared block of descriptor words (4 KiB); buffers needing more than a quarter of one get
 #: their own array, so a block that one live buffer keeps alive wastes at most 4 KiB.
 DESCRIPTOR_BLOCK_WORDS: Final = 512
@@ -72,6 +81,9 @@ class Intervals:
         self._last = [b for _, b in pairs]
         self.starts: I64 = np.array(self._first, dtype=np.int64)
         self.ends: I64 = np.array(self._last, dtype=np.int64)
+        # Invariant: _end_by_count[c] == ends[c - 1] for c >= 1 (find reads it by how many ranges start at or
+        # before an address); [0] is a placeholder (no range there: find answers -1 whatever it reads).
+        self._end_by_count: I64 = np.concatenate((np.zeros(1, dtype=np.int64), self.ends))
 
     def find(self, addr: I64, size: I64) -> npt.NDArray[np.intp]:
         """Index of the range holding each [addr, addr+size) whole, or -1 (also for a negative size)."""
@@ -80,10 +92,10 @@ class Intervals:
             return np.array(found, dtype=np.intp)
         if not self._first:
             return np.full(addr.shape, -1, dtype=np.intp)
-        idx = np.searchsorted(self.starts, addr, side="right") - 1
-        room = self.ends[np.maximum(idx, 0)] - addr   # no overflow: addr >= a start wherever idx >= 0
-        ok = (idx >= 0) & (size >= 0) & (size <= room)
-        return np.where(ok, idx, -1)
+        count = self.starts.searchsorted(addr, side="right")   # range count - 1 is the candidate, if count >= 1
+        room = self._end_by_count.take(count) - addr   # no overflow where count >= 1: addr >= a start there
+        held: npt.NDArray[np.intp] = count * ((size >= 0) & (size <= room)) - 1   # count 0: -1 whatever room is
+        return held
 
     def find_one(self, addr: int, size: int) -> int:
         """Scalar :meth:`find`."""
@@ -106,6 +118,20 @@ class Span:
     data: Bytes
 
 
+class _Grid(NamedTuple):
+    """A span's bytes from one first byte on, as whole rows of one size (the tail shorter than a row left out)."""
+
+    # Invariant: a C-contiguous 2-D uint8 view (rows x size); items: the same bytes as a 1-D array of one void
+    # item per row (numpy moves an item as one block: ``put`` of whole rows beats a 2-D fancy assignment).
+    rows: Bytes
+    items: npt.NDArray[np.void]
+
+
+#: Grid views of span data, shared by the plans made over one snapshot of the spans: (span index, first byte,
+#: row size) -> that span's grid from ``first`` on.
+Grids = dict[tuple[int, int, int], _Grid]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class CopyPlan:
     """A copy's descriptors as read when it started, resolved against the spans live then."""
@@ -119,10 +145,24 @@ class CopyPlan:
     di: npt.NDArray[np.intp]
     # Invariant: starts[k] == spans[k].start.
     starts: I64
+    # Invariant: grid views of the data of ``spans`` (shared by the plans over one snapshot; a cache only).
+    grids: Grids = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def smallest(self) -> int:
+        """The smallest size (0 when there is no descriptor)."""
+        return int(self.sizes.min()) if self.sizes.size else 0
+
+    def live_bytes(self) -> int:
+        """How many bytes the non-empty descriptors copy."""
+        return int(self.sizes.sum()) if self.smallest > 0 else int(self.sizes[self.sizes > 0].sum())
 
     def first_bad(self) -> int | None:
         """The first non-empty descriptor touching memory outside every live span, or None."""
-        bad = ((self.si < 0) | (self.di < 0)) & (self.sizes != 0)   # an empty copy touches nothing
+        worst = np.minimum(self.si, self.di)
+        if not worst.size or worst.min() >= 0:
+            return None
+        bad = (worst < 0) & (self.sizes != 0)   # an empty copy touches nothing
         return int(bad.argmax()) if bad.any() else None
 
     def execute(self) -> None:
@@ -130,21 +170,22 @@ class CopyPlan:
         if self.sizes.size <= SMALL_BATCH:
             self._execute_each()
             return
-        live = self.sizes > 0
-        if not live.all():
+        smallest = self.smallest
+        if smallest <= 0:   # some are empty: copy the others
+            live = self.sizes > 0
             dataclasses.replace(self, src=self.src[live], dst=self.dst[live], sizes=self.sizes[live],
                                 si=self.si[live], di=self.di[live]).execute()
             return
-        batch = _Batch(self.si, self.di, self.sizes, self.src - self.starts[self.si],
-                       self.dst - self.starts[self.di], len(self.spans))
+        batch = _Batch(self.si, self.di, self.sizes, self.src - self.starts.take(self.si),
+                       self.dst - self.starts.take(self.di), len(self.spans), smallest == int(self.sizes.max()))
         data = [s.data for s in self.spans]
-        if batch.read_and_written():   # a span is read and written: stage all reads
-            staged = [sliding_window_view(data[g.src], g.size)[batch.so[g.a:g.b]] for g in batch.groups]
-            for g, rows in zip(batch.groups, staged, strict=True):
-                _window(data[g.dst], g.size)[batch.do[g.a:g.b]] = rows
+        if not set(batch.src).isdisjoint(batch.dst):   # a span is read and written: stage all reads
+            groups = list(zip(batch.src, batch.dst, batch.size, batch.a, batch.b, strict=True))
+            staged = [sliding_window_view(data[s], n)[batch.so[a:b]] for s, _, n, a, b in groups]
+            for (_, d, n, a, b), rows in zip(groups, staged, strict=True):
+                _window(data[d], n)[batch.do[a:b]] = rows
             return
-        for i, g in enumerate(batch.groups):
-            batch.copy(i, data[g.src], data[g.dst])
+        batch.run(data, self.grids)
 
     def _execute_each(self) -> None:
         """Descriptor by descriptor, for small batches (no per-call numpy setup)."""
@@ -159,36 +200,30 @@ class CopyPlan:
             b.data[dst - b.start:dst - b.start + n] = data
 
 
-class _Group(NamedTuple):
-    """The descriptors ``a..b-1`` of a :class:`_Batch`: one source span, one destination span, one size."""
-
-    src: int
-    dst: int
-    size: int
-    a: int
-    b: int
-
-
 class _Side:
     """One side (source or destination) of a batch: offsets into the spans and, per group, what the row copies
     need, computed once, vectorized over the whole batch: its first offset, how many run breaks it has, and
-    (lazily) whether it lies on one row grid.
+    (lazily) whether it lies on one row grid and the row numbers on it.
 
     A *run break* is a descriptor whose offset does not follow the previous one's by exactly one row (a group
     without run breaks is one contiguous run of rows); a *phase change* is one whose offset differs from the
     previous one's modulo the row size (a group without phase changes lies on one row grid).
     """
 
-    def __init__(self, offsets: I64, sizes: I64, starts: npt.NDArray[np.intp], ends: npt.NDArray[np.intp]) -> None:
+    def __init__(self, offsets: I64, step: int | I64, starts: npt.NDArray[np.intp],
+                 ends: npt.NDArray[np.intp]) -> None:
         self.offsets = offsets
-        self._sizes = sizes
+        # Invariant: the row size: an int when every descriptor has it, else the sizes, descriptor by descriptor.
+        self._step = step
         self._starts, self._ends = starts, ends   # the groups' [a, b) bounds, in group order
         # Invariant: firsts[i] is group i's first offset; breaks[i] how many run breaks group i has.
         self.firsts: list[int] = offsets[starts].tolist()
-        self._positions = np.flatnonzero(offsets[1:] - offsets[:-1] != sizes[1:]) + 1
+        self._advance = offsets[1:] - offsets[:-1]   # how far each offset is from the previous one
+        self._positions = (self._advance != (step if isinstance(step, int) else step[1:])).nonzero()[0] + 1
         self.breaks = self._per_group(self._positions)
         self._position_list: list[int] | None = None
-        self._phases: tuple[list[int], I64] | None = None   # (phase changes per group, row numbers)
+        self._changes: list[int] | None = None   # phase changes per group, once asked for
+        self._rows: I64 | None = None   # offset // row size per descriptor, once asked for
 
     def runs(self, i: int, a: int, b: int) -> list[tuple[int, int]] | None:
         """The [a, b) index ranges (relative to ``a``) over which the offsets of group i (descriptors a..b-1,
@@ -202,18 +237,34 @@ class _Side:
         inner = positions[bisect.bisect_right(positions, a):bisect.bisect_left(positions, b)]
         return list(itertools.pairwise([0, *(k - a for k in inner), b - a]))
 
-    def grid(self, i: int, g: _Group, data: Bytes) -> tuple[Bytes, I64] | None:
-        """If group i's offsets lie on one row grid of ``data``: that grid as a C-contiguous 2-D array and their
-        row numbers on it; else None."""
-        if self._phases is None:
-            phase = self.offsets % self._sizes
-            self._phases = self._per_group(np.flatnonzero(phase[1:] != phase[:-1]) + 1), self.offsets // self._sizes
-        changes, rows = self._phases
+    def grid(self, i: int, span: int, data: Bytes, size: int, grids: Grids) -> tuple[_Grid, I64] | None:
+        """If group i's offsets lie on one row grid of ``data`` (the data of span number ``span``): that grid,
+        and every descriptor's row number (offset // size: group i's rows on the grid are its slice); else
+        None."""
+        changes = self._changes if self._changes is not None else self._phase_changes()
         if changes[i]:
             return None
-        size = g.size
-        first = self.firsts[i] % size
-        return data[first:first + (data.size - first) // size * size].reshape(-1, size), rows[g.a:g.b]
+        grid = _grid_at(grids, span, data, self.firsts[i] % size, size)
+        return grid, self._rows if self._rows is not None else self._row_numbers()
+
+    def _row_numbers(self) -> I64:
+        """offset // row size, per descriptor (kept)."""
+        step = self._step
+        if isinstance(step, int) and not step & (step - 1):   # a power of two: a shift is the floor division
+            self._rows = self.offsets >> (step.bit_length() - 1)
+        else:
+            self._rows = self.offsets // step
+        return self._rows
+
+    def _phase_changes(self) -> list[int]:
+        """Phase changes per group: where an offset moved by a number of bytes that is not whole rows."""
+        step = self._step
+        if isinstance(step, int):
+            moved = self._advance & (step - 1) if not step & (step - 1) else self._advance % step
+        else:
+            moved = self._advance % step[1:]
+        self._changes = self._per_group(moved.nonzero()[0] + 1) if moved.any() else [0] * len(self.firsts)
+        return self._changes
 
     def _per_group(self, positions: npt.NDArray[np.intp]) -> list[int]:
         """How many of the sorted ``positions`` lie strictly inside each group (a group's first descriptor
@@ -226,79 +277,117 @@ class _Batch:
     """The live descriptors of one copy, ordered group by group (see the module docstring)."""
 
     def __init__(self, si: npt.NDArray[np.intp], di: npt.NDArray[np.intp], sizes: I64, so: I64, do: I64,
-                 num_spans: int) -> None:
+                 num_spans: int, uniform: bool) -> None:
+        """``uniform``: every descriptor has the same size."""
+        size = int(sizes[0])
         key = si * num_spans + di
-        if not (sizes == sizes[0]).all():
+        if not uniform:
             values, rank = np.unique(sizes, return_inverse=True)
             key = key * values.size + rank.reshape(-1)
-        cuts = (np.flatnonzero(key[1:] != key[:-1]) + 1).tolist()
+        cuts = ((key[1:] != key[:-1]).nonzero()[0] + 1).tolist()
         bounds = [0, *cuts, int(key.size)]
         heads = key[bounds[:-1]].tolist()
         if len(set(heads)) == len(heads):   # every group is one segment: order the segments by key
             order = sorted(range(len(heads)), key=heads.__getitem__)
-            segments = [(bounds[k], bounds[k + 1]) for k in order]
+            a, b = [bounds[k] for k in order], [bounds[k + 1] for k in order]
         else:   # a group in several pieces: sort the descriptors by key (stable: descriptor order within)
             perm = np.argsort(key, kind="stable")
             si, di, sizes, so, do, key = si[perm], di[perm], sizes[perm], so[perm], do[perm], key[perm]
-            cuts = (np.flatnonzero(key[1:] != key[:-1]) + 1).tolist()
-            segments = list(itertools.pairwise([0, *cuts, int(key.size)]))
-        starts = np.array([a for a, _ in segments], dtype=np.intp)
-        ends = np.array([b for _, b in segments], dtype=np.intp)
-        self.groups = [_Group(s, d, n, a, b) for (a, b), s, d, n in zip(
-            segments, si[starts].tolist(), di[starts].tolist(), sizes[starts].tolist(), strict=True)]
+            cuts = ((key[1:] != key[:-1]).nonzero()[0] + 1).tolist()
+            a, b = [0, *cuts], [*cuts, int(key.size)]
+        starts, ends = np.array(a, dtype=np.intp), np.array(b, dtype=np.intp)
+        # Invariant: group k is descriptors a[k]..b[k]-1 (of so, do), from span src[k] to span dst[k], size[k]
+        # bytes each; the groups in key order.
+        self.a, self.b = a, b
+        self.src: list[int] = si[starts].tolist()
+        self.dst: list[int] = di[starts].tolist()
+        self.size: list[int] = [size] * len(a) if uniform else sizes[starts].tolist()
         self.so, self.do = so, do
-        self._src, self._dst = _Side(so, sizes, starts, ends), _Side(do, sizes, starts, ends)
+        step = size if uniform else sizes
+        self._src, self._dst = _Side(so, step, starts, ends), _Side(do, step, starts, ends)
 
-    def read_and_written(self) -> bool:
-        """Whether some span is both a source and a destination of this copy."""
-        return bool({g.src for g in self.groups} & {g.dst for g in self.groups})
+    def run(self, data: Sequence[Bytes], grids: Grids) -> None:
+        """Copy every group, in group order, from span data to span data (no span is both read and written).
 
-    def copy(self, i: int, src: Bytes, dst: Bytes) -> None:
-        """Copy group i from span data ``src`` to span data ``dst`` (which do not overlap).
-
-        Every path writes the group's descriptors in order (a later one wins where destinations overlap), so
+        Every path writes a group's descriptors in order (a later one wins where destinations overlap), so
         which path runs changes nothing but the speed.
         """
-        g, from_, to = self.groups[i], self._src, self._dst
-        size, n = g.size, g.b - g.a
-        if not to.breaks[i]:   # the destination is one run of rows: a contiguous block (the worker's stores)
-            d = to.firsts[i]
-            if not from_.breaks[i]:   # and so is the source: one slice assignment
-                s = from_.firsts[i]
-                dst[d:d + n * size] = src[s:s + n * size]
+        from_, to = self._src, self._dst
+        for i, (s, d, size, a, b) in enumerate(zip(self.src, self.dst, self.size, self.a, self.b, strict=True)):
+            n = b - a
+            if not to.breaks[i]:   # the destination is one run of rows: a contiguous block (the worker's stores)
+                first = to.firsts[i]
+                block = data[d][first:first + n * size]
+                if not from_.breaks[i]:   # and so is the source: one slice assignment
+                    start = from_.firsts[i]
+                    block[:] = data[s][start:start + n * size]
+                else:
+                    self._gather(i, s, data[s], size, a, b, block.reshape(n, size), grids)
+            elif not from_.breaks[i]:   # the source is one run (the worker's loads): one scatter
+                start = from_.firsts[i]
+                grid = to.grid(i, d, data[d], size, grids)
+                if grid is not None:   # the run read as items of the source's grid: no view to make per group
+                    q = start // size
+                    items = _grid_at(grids, s, data[s], start % size, size).items[q:q + n]
+                    grid[0].items.put(grid[1][a:b], items, mode="clip")   # in order: a later row wins
+                else:
+                    _window(data[d], size)[self.do[a:b]] = data[s][start:start + n * size].reshape(n, size)
             else:
-                self._gather(i, g, src, dst[d:d + n * size].reshape(n, size), 0, n)
-        elif not from_.breaks[i]:   # the source is one run (the worker's loads): one fancy assignment
-            s = from_.firsts[i]
-            grid = to.grid(i, g, dst)
-            target, rows = grid if grid is not None else (_window(dst, size), self.do[g.a:g.b])
-            target[rows] = src[s:s + n * size].reshape(n, size)
-        elif (runs := to.runs(i, g.a, g.b)) is not None:
-            do = self.do[g.a:g.b]
-            for a, b in runs:
-                self._gather(i, g, src, dst[int(do[a]):int(do[a]) + (b - a) * size].reshape(b - a, size), a, b)
-        elif (runs := from_.runs(i, g.a, g.b)) is not None:
-            so = self.so[g.a:g.b]
-            grid = to.grid(i, g, dst)
-            target, rows = grid if grid is not None else (_window(dst, size), self.do[g.a:g.b])
-            for a, b in runs:
-                target[rows[a:b]] = src[int(so[a]):int(so[a]) + (b - a) * size].reshape(b - a, size)
+                self._scattered(i, s, d, data, size, a, b, grids)
+
+    def _scattered(self, i: int, s: int, d: int, data: Sequence[Bytes], size: int, a: int, b: int,
+                   grids: Grids) -> None:
+        """Copy group i (descriptors a..b-1, span s to span d), both sides with run breaks."""
+        src, dst = data[s], data[d]
+        if (runs := self._dst.runs(i, a, b)) is not None:   # the destination in long runs: gather each
+            do = self.do[a:b]
+            for x, y in runs:
+                block = dst[int(do[x]):int(do[x]) + (y - x) * size].reshape(y - x, size)
+                self._gather(i, s, src, size, a + x, a + y, block, grids)
+        elif (runs := self._src.runs(i, a, b)) is not None:   # the source in long runs: scatter each
+            so = self.so[a:b]
+            grid = self._dst.grid(i, d, dst, size, grids)
+            rows = grid[1][a:b] if grid is not None else self.do[a:b]
+            for x, y in runs:
+                values = src[int(so[x]):int(so[x]) + (y - x) * size].reshape(y - x, size)
+                if grid is not None:
+                    _scatter(grid[0], rows[x:y], values)
+                else:
+                    _window(dst, size)[rows[x:y]] = values
         elif size >= _LOOP_MIN_BYTES:
-            for s, d in zip(self.so[g.a:g.b].tolist(), self.do[g.a:g.b].tolist(), strict=True):
-                dst[d:d + size] = src[s:s + size]
+            for f, t in zip(self.so[a:b].tolist(), self.do[a:b].tolist(), strict=True):
+                dst[t:t + size] = src[f:f + size]
         else:
-            so, do = self.so[g.a:g.b], self.do[g.a:g.b]
+            so, do = self.so[a:b], self.do[a:b]
             windows, target, step = sliding_window_view(src, size), _window(dst, size), _chunk_rows(size)
-            for k in range(0, n, step):
+            for k in range(0, b - a, step):
                 target[do[k:k + step]] = windows[so[k:k + step]]
 
-    def _gather(self, i: int, g: _Group, src: Bytes, out: Bytes, a: int, b: int) -> None:
-        """out[:] = the source rows of group i's descriptors a..b-1 (relative to the group)."""
-        grid = self._src.grid(i, g, src)
+    def _gather(self, i: int, s: int, src: Bytes, size: int, a: int, b: int, out: Bytes, grids: Grids) -> None:
+        """out[:] = the source rows of descriptors a..b-1 (of group i, from span s with data ``src``)."""
+        grid = self._src.grid(i, s, src, size, grids)
         if grid is not None:
-            grid[0].take(grid[1][a:b], axis=0, out=out, mode="clip")
+            grid[0].rows.take(grid[1][a:b], axis=0, out=out, mode="clip")
         else:
-            _gather(src, g.size, self.so[g.a + a:g.a + b], out)
+            _gather(src, size, self.so[a:b], out)
+
+
+def _grid_at(grids: Grids, span: int, data: Bytes, first: int, size: int) -> _Grid:
+    """The grid of span number ``span`` (data ``data``) from byte ``first`` on, in rows of ``size`` bytes (cached
+    in ``grids``)."""
+    grid = grids.get((span, first, size))
+    if grid is None:
+        if len(grids) >= _MAX_GRIDS:   # a cache, not a record: start again rather than grow
+            grids.clear()
+        count = (data.size - first) // size
+        rows = data[first:first + count * size].reshape(count, size)
+        grid = grids[span, first, size] = _Grid(rows, rows.view(np.dtype((np.void, size))).reshape(-1))
+    return grid
+
+
+def _scatter(grid: _Grid, rows: I64, values: Bytes) -> None:
+    """grid.rows[rows] = values (C-contiguous, one row each), in order: a later row wins where rows repeat."""
+    grid.items.put(rows, values.view(grid.items.dtype).reshape(-1), mode="clip")
 
 
 def _window(data: Bytes, size: int) -> npt.NDArray[np.uint8]:
@@ -323,8 +412,8 @@ class _SpanIndex(NamedTuple):
 
     intervals: Intervals
     spans: list[Span]
-    # Invariant: is_host[k] == spans[k].is_host, plus a trailing False so that index -1 (no span) reads False.
-    is_host: npt.NDArray[np.bool_]
+    # Invariant: the grid views the copies over these spans made of their data (CopyPlan.grids).
+    grids: Grids
 
 
 class Memory:
@@ -339,6 +428,11 @@ class Memory:
         self._span_index: _SpanIndex | None = None
         self._pin_index: Intervals | None = None
         self._seams: I64 | None = None  # registration_seams of pinned (R25); None when stale
+        # Invariant: None when stale (spans or pins changed); else, per span of _index() plus a trailing False
+        # (what index -1, no span, reads), whether it is a host mapping that no one pinned range holds whole:
+        # only a copy touching such a span can have slow bytes. _any_slow: whether any span is one (when fresh).
+        self._slow: npt.NDArray[np.bool_] | None = None
+        self._any_slow = False
 
     def add(self, span: Span) -> None:
         """Add a span. Raises InvalidTransferError if it overlaps a live one."""
@@ -349,12 +443,12 @@ class Memory:
             raise InvalidTransferError(f"[{span.start:#x}, {span.end:#x}) overlaps live memory "
                                        f"[{other.start:#x}, {other.end:#x})")
         self._spans[span.start] = span
-        self._span_index = None
+        self._span_index = self._slow = None
 
     def remove(self, start: int) -> None:
         """Forget the span starting at ``start``."""
         del self._spans[start]
-        self._span_index = None
+        self._span_index = self._slow = None
 
     def host_span_at(self, start: int) -> Span | None:
         """The host mapping starting exactly at ``start``."""
@@ -369,11 +463,11 @@ class Memory:
 
     def pin(self, start: int, end: int) -> None:
         self.pinned[start] = end
-        self._pin_index = self._seams = None
+        self._pin_index = self._seams = self._slow = None
 
     def unpin(self, start: int) -> int:
         """Unpin the range at ``start``; returns its end."""
-        self._pin_index = self._seams = None
+        self._pin_index = self._seams = self._slow = None
         return self.pinned.pop(start)
 
     def seams(self) -> I64:
@@ -411,24 +505,33 @@ class Memory:
         """
         index = self._index()
         si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
-        slow_bytes = (self._unpinned_bytes(src, sizes, index.is_host[si]) +
-                      self._unpinned_bytes(dst, sizes, index.is_host[di]))
-        return CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts), slow_bytes
+        slow = self._slow if self._slow is not None else self._slow_spans()
+        slow_bytes = 0
+        if self._any_slow:   # else every host side lies in a span one pinned range holds whole
+            slow_bytes = self._unpinned_bytes(src, sizes, slow[si]) + self._unpinned_bytes(dst, sizes, slow[di])
+        return CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts, index.grids), slow_bytes
 
-    def _unpinned_bytes(self, addr: I64, sizes: I64, on_host: npt.NDArray[np.bool_]) -> int:
-        """Bytes of the host-side ranges among [addr, addr+sizes) that no pinned range holds whole."""
-        if not on_host.any():
+    def _unpinned_bytes(self, addr: I64, sizes: I64, maybe: npt.NDArray[np.bool_]) -> int:
+        """Bytes of the ranges among [addr, addr+sizes) that no pinned range holds whole, counting only those
+        marked ``maybe`` (the others lie in spans that are device memory or held whole by one pinned range)."""
+        if not maybe.any():
             return 0
-        addr, sizes = addr[on_host], sizes[on_host]
+        addr, sizes = addr[maybe], sizes[maybe]
         slow = (self._pins().find(addr, sizes) < 0) & (sizes > 0)
         return int(sizes[slow].sum())
 
     def _index(self) -> _SpanIndex:
         if self._span_index is None:
             spans = sorted(self._spans.values(), key=lambda s: s.start)
-            self._span_index = _SpanIndex(Intervals((s.start, s.end) for s in spans), spans,
-                                          np.array([s.is_host for s in spans] + [False], dtype=bool))
+            self._span_index = _SpanIndex(Intervals((s.start, s.end) for s in spans), spans, {})
         return self._span_index
+
+    def _slow_spans(self) -> npt.NDArray[np.bool_]:
+        """Refresh ``_slow`` and ``_any_slow`` (see their invariant); returns ``_slow``."""
+        pins = self._pins()
+        flags = [s.is_host and pins.find_one(s.start, s.end - s.start) < 0 for s in self._index().spans]
+        self._slow, self._any_slow = np.array([*flags, False], dtype=bool), any(flags)
+        return self._slow
 
     def _pins(self) -> Intervals:
         if self._pin_index is None:

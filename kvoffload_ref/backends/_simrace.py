@@ -346,10 +346,10 @@ class RaceDetector:
 def copy_access(buf: DescriptorBuffer, count: int) -> Access:
     """The ranges the first ``count`` descriptors of ``buf`` read (sources) and write (destinations) now."""
     sizes = buf.sizes[:count]
-    live = sizes > 0
-    if live.all():
+    if not count or sizes.min() > 0:   # every descriptor touches memory (one reduction, no mask)
         src, dst = buf.src[:count], buf.dst[:count]
     else:
+        live = sizes > 0
         src, dst, sizes = buf.src[:count][live], buf.dst[:count][live], sizes[live]
     n = int(sizes.shape[0])
     ranges = np.empty((2, 2 * n), dtype=np.int64)

@@ -1,0 +1,245 @@
+"""The sim's copy engine (``backends/_simmem.py``): span lookup, the slow (unpinned) bytes a copy is priced by, and
+every row-copy path (slice, gather from a grid, whole-row scatter onto a grid, runs, windows, loops) against a
+descriptor-by-descriptor reference, destinations that repeat or overlap included."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvoffload_ref.backends._simmem import _MAX_GRIDS, SMALL_BATCH, Intervals
+from kvoffload_ref.backends.sim import SimBackend
+
+I64 = npt.NDArray[np.int64]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+# -- span lookup -------------------------------------------------------------------------------------------------
+
+
+def find_reference(ranges: list[tuple[int, int]], addr: list[int], size: list[int]) -> list[int]:
+    """Index (in sorted order) of the range holding [a, a+n) whole, in Python ints (no overflow); the one that
+    starts last when two do (an empty range at a shared bound)."""
+    ordered = sorted(ranges)
+    found = []
+    for a, n in zip(addr, size, strict=True):
+        hits = [k for k, (lo, hi) in enumerate(ordered) if lo <= a and n >= 0 and a + n <= hi]
+        found.append(hits[-1] if hits else -1)
+    return found
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_intervals_find_matches_a_scalar_reference_at_every_edge(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    bounds = np.sort(rng.choice(np.arange(1, 10_000), size=12, replace=False)).tolist()
+    ranges = [(bounds[k], bounds[k + 1]) for k in range(0, 12, 2)]
+    ranges.append((bounds[-1], bounds[-1] + 50))   # adjacent to the last one
+    edges = [x + d for lo, hi in ranges for x in (lo, hi) for d in (-1, 0, 1)]
+    addr = edges + rng.integers(-100, 10_200, size=60).tolist() + [INT64_MIN, INT64_MAX, -1, 0]
+    size = rng.choice([0, 1, 2, 49, 50, 51, 500, -1, INT64_MAX, INT64_MIN], size=len(addr)).tolist()
+    expected = find_reference(ranges, addr, size)
+    intervals = Intervals(ranges)
+    assert len(addr) > SMALL_BATCH   # the vectorized lookup
+    assert intervals.find(np.array(addr, dtype=np.int64), np.array(size, dtype=np.int64)).tolist() == expected
+    for k in range(0, len(addr), SMALL_BATCH):   # and the scalar one, batch by batch
+        part = slice(k, k + SMALL_BATCH)
+        got = intervals.find(np.array(addr[part], dtype=np.int64), np.array(size[part], dtype=np.int64))
+        assert got.tolist() == expected[part]
+    empty = Intervals([]).find(np.array(addr, dtype=np.int64), np.array(size, dtype=np.int64))
+    assert (empty == -1).all()
+
+
+# -- slow bytes --------------------------------------------------------------------------------------------------
+
+PINNED_BW, PAGEABLE_BW, PAGE = 1e9, 1e8, 4096
+
+
+def timed_copy(be: SimBackend, src: list[int], dst: list[int], sizes: list[int]) -> float:
+    """Run one copy to completion; the virtual seconds it took."""
+    buf = be.alloc_descriptors(len(src))
+    buf.fill(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64), np.array(sizes, dtype=np.int64))
+    stream, end = be.create_stream(), be.create_event()
+    started = be.monotonic()
+    be.copy_batch(stream, buf, len(src))
+    be.record(end, stream)
+    be.synchronize(end)
+    return be.monotonic() - started
+
+
+def test_sim_prices_the_unpinned_host_bytes_of_large_batches_as_each_descriptor_lies() -> None:
+    """Hosts fully pinned, half pinned and unpinned; descriptors inside, outside and across a pin's edge, on
+    either side; the price follows every register and unregister."""
+    be = SimBackend(latency=0.0, pinned_bandwidth=PINNED_BW, pageable_bandwidth=PAGEABLE_BW)
+    dev = np.asarray(be.empty_device((64, PAGE)))
+    hosts = [np.zeros(64 * PAGE, dtype=np.uint8) for _ in range(3)]
+    ptrs = [int(h.ctypes.data) for h in hosts]
+    for ptr, host in zip(ptrs, hosts, strict=True):
+        be.track_host(ptr, host.nbytes)
+    pins: dict[int, int] = {}
+
+    def pin(ptr: int, nbytes: int) -> None:
+        be.host_register(ptr, nbytes)
+        pins[ptr] = ptr + nbytes
+
+    def unpin(ptr: int) -> None:
+        be.host_unregister(ptr)
+        del pins[ptr]
+
+    pin(ptrs[0], 64 * PAGE)
+    pin(ptrs[1], 32 * PAGE)
+    rng = np.random.default_rng(3)
+    base = int(dev.ctypes.data)
+    src: list[int] = []
+    dst: list[int] = []
+    sizes: list[int] = []
+    for k in range(40):
+        mapping, offset = ptrs[k % 3], int(rng.integers(0, 63 * PAGE))
+        if k % 7 == 0:
+            mapping, offset = ptrs[1], 32 * PAGE - 100   # across the half pin's edge
+        n = int(rng.integers(1, PAGE))
+        there, here = mapping + offset, base + int(rng.integers(0, 63)) * PAGE
+        pair = [(here, there), (there, here), (there, ptrs[(k + 1) % 3] + 8 * PAGE)][k % 3]
+        src.append(pair[0])
+        dst.append(pair[1])
+        sizes.append(n)
+    src.append(base)
+    dst.append(ptrs[2])
+    sizes.append(0)   # empty: never slow
+
+    def expected() -> float:
+        def slow(addr: int, n: int) -> int:
+            on_host = any(p <= addr < p + 64 * PAGE for p in ptrs)
+            held = any(a <= addr and addr + n <= b for a, b in pins.items())
+            return n if on_host and n > 0 and not held else 0
+        slow_bytes = sum(slow(s, n) + slow(d, n) for s, d, n in zip(src, dst, sizes, strict=True))
+        return (sum(sizes) - slow_bytes) / PINNED_BW + slow_bytes / PAGEABLE_BW
+
+    assert timed_copy(be, src, dst, sizes) == pytest.approx(expected(), rel=1e-12)
+    unpin(ptrs[1])
+    pin(ptrs[1], 64 * PAGE)   # now whole
+    assert timed_copy(be, src, dst, sizes) == pytest.approx(expected(), rel=1e-12)
+    pin(ptrs[2], 16 * PAGE)
+    unpin(ptrs[0])
+    assert timed_copy(be, src, dst, sizes) == pytest.approx(expected(), rel=1e-12)
+    assert not [v for v in be.violations if v.kind != "crosses_registration"]
+
+
+# -- row-copy paths ----------------------------------------------------------------------------------------------
+
+
+def offsets(rng: np.random.Generator, kind: str, n: int, size: int, room: int) -> list[int]:
+    """n offsets of ``size``-byte ranges in [0, room): one run, long runs with gaps, rows of one grid (random
+    phase, rows may repeat), or anywhere (ranges may overlap)."""
+    if kind == "run":
+        first = int(rng.integers(0, room - n * size + 1))
+        return [first + k * size for k in range(n)]
+    if kind == "runs":   # runs of >= 32 rows on one grid or off it
+        cuts = sorted(rng.choice(np.arange(32, n - 31), size=1).tolist()) if n >= 64 else []
+        out, at = [], int(rng.integers(0, size))
+        for a, b in zip([0, *cuts], [*cuts, n], strict=True):
+            start = at if rng.random() < 0.5 else at // size * size
+            out += [start + k * size for k in range(b - a)]
+            at = (start + (b - a) * size + int(rng.integers(0, 3 * size))) % max(1, room - n * size)
+        return [min(o, room - size) for o in out]
+    if kind == "grid":   # rows drawn from about n / 2 of them: repeats (a later one wins)
+        phase = int(rng.integers(0, size))
+        count = (room - phase) // size
+        first = int(rng.integers(0, count - min(count, max(2, n // 2)) + 1))
+        rows = first + rng.integers(0, min(count, max(2, n // 2)), size=n)
+        return [phase + int(r) * size for r in rows]
+    return [int(o) for o in rng.integers(0, room - size + 1, size=n)]
+
+
+def reference_copy(memory: dict[int, npt.NDArray[np.uint8]], src: list[int], dst: list[int],
+                   sizes: list[int]) -> None:
+    """The engine's meaning, on ``memory`` (span base address -> its bytes): every source read first; then the
+    non-empty descriptors written group by group in key order (source span, destination span, size; spans by
+    address), in descriptor order within a group (a later one wins)."""
+    bases = sorted(memory)
+
+    def locate(addr: int) -> int:
+        return max(k for k, b in enumerate(bases) if b <= addr)
+
+    def view(addr: int, n: int) -> npt.NDArray[np.uint8]:
+        base = bases[locate(addr)]
+        return memory[base][addr - base:addr - base + n]
+
+    live = [k for k, n in enumerate(sizes) if n > 0]
+    reads = {k: view(src[k], sizes[k]).copy() for k in live}
+    for k in sorted(live, key=lambda k: (locate(src[k]), locate(dst[k]), sizes[k])):
+        view(dst[k], sizes[k])[...] = reads[k]
+
+
+KINDS = ["run", "runs", "grid", "bytes"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_sim_copy_paths_match_the_descriptor_reference_with_repeated_destinations(seed: int) -> None:
+    """Random batches of groups (any source and destination pattern, sizes on and off powers of two, large rows),
+    destinations repeating within and across groups, groups in pieces or shuffled, some spans read and written:
+    whatever path each group takes, the bytes are the reference's."""
+    rng = np.random.default_rng(seed)
+    be = SimBackend()
+    spans = [np.asarray(be.empty_device((48, 4096 + 64 * k))).reshape(-1) for k in range(2)]
+    hosts = [np.zeros(400_000 + 4096 * k, dtype=np.uint8) for k in range(2)]
+    for host in hosts:
+        be.track_host(int(host.ctypes.data), host.nbytes)
+    spans += hosts
+    for span in spans:
+        span[...] = rng.integers(0, 256, span.size, dtype=np.uint8)
+    one_way = seed % 3 != 0
+    readable = [0, 2] if one_way else [0, 1, 2, 3]
+    writable = [1, 3] if one_way else [0, 1, 2, 3]
+    blocks: list[list[tuple[int, int, int]]] = []
+    pairs = [(f, t) for f in KINDS for t in KINDS]
+    for g in range(int(rng.integers(1, 6))):
+        src_kind, dst_kind = pairs[(seed + 7 * g) % len(pairs)]   # every pair of patterns, seed after seed
+        size = int(rng.choice([64, 100, 4096, 40_000]))
+        a, b = int(rng.choice(readable)), int(rng.choice(writable))
+        least = 64 if "runs" in (src_kind, dst_kind) else SMALL_BATCH + 1   # two runs of >= 32 rows
+        n = int(rng.integers(least, 120)) if size < 40_000 else int(rng.integers(2, 8))
+        room_a, room_b = spans[a].size, spans[b].size
+        if n * size > min(room_a, room_b):
+            n = min(room_a, room_b) // size
+        so, do = offsets(rng, src_kind, n, size, room_a), offsets(rng, dst_kind, n, size, room_b)
+        pa, pb = int(spans[a].ctypes.data), int(spans[b].ctypes.data)
+        blocks.append([(pa + s, pb + d, size) for s, d in zip(so, do, strict=True)])
+    flat = [d for block in blocks for d in block]
+    order = seed % 4
+    if order == 1:
+        flat = [flat[k] for k in rng.permutation(len(flat))]
+    elif order == 2 and len(blocks) > 1:   # the first group in two pieces around the others
+        half = len(blocks[0]) // 2
+        flat = blocks[0][:half] + [d for block in blocks[1:] for d in block] + blocks[0][half:]
+    if order == 3:
+        flat.insert(int(rng.integers(0, len(flat) + 1)), (8, 16, 0))   # empty, outside every span
+    src, dst, sizes = ([int(x) for x in column] for column in zip(*flat, strict=True))
+    expected = {int(span.ctypes.data): span.copy() for span in spans}
+    reference_copy(expected, src, dst, sizes)
+    timed_copy(be, src, dst, sizes)
+    assert not be.violations
+    for span in spans:
+        np.testing.assert_array_equal(span, expected[int(span.ctypes.data)])
+
+
+def test_sim_grid_views_stay_bounded_and_are_dropped_with_the_span_index() -> None:
+    """The engine caches a view per (span, first byte, row size) it copies rows on: at most _MAX_GRIDS of them,
+    and none once the spans change."""
+    rng = np.random.default_rng(11)
+    be = SimBackend()
+    dev = np.asarray(be.empty_device((64, 4096))).reshape(-1)
+    dev[...] = rng.integers(0, 256, dev.size, dtype=np.uint8)
+    host = np.zeros(dev.size, dtype=np.uint8)
+    be.track_host(int(host.ctypes.data), host.nbytes)
+    base, hbase = int(dev.ctypes.data), int(host.ctypes.data)
+    for size in range(1, _MAX_GRIDS + 40):   # one new grid per row size (random rows, gathered to one run)
+        n = SMALL_BATCH + 1
+        rows = rng.choice(dev.size // size, size=n, replace=False)
+        timed_copy(be, (base + rows * size).tolist(), [hbase + k * size for k in range(n)], [size] * n)
+        np.testing.assert_array_equal(host[:n * size].reshape(n, size),
+                                      dev[:dev.size // size * size].reshape(-1, size)[rows])
+    grids = be._memory._index().grids
+    assert 0 < len(grids) <= _MAX_GRIDS
+    be.empty_device((1, 64))
+    assert be._memory._index().grids is not grids and not be._memory._index().grids
