@@ -12,13 +12,12 @@ by :meth:`TracingMixin.stop_trace`. Off (the default), ``copy_batch`` pays one `
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 from typing import Any
 
 from kvoffload_ref.backends._cupy_runtime import EVENT_DEFAULT, CudaCalls
 from kvoffload_ref.backends.base import Tag
-from kvoffload_ref.backends.trace_format import TraceBuilder, copy_args
+from kvoffload_ref.backends.trace_format import TraceBuilder, copy_args, copy_name, write_document
 
 __all__ = ["CupyTracer", "TracingMixin"]
 
@@ -87,8 +86,7 @@ class CupyTracer:
                 self._rt.eventSynchronize(c.end)
                 t0 = float(self._rt.eventElapsedTime(self._base, c.start)) / 1e3
                 t1 = float(self._rt.eventElapsedTime(self._base, c.end)) / 1e3
-                name = f"{c.tag[0]} job {c.tag[1]}" if c.tag is not None else "copy"
-                b.span(b.track(f"stream {c.stream:#x}"), name, t0, t1, "copy",
+                b.span(b.track(f"stream {c.stream:#x}"), copy_name(c.tag), t0, t1, "copy",
                        copy_args(c.nbytes, c.count, c.path, t1 - t0))
         return b.document(clock="cuda events", copies=len(copies))
 
@@ -139,10 +137,7 @@ class TracingMixin:
         Raises:
             RuntimeError: not tracing. DeviceError: reading the events failed. OSError: the file.
         """
-        doc = self.trace_document()
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
-            f.write("\n")
+        write_document(path, self.trace_document())
 
     def stop_trace(self) -> None:
         """Stop tracing and destroy the trace's events."""

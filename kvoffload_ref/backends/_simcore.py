@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import json
 import operator
 import threading
 from collections.abc import Sequence
@@ -48,6 +47,7 @@ from kvoffload_ref.backends.base import (
     TensorGeometry,
 )
 from kvoffload_ref.backends.copy_paths import CopyPath
+from kvoffload_ref.backends.trace_format import write_document
 from kvoffload_ref.errors import (
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
@@ -294,10 +294,7 @@ class SimCore:
             InvalidTransferError: the device was made without ``trace=True``.
             OSError: the file cannot be written.
         """
-        doc = self.trace_document()
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
-            f.write("\n")
+        write_document(path, self.trace_document())
 
     # -- internals ---------------------------------------------------------------------------------------------
 

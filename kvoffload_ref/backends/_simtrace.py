@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvoffload_ref.backends._simrace import transfer_name
 from kvoffload_ref.backends._simsched import ComputeOp, CopyOp, HangOp, Op, RecordOp, SimStream, WaitOp
 from kvoffload_ref.backends.base import Tag
-from kvoffload_ref.backends.trace_format import TraceBuilder, copy_args
+from kvoffload_ref.backends.trace_format import TraceBuilder, copy_args, copy_name
 
 __all__ = ["SimTrace"]
 
@@ -53,7 +52,7 @@ class SimTrace:
         b = self.builder
         if isinstance(op, CopyOp):
             self.copies += 1
-            b.span(tid, _copy_name(op.tag, stream), start, t, "copy", self._copy_args(op, t - start))
+            b.span(tid, copy_name(op.tag), start, t, "copy", self._copy_args(op, t - start))
         elif isinstance(op, ComputeOp):
             b.span(tid, "compute", start, t, "compute", {"rows": int(op.rows.size), "delay_s": op.delay,
                                                          "ran_s": t - start})
@@ -68,7 +67,7 @@ class SimTrace:
 
     def memory_op(self, stream: SimStream, name: str | None, tag: Tag | None, now: float) -> None:
         """Number one memory op as the race detector does (called right before it)."""
-        self._memory_ops.append((self.tid(stream), name or _copy_name(tag, stream), now))
+        self._memory_ops.append((self.tid(stream), name or copy_name(tag), now))
 
     def instant(self, stream: SimStream | None, name: str, now: float, cat: str, args: dict[str, Any]) -> None:
         """A marker on a stream's track (None: the device track)."""
@@ -95,7 +94,7 @@ class SimTrace:
             if isinstance(op, HangOp):
                 continue
             stuck += 1
-            name = _copy_name(op.tag, op.stream) if isinstance(op, CopyOp) else type(op).__name__
+            name = copy_name(op.tag) if isinstance(op, CopyOp) else type(op).__name__
             b.span(b.track(op.stream.label), f"{name} (never ran)", now, now, "stuck")
         return b.document(clock="virtual", copies=self.copies, never_ran=stuck)
 
@@ -107,8 +106,3 @@ class SimTrace:
         plan = op.plan
         nbytes = int(plan.sizes[plan.sizes > 0].sum()) if plan is not None else 0
         return copy_args(nbytes, op.count, "simple", seconds)
-
-
-def _copy_name(tag: Tag | None, stream: SimStream) -> str:
-    return transfer_name(tag, stream) if tag is not None else "copy"
-

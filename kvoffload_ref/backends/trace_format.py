@@ -20,10 +20,16 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-__all__ = ["PID", "TraceBuilder", "check_trace", "copy_args", "load_trace", "merge", "write_merged"]
+__all__ = ["PID", "TraceBuilder", "check_trace", "copy_args", "copy_name", "load_trace", "merge", "write_document",
+           "write_merged"]
 
 #: The process id of every event (one device per file).
 PID: Final = 1
+
+
+def copy_name(tag: tuple[str, int] | None) -> str:
+    """A copy span's name: the transfer its tag names (``"store job 3"``), else ``"copy"``."""
+    return "copy" if tag is None else f"{tag[0]} job {tag[1]}"
 
 
 def copy_args(nbytes: int, descriptors: int, path: str, seconds: float) -> dict[str, object]:
@@ -113,15 +119,24 @@ def merge(parts: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
             "otherData": {"parts": [{"label": label, **dict(doc.get("otherData", {}))} for label, doc in parts]}}
 
 
+def write_document(path: str, doc: Mapping[str, Any]) -> None:
+    """Write a trace document to ``path`` as JSON, one line (open it in Perfetto or ``chrome://tracing``).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+        f.write("\n")
+
+
 def write_merged(path: str, parts: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
     """Write :func:`merge` of ``parts`` to ``path`` as JSON.
 
     Raises:
         OSError: the file cannot be written.
     """
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(merge(parts), f)
-        f.write("\n")
+    write_document(path, merge(parts))
 
 
 def load_trace(path: str) -> dict[str, Any]:
