@@ -460,7 +460,7 @@ class DirectionHandler:
     def abandon_undrained(self) -> None:
         """R14: an interrupt arrived before this handler's drain began: begin it now and abandon everything, without
         a wait (the table says whether the drain can still begin)."""
-        if isinstance(lifecycle.HANDLER_TABLE[(self.state, HandlerInput.BEGIN_DRAIN)], tables.Transition):
+        if tables.allows(lifecycle.HANDLER_TABLE, self.state, HandlerInput.BEGIN_DRAIN):
             self.drain(0.0, interrupted=True)
 
     def _stop_drain(self, event: HandlerInput, error: BaseException | None) -> None:

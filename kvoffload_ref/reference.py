@@ -491,7 +491,7 @@ class ReferenceHandler:
             self.step(HandlerInput.QUEUE_EMPTY)
 
     def abandon_undrained(self) -> None:
-        if isinstance(lifecycle.HANDLER_TABLE[(self.state, HandlerInput.BEGIN_DRAIN)], tables.Transition):
+        if tables.allows(lifecycle.HANDLER_TABLE, self.state, HandlerInput.BEGIN_DRAIN):
             self.drain(0.0, interrupted=True)
 
     def _stop(self, event: HandlerInput, error: BaseException | None) -> None:

@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 
 from kvoffload_ref.errors import LifecycleError, OffloadError
 
-__all__ = ["Refusal", "Table", "Transition", "step"]
+__all__ = ["Refusal", "Table", "Transition", "allows", "step"]
 
 
 A = TypeVar("A", bound=enum.Enum)
@@ -54,3 +54,8 @@ def step(table: Table[A], machine: str, state: S, event: enum.Enum) -> tuple[S, 
         raise entry.error(f"{machine} in state {state.name} refuses {event.name}: {entry.reason}")
     next_state: S = entry.next  # type: ignore[assignment]  # tables map a machine's states to its own states
     return next_state, entry.action
+
+
+def allows(table: Table[A], state: enum.Enum, event: enum.Enum) -> bool:
+    """Whether ``table`` takes ``event`` in ``state`` (a transition, not a refusal); changes nothing."""
+    return isinstance(table[(state, event)], Transition)

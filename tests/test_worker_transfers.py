@@ -187,6 +187,7 @@ def test_worker_wait_removes_nothing_and_ignores_unknown_ids() -> None:
     w.shutdown()
 
 
+@pytest.mark.rule("R6")
 def test_worker_wait_proves_the_queue_up_to_its_job_only_across_prefix_windows() -> None:
     be, w, _ = make_worker()
     count = 2 * PREFIX_WINDOW + 3
@@ -203,6 +204,8 @@ def test_worker_wait_proves_the_queue_up_to_its_job_only_across_prefix_windows()
     assert w.shutdown().store.drained == 0 and not be.violations and not be.ledger.live()
 
 
+@pytest.mark.rule("R5")
+@pytest.mark.rule("R6")
 def test_worker_wait_on_a_job_behind_a_failed_head_returns_with_the_queue_failed() -> None:
     plan = kv.FaultPlan([kv.Fault("event_query", "error", job_id=1)])
     be, w, _ = make_worker(SimBackend(plan))
