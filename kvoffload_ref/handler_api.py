@@ -9,22 +9,27 @@ serialises every call under its lock while it is open (R19); from shutdown on on
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 from kvoffload_ref.backends.base import Backend, Event, Stream
 from kvoffload_ref.canonical_plan import CanonicalLayout
-from kvoffload_ref.lifecycle import Fate
+from kvoffload_ref.lifecycle import Fate, HandlerState
 from kvoffload_ref.results import HandlerReport, HandlerStats, TransferResult
 from kvoffload_ref.shield import Shield
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 
-__all__ = ["DirectionHandlerAPI", "NewHandler"]
+__all__ = ["GUARDED", "DirectionHandlerAPI", "NewHandler"]
+
+#: The fields of every handler behind this seam that the worker's lock check guards (R19, ``lockcheck``): its
+#: lifecycle state, which each transition of the handler table writes. The worker binds them (``Core.__init__``).
+GUARDED: Final = ("state",)
 
 
 class DirectionHandlerAPI(Protocol):
     """One direction (R4): its stream, its FIFO of transfers, its results, its drain and release."""
 
     direction: Direction
+    state: HandlerState  # Invariant: changed only through the handler table, by a thread the lock check allows
 
     def submit(self, job_id: int, src: object, dst: object) -> None:
         """R4/R7/R14: check the transfer, then queue it whole on this direction's stream, or leave no trace."""

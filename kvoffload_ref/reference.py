@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvoffload_ref import errors, lifecycle, results, tables
+from kvoffload_ref import errors, handler_api, lifecycle, lockcheck, results, tables
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, poll_until, wait_polling
 from kvoffload_ref.canonical import PageMapping
 from kvoffload_ref.canonical_plan import CanonicalLayout, check_canonical, cpu_pages
@@ -98,6 +98,11 @@ def build_core(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheL
     return Core(backend, region, handlers[0], handlers[1], options.policy, compute, name)
 
 
+#: The worker's fields the lock check guards (R19, ``lockcheck``): written by the lock's holder, or by the shutdown
+#: thread once the worker is SHUTTING_DOWN.
+GUARDED = ("state", "report", "shutdown_thread", "shutdown_requested")
+
+
 class Core:
     """Everything a worker holds; the finalizer references this, never the worker (R15)."""
 
@@ -115,6 +120,9 @@ class Core:
         self.shutdown_requested = False  # Invariant: a signal handler's shutdown() inside a call (R19)
         self.owner = ProcessOwner()  # Invariant: the building process; in a forked child all is inert (R21)
         self.call = CallGuard(self)  # R19/R21: every public call enters through it
+        lockcheck.bind(self, self, GUARDED)  # R19: from here on, these change under the lock (or by the shutdown)
+        for handler in (store, load):
+            lockcheck.bind(handler, self, handler_api.GUARDED)
 
     def transition(self, event: WorkerInput) -> Action:
         self.state, action = tables.step(lifecycle.WORKER_TABLE, "worker", self.state, event)

@@ -57,5 +57,6 @@ def step(table: Table[A], machine: str, state: S, event: enum.Enum) -> tuple[S, 
 
 
 def allows(table: Table[A], state: enum.Enum, event: enum.Enum) -> bool:
-    """Whether ``table`` takes ``event`` in ``state`` (a transition, not a refusal); changes nothing."""
-    return isinstance(table[(state, event)], Transition)
+    """Whether ``table`` takes ``event`` in ``state``: True exactly where :func:`step` would make a transition, False
+    where it would refuse (a :class:`Refusal`, or a pair missing from the table); changes nothing."""
+    return isinstance(table.get((state, event)), Transition)

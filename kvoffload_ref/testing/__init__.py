@@ -13,9 +13,15 @@ Public and documented in docs/conformance.md. It needs Hypothesis: ``pip install
   :mod:`~kvoffload_ref.testing.jobs`: the same across processes (``kvoffload-ref fuzz --jobs``).
 * :mod:`~kvoffload_ref.testing.settings`: the kit's Hypothesis settings and profiles (no explain phase).
 * :mod:`~kvoffload_ref.testing.mutants`: deliberately wrong workers, to see a conformance set-up bite.
+
+Importing the kit switches the library's lock check on for the process (:mod:`kvoffload_ref.lockcheck`, R19): in
+every run of the kit -- the machine, the explorer, the campaigns -- a write of a worker's or a handler's state by a
+thread the rule does not allow raises ``LockCheckError`` at the write.
 """
 
-# First: fail with the one-line install hint when Hypothesis is missing (the rest imports it).
+from kvoffload_ref import lockcheck  # the library's own (no Hypothesis needed)
+
+# Then: fail with the one-line install hint when Hypothesis is missing (the rest imports it).
 from kvoffload_ref.testing._requires import INSTALL_HINT, HypothesisMissing
 from kvoffload_ref.testing.adapter import (
     Capabilities,
@@ -52,6 +58,8 @@ from kvoffload_ref.testing.strategies import (
     setups,
     transfer_specs,
 )
+
+lockcheck.enable()  # R19: the kit holds every worker to the lock rule (see above)
 
 __all__ = [
     "INSTALL_HINT",
