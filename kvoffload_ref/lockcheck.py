@@ -5,7 +5,8 @@ handlers': **the thread holding the worker's lock, or -- once the worker is SHUT
 the shutdown sequence** (no other call touches the handlers then, so it drains and releases without the lock).
 This module checks that rule at every write, deterministically: a write outside it raises
 :class:`LockCheckError` at the write itself, in one single-threaded run, instead of waiting for an unlucky thread
-switch in a stress test.
+switch in a stress test. Each one is also kept for :func:`take_violations`, so that one a caller swallowed (a
+release step's error list, a finalizer's log) is still seen: the test suite asserts after every test that none was.
 
 *What is guarded.* :func:`bind` names, for one object, the fields that follow the rule and the worker whose lock
 guards them: ``reference.Core`` binds its own lifecycle fields (state, report, the shutdown thread, the deferred
@@ -25,15 +26,17 @@ This module imports nothing of the package but the lifecycle's states.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from kvoffload_ref.lifecycle import WorkerState
 
-__all__ = ["LockCheckError", "LockedWorker", "bind", "disable", "enable", "enabled", "may_write"]
+__all__ = ["LockCheckError", "LockedWorker", "bind", "disable", "enable", "enabled", "may_write", "suspended",
+           "take_violations"]
 
 #: The instance-dict key under which a bound object keeps (a weak reference to) the worker whose lock guards it.
 _WORKER = "_lockcheck_worker"
@@ -77,10 +80,11 @@ class _Guard:
         ref = obj.__dict__.get(_WORKER)
         worker = None if ref is None else ref()
         if worker is not None and not may_write(worker):
-            raise LockCheckError(
-                f"{type(obj).__name__}.{self.name} written on thread {threading.get_ident()} without the worker's "
-                f"lock (worker {worker.state.name}): only the lock's holder, or the shutdown thread once shutdown "
-                "began, may change a worker's or its handlers' state (R19)")
+            message = (f"{type(obj).__name__}.{self.name} written on thread {threading.get_ident()} without the "
+                       f"worker's lock (worker {worker.state.name}): only the lock's holder, or the shutdown thread "
+                       "once shutdown began, may change a worker's or its handlers' state (R19)")
+            _VIOLATIONS.append(message)  # kept even if a caller on the way up swallows the error
+            raise LockCheckError(message)
         obj.__dict__[self.name] = value
 
 
@@ -94,6 +98,8 @@ _UNSET = _Unset()
 # these classes exactly while _ON[0] is True. Changed only by bind/enable/disable (the GIL serialises them).
 _CLASSES: dict[type, frozenset[str]] = {}
 _ON = [os.environ.get("KVOFFLOAD_REF_LOCKCHECK", "") == "1"]
+# Invariant: the message of every LockCheckError raised since the last take_violations() (list.append is atomic).
+_VIOLATIONS: list[str] = []
 
 
 def _install(cls: type, fields: Iterable[str]) -> None:
@@ -145,3 +151,24 @@ def disable() -> None:
 def enabled() -> bool:
     """Whether the check is on."""
     return _ON[0]
+
+
+def take_violations() -> list[str]:
+    """The messages of the ``LockCheckError`` s raised since the last call, oldest first -- also those a caller
+    caught on the way up (a release step's error list, a finalizer's log) -- and forget them."""
+    taken = _VIOLATIONS[:]
+    del _VIOLATIONS[:len(taken)]
+    return taken
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Switch the check off for a block, then back to what it was (for a deliberately wrong worker whose lock
+    cannot say which thread holds it, so the rule cannot be asked)."""
+    was = _ON[0]
+    disable()
+    try:
+        yield
+    finally:
+        if was:
+            enable()

@@ -1,12 +1,15 @@
-"""Shared pytest configuration: Hypothesis profiles (the conformance kit's settings) and the GPU skip."""
+"""Shared pytest configuration: Hypothesis profiles (the conformance kit's settings), the GPU skip and the lock
+check (on in every test, no violation left behind)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
 
+from kvoffload_ref import lockcheck
 from kvoffload_ref.testing import settings_for_ci, settings_for_dev, settings_for_fuzz, settings_for_hypofuzz
 
 # The kit's settings (no explain phase, bounded shrinking), under the names HYPOTHESIS_PROFILE selects.
@@ -41,3 +44,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_lock_check_violation() -> Iterator[None]:
+    """R19: the lock check is on in every test (importing the kit switched it on), and no test may leave a
+    violation behind -- not even one the code under test swallowed (a release step's error list, a finalizer's log).
+    A test that plants one takes it with ``lockcheck.take_violations()``."""
+    assert lockcheck.enabled()
+    assert lockcheck.take_violations() == [], "left behind by a thread of an earlier test"
+    yield
+    assert lockcheck.take_violations() == []

@@ -80,8 +80,36 @@ def test_lockcheck_catches_a_shutdown_whose_first_transition_runs_outside_the_lo
                                                       r"\(worker OPEN\)"):
         worker.shutdown()
     assert core.state is WorkerState.OPEN and core.shutdown_thread is None  # refused before the write
+    assert len(lockcheck.take_violations()) == 1
     monkeypatch.undo()
     assert worker.shutdown().region == "released"  # the real shutdown still works on it
+
+
+@pytest.mark.rule("R19")
+@pytest.mark.rule("R15")
+def test_lockcheck_a_violation_a_caller_swallows_is_still_seen(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The finalizer logs what its shutdown raised (R15) and returns: the violation is kept for take_violations,
+    which the suite's autouse fixture asserts empty after every test."""
+    monkeypatch.setattr(Core, "shutdown", _hoisted(Core.shutdown, 2))
+    _, worker, core = _worker("engine")
+    core.finalize()  # raises nothing
+    assert "Shutdown from the finalizer failed" in caplog.text
+    assert [v.split(" written")[0] for v in lockcheck.take_violations()] == ["Core.state"]
+    monkeypatch.undo()
+    worker.shutdown()
+
+
+def test_lockcheck_suspended_switches_it_off_for_a_block_only() -> None:
+    _, worker, core = _worker("reference")
+    with lockcheck.suspended():
+        assert not lockcheck.enabled()
+        core.state = core.state  # a wrong worker's lock that cannot say who holds it: not asked
+        with lockcheck.suspended():
+            pass
+        assert not lockcheck.enabled()
+    assert lockcheck.enabled()
+    worker.shutdown()
 
 
 @pytest.mark.rule("R19")
@@ -101,6 +129,7 @@ def test_lockcheck_catches_a_handler_state_write_outside_the_lock(kind: str, mon
     with pytest.raises(lockcheck.LockCheckError, match=r"\.state written .* without the worker's lock"):
         worker.get_finished()
     assert core.store.state is HandlerState.ACCEPTING
+    assert len(lockcheck.take_violations()) == 1
     monkeypatch.undo()
     assert [r.job_id for r in worker.get_finished()] == [1]
     worker.shutdown()
@@ -127,6 +156,7 @@ def test_lockcheck_while_shutting_down_only_the_shutdown_thread_writes_without_t
     assert shutdown.join() and shutdown.result().region == "quarantined"  # its own unlocked writes were allowed
     with pytest.raises(lockcheck.LockCheckError, match=r"\(worker CLOSED\)"):
         core.load.state = core.load.state
+    assert len(lockcheck.take_violations()) == 3
     with core.lock:
         core.load.state = core.load.state  # the lock's holder may
 
@@ -166,6 +196,7 @@ def test_lockcheck_off_installs_nothing_and_on_again_guards_existing_workers() -
     assert core.state is WorkerState.OPEN and other_core.store.state is HandlerState.ACCEPTING
     with pytest.raises(lockcheck.LockCheckError):
         other_core.store.state = other_core.store.state
+    assert len(lockcheck.take_violations()) == 1
     worker.shutdown()
     other.shutdown()
 
@@ -183,6 +214,6 @@ def test_lockcheck_before_binding_writes_are_free_and_a_class_attribute_is_refus
     lockcheck.bind(plain, owner, ("state",))
     with pytest.raises(lockcheck.LockCheckError):
         plain.state = 2
-    assert plain.state == 1
+    assert plain.state == 1 and len(lockcheck.take_violations()) == 1
     with pytest.raises(TypeError, match="class attribute"):
         lockcheck.bind(Built(), owner, ("state",))
