@@ -54,4 +54,5 @@ def _no_lock_check_violation() -> Iterator[None]:
     assert lockcheck.enabled()
     assert lockcheck.take_violations() == [], "left behind by a thread of an earlier test"
     yield
-    assert lockcheck.take_violations() == []
+    left = lockcheck.take_violations()
+    assert not left, f"{len(left)} lock-check violation(s) (R19), the first: {left[0]}"
