@@ -4,6 +4,7 @@ Both workers share one worker level (``reference.Core``: the lock, the calls, th
 differ in the handler behind this protocol: ``reference.ReferenceHandler`` (plain: one query per head, no pools)
 and ``handler.DirectionHandler`` (fast: pools, batched calls, prefix queries, the vectorized planner). The worker
 serialises every call under its lock while it is open (R19); from shutdown on only the shutdown thread calls.
+The lock check (``lockcheck``) holds every handler behind this seam to that at each write of its ``GUARDED`` fields.
 """
 
 from __future__ import annotations

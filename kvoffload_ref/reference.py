@@ -19,7 +19,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from kvoffload_ref import errors, handler_api, lifecycle, lockcheck, results, tables
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, poll_until, wait_polling
@@ -100,7 +100,7 @@ def build_core(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheL
 
 #: The worker's fields the lock check guards (R19, ``lockcheck``): written by the lock's holder, or by the shutdown
 #: thread once the worker is SHUTTING_DOWN.
-GUARDED = ("state", "report", "shutdown_thread", "shutdown_requested")
+GUARDED: Final = ("state", "report", "shutdown_thread", "shutdown_requested")
 
 
 class Core:
