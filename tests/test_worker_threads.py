@@ -145,6 +145,31 @@ def test_threads_wait_returns_empty_when_a_shutdown_completes_between_its_poll_a
     assert report.store.abandoned == 1
 
 
+@pytest.mark.rule("R11")
+@pytest.mark.rule("R9")
+@pytest.mark.parametrize("create", [kv.create_worker, create_reference_worker], ids=["engine", "reference"])
+@pytest.mark.parametrize("clock_read", [2, 3])
+def test_threads_drain_polls_once_more_when_time_passed_between_its_poll_and_its_clock_read(
+        create: Callable[..., Any], clock_read: int) -> None:
+    """The shutdown's drain is paused at its ``clock_read``-th clock read (its start time is the first) while the
+    clock moves past its deadline and the pending copy completes meanwhile (time that passed while its thread was
+    descheduled): the drain must poll again and drain it, not abandon a job that completed before the deadline."""
+    be = SimBackend()
+    layout = small_layout()
+    w = create(be, patterned_gpu(be, layout), layout, blocks_per_chunk=BPC, num_cpu_chunks=4,
+               policy=kv.ShutdownPolicy(timeout=TIMEOUT))
+    w.submit_store(1, gspec([1]), cspec([1]))  # pending: the sim completes it once its clock moves
+    with Pause(be, "monotonic", nth=clock_read) as pause:
+        closer = run_in_thread(w.shutdown)
+        assert pause.reached.wait(10)
+        be.clock_advance(2 * TIMEOUT)  # the copy completes; the shutdown's deadline passes
+        pause.release()
+    assert closer.join()
+    report = closer.result()
+    assert (report.store.drained, report.store.abandoned) == (1, 0)
+    assert report.region == "released" and not report.errors
+
+
 # -- 4. a second shutdown while the first runs --------------------------------------------------------------------
 @pytest.mark.rule("R19")
 @pytest.mark.rule("R8")
