@@ -42,7 +42,7 @@ class WatchedLock:
 
     def __init__(self, inner: Any, watcher: LockWatcher) -> None:
         self._inner = inner  # Invariant: the worker's RLock; every acquire and release goes to it
-        self._watcher = watcher
+        self._watcher = watcher  # Invariant: told before a blocking acquire, after a condition's release, on wake
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """Take the lock; a try that would block tells the watcher first."""

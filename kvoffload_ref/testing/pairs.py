@@ -42,7 +42,7 @@ from typing import Final
 import numpy as np
 
 from kvoffload_ref.backends.base import Tag
-from kvoffload_ref.testing.adapter import SimDevice, WorkerFactory, WorkerLike, reference_factory
+from kvoffload_ref.testing.adapter import Setup, SimDevice, WorkerFactory, WorkerLike, reference_factory
 from kvoffload_ref.testing.explorer import own_heap, settle
 from kvoffload_ref.testing.explorer_checks import check_case
 from kvoffload_ref.testing.lock_watch import WatchedLock, watch_lock
@@ -248,12 +248,11 @@ def _run(case: PairCase, factory: WorkerFactory) -> PairOutcome:
     return out
 
 
-def _second(case: PairCase, worker: WorkerLike, setup: object, control: _Control,
+def _second(case: PairCase, worker: WorkerLike, setup: Setup, control: _Control,
             out: PairOutcome) -> Runner[object]:
     """Start B with A paused; return once B finished, blocked on the lock or waits on the condition."""
     out.began = _shutdown_began(worker, control)
-    second = Runner(worker_call(case.second, worker, setup, SECOND), _SECOND,  # type: ignore[arg-type]
-                    signal=control.second_stopped)
+    second = Runner(worker_call(case.second, worker, setup, SECOND), _SECOND, signal=control.second_stopped)
     out.verdict = (control.verdict or RAN) if control.second_stopped.wait(WATCHDOG) else STUCK
     return second
 
