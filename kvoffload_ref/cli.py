@@ -13,7 +13,7 @@ import logging
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvoffload_ref import __version__
 from kvoffload_ref.bench import missed_goals, run_bench
@@ -127,6 +127,11 @@ def _explore(args: argparse.Namespace) -> int:
     factory = _kit_factory("explore", args.factory)
     if factory is None:
         return 2
+    if args.pairs:
+        return _explore_pairs(args, factory)
+    if args.second:
+        print("kvoffload-ref explore: --second needs --pairs", file=sys.stderr)
+        return 2
     from kvoffload_ref.testing.explorer import explore  # noqa: PLC0415  (the kit is importable now)
     if not args.verbose:
         logging.disable(logging.CRITICAL)  # thousands of interrupted shutdowns log as designed
@@ -136,11 +141,39 @@ def _explore(args: argparse.Namespace) -> int:
                          points=args.point, progress=print)
     finally:
         logging.disable(logging.NOTSET)
+    return _print_found(result, args.show)
+
+
+def _explore_pairs(args: argparse.Namespace, factory: WorkerFactory) -> int:
+    """``kvoffload-ref explore --pairs``: the pair explorer (R19); 2 for what it cannot pair or interrupt."""
+    unpaired = sorted(set(args.method or ()) - set(PAIR_METHODS))
+    if args.injection or unpaired:
+        print("kvoffload-ref explore --pairs: a second thread runs at each call point (no --injection); "
+              f"methods: {', '.join(PAIR_METHODS)}" + (f" (not {', '.join(unpaired)})" if unpaired else ""),
+              file=sys.stderr)
+        return 2
+    from kvoffload_ref.testing.pairs import explore_pairs  # noqa: PLC0415  (the kit is importable now)
+    if not args.verbose:
+        logging.disable(logging.CRITICAL)
+    try:
+        result = explore_pairs(factory, name=args.factory, configs=args.config or EXPLORE_CONFIGS,
+                               firsts=args.method or PAIR_METHODS, seconds=args.second or PAIR_METHODS,
+                               points=args.point, progress=print)
+    except TypeError as exc:  # a worker not built on reference.Core: its lock cannot be watched
+        print(f"kvoffload-ref explore --pairs: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        logging.disable(logging.NOTSET)
+    return _print_found(result, args.show)
+
+
+def _print_found(result: Any, show: int) -> int:
+    """Print an explorer's table and its first ``show`` failures; 1 if it found any, else 0."""
     print(result.table())
-    for failure in result.failures[:args.show]:
+    for failure in result.failures[:show]:
         print(failure)
-    if len(result.failures) > args.show:
-        print(f"... and {len(result.failures) - args.show} more (--show N prints more)")
+    if len(result.failures) > show:
+        print(f"... and {len(result.failures) - show} more (--show N prints more)")
     return 1 if result.failures else 0
 
 
@@ -248,6 +281,8 @@ EXPLORE_METHODS = ("construct", "submit_store", "submit_load", "get_finished", "
                    "finalizer")
 EXPLORE_INJECTIONS = ("KeyboardInterrupt", "SystemExit", "double", "SIGINT", "handler_shutdown",
                       "handler_shutdown_exit")
+#: The methods ``explore --pairs`` pairs (the pair explorer's own list).
+PAIR_METHODS = ("submit_store", "submit_load", "get_finished", "wait", "order_after", "shutdown")
 
 
 def _explore_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -265,6 +300,11 @@ def _explore_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     explore.add_argument("--injection", action="append", choices=EXPLORE_INJECTIONS,
                          help="only this injection (repeatable)")
     explore.add_argument("--point", action="append", type=int, help="only this call point (repeatable)")
+    explore.add_argument("--pairs", action="store_true",
+                         help="the pair explorer: pause each method (--method) at each backend call while a second "
+                         "thread runs another (--second); checks R19's promises between threads as well")
+    explore.add_argument("--second", action="append", choices=PAIR_METHODS,
+                         help="with --pairs: only this method in the second thread (repeatable)")
     explore.add_argument("--show", type=int, default=20, help="failures to print in full (default 20)")
     explore.add_argument("--verbose", action="store_true", help="show the library's logs (quiet by default)")
 

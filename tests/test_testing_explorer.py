@@ -3,7 +3,9 @@ configuration, interrupted every way, finds nothing on the library -- and finds 
 
 from __future__ import annotations
 
+import ast
 import logging
+import pathlib
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -173,3 +175,32 @@ def test_explorer_cli_prints_its_counts_and_exits_by_what_it_found(capsys: pytes
     out = capsys.readouterr().out
     assert "reproduce: kvoffload-ref explore --factory kvoffload_ref.testing.mutants:interrupts_swallowed" in out
     assert main(["explore", "--factory", "no_such_module:f"]) == 2
+
+
+def _imports_within(package: pathlib.Path, prefix: str) -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports, at module level or inside a function."""
+    modules = {f"{prefix}.{p.stem}": p for p in package.glob("*.py") if p.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {c for c in (node.module, *(f"{node.module}.{a.name}" for a in node.names)) if c in modules}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+        graph[name] = found - {name}
+    return graph
+
+
+def test_the_kit_has_no_import_circle() -> None:
+    """No module of the kit imports one that imports it back, directly or through others (lazy imports
+    included): the explorers' scenario is a module both import."""
+    graph = _imports_within(pathlib.Path(explorer.__file__).parent, "kvoffload_ref.testing")
+    assert "kvoffload_ref.testing.scenario" in graph["kvoffload_ref.testing.explorer_checks"]
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(m == goal or (m not in seen and not seen.add(m) and reaches(m, goal, seen))  # type: ignore[func-returns-value]
+                   for m in graph[start])
+
+    circles = sorted(m for m in graph if reaches(m, m, set()))
+    assert not circles, circles

@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 from _interleave import Pause, run_in_thread
-from _support import cspec, gspec, make_worker, patterned_gpu, small_layout
+from _support import BPC, cspec, gspec, make_worker, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.base import Tag
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.handler import DirectionHandler
+from kvoffload_ref.reference import create_reference_worker
 
 TIMEOUT = 1.0
 SLACK = 0.05
@@ -115,6 +116,58 @@ def test_threads_wait_blocked_on_a_hung_job_returns_when_another_thread_shuts_do
     assert waiter.result() is None  # it returned, reporting nothing
     assert report.region == "quarantined" and report.store.abandoned == 1
     assert w.get_finished() == []
+
+
+@pytest.mark.rule("R19")
+@pytest.mark.rule("R6")
+@pytest.mark.parametrize("create", [kv.create_worker, create_reference_worker], ids=["engine", "reference"])
+@pytest.mark.parametrize("timeout", [None, 0.5], ids=["no-timeout", "timeout"])
+@pytest.mark.parametrize("clock_read", [2, 3])
+def test_threads_wait_returns_empty_when_a_shutdown_completes_between_its_poll_and_its_clock_read(
+        create: Callable[..., Any], timeout: float | None, clock_read: int) -> None:
+    """The waiter is paused at its ``clock_read``-th clock read (its start time is the first) while another
+    thread's whole shutdown runs and moves the clock past the wait's deadline (or the sim's hang horizon): the
+    wait must return empty, never raise DeadlineExceeded or SimHang (the clock was read after the poll)."""
+    be = SimBackend(kv.FaultPlan([kv.Fault("copy", "hang", job_id=1)]), hang_horizon=0.5)
+    layout = small_layout()
+    w = create(be, patterned_gpu(be, layout), layout, blocks_per_chunk=BPC, num_cpu_chunks=4,
+               policy=kv.ShutdownPolicy(timeout=TIMEOUT))
+    w.submit_store(1, gspec([1]), cspec([1]))
+    with Pause(be, "monotonic", nth=clock_read) as pause:
+        waiter = run_in_thread(lambda: w.wait({1}, timeout=timeout))
+        assert pause.reached.wait(10)  # the waiter polled (or is about to) and holds no lock
+        report = w.shutdown()  # the hung job is abandoned at the shutdown's deadline: past the wait's
+        assert be.monotonic() >= 0.5
+        pause.release()
+    assert waiter.join()
+    assert waiter.exception is None  # not DeadlineExceeded, not SimHang (R19)
+    assert waiter.result() is None
+    assert report.store.abandoned == 1
+
+
+@pytest.mark.rule("R11")
+@pytest.mark.rule("R9")
+@pytest.mark.parametrize("create", [kv.create_worker, create_reference_worker], ids=["engine", "reference"])
+@pytest.mark.parametrize("clock_read", [2, 3])
+def test_threads_drain_polls_once_more_when_time_passed_between_its_poll_and_its_clock_read(
+        create: Callable[..., Any], clock_read: int) -> None:
+    """The shutdown's drain is paused at its ``clock_read``-th clock read (its start time is the first) while the
+    clock moves past its deadline and the pending copy completes meanwhile (time that passed while its thread was
+    descheduled): the drain must poll again and drain it, not abandon a job that completed before the deadline."""
+    be = SimBackend()
+    layout = small_layout()
+    w = create(be, patterned_gpu(be, layout), layout, blocks_per_chunk=BPC, num_cpu_chunks=4,
+               policy=kv.ShutdownPolicy(timeout=TIMEOUT))
+    w.submit_store(1, gspec([1]), cspec([1]))  # pending: the sim completes it once its clock moves
+    with Pause(be, "monotonic", nth=clock_read) as pause:
+        closer = run_in_thread(w.shutdown)
+        assert pause.reached.wait(10)
+        be.clock_advance(2 * TIMEOUT)  # the copy completes; the shutdown's deadline passes
+        pause.release()
+    assert closer.join()
+    report = closer.result()
+    assert (report.store.drained, report.store.abandoned) == (1, 0)
+    assert report.region == "released" and not report.errors
 
 
 # -- 4. a second shutdown while the first runs --------------------------------------------------------------------

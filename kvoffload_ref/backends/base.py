@@ -492,9 +492,9 @@ def poll_until(backend: Backend, done: Callable[[], bool], deadline: float | Non
     """
     pause = POLL_FIRST_SLEEP
     while True:
+        now = backend.monotonic()  # before the poll: a poll that began past the deadline is the last (R11)
         if done():
             return True
-        now = backend.monotonic()
         if deadline is not None and now >= deadline:
             return False
         step = pause if deadline is None else min(pause, deadline - now)
@@ -523,8 +523,12 @@ def wait_polling(backend: Backend, settled: Callable[[], bool], started: float, 
     horizon = backend.hang_horizon if deadline is None else None
     longest = POLL_MAX_SLEEP if horizon is None else max(POLL_MAX_SLEEP, horizon / 64)
     pause = POLL_FIRST_SLEEP
-    while not settled():
+    while True:
+        # R19: the clock is read before the poll, so time that passed after it (another thread's shutdown that
+        # completed meanwhile) is never held against it: a wait gives up only after a poll begun past its deadline.
         now = backend.monotonic()
+        if settled():
+            return
         if deadline is not None and now >= deadline:
             raise DeadlineExceeded(f"{what} not proven complete by the deadline")
         if horizon is not None:

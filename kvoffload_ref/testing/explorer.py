@@ -45,13 +45,22 @@ import numpy as np
 
 from kvoffload_ref.backends.base import Tag
 from kvoffload_ref.errors import DeadlineExceeded, WorkerClosedError
-from kvoffload_ref.faults import Fault
-from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
-from kvoffload_ref.testing.adapter import Setup, SimDevice, WorkerFactory, WorkerLike, reference_factory
+from kvoffload_ref.testing.adapter import SimDevice, WorkerFactory, WorkerLike, reference_factory
 from kvoffload_ref.testing.explorer_checks import Outcome, check_case
-from kvoffload_ref.worker import ShutdownPolicy
+from kvoffload_ref.testing.scenario import (
+    CONFIGS,
+    PROBE,
+    REFERENCE_FACTORY,
+    UNDER_TEST,
+    Case,
+    cpu,
+    gpu,
+    prelude,
+    worker_call,
+)
 
-__all__ = ["CONFIGS", "INJECTIONS", "METHODS", "Case", "ExploreResult", "Failure", "explore", "run_case"]
+__all__ = ["CONFIGS", "INJECTIONS", "METHODS", "Case", "ExploreResult", "Failure", "explore", "guarded", "own_heap",
+           "run_case", "settle"]
 
 #: The public methods explored, in the order they are reported.
 METHODS: Final = ("construct", "submit_store", "submit_load", "get_finished", "wait", "order_after", "shutdown",
@@ -62,81 +71,8 @@ INJECTIONS: Final = ("KeyboardInterrupt", "SystemExit", "double", "SIGINT", "han
 #: The injections that need Python's signal machinery (main thread only; not on the finalizer path, which a
 #: collector may run in another thread).
 SIGNAL_INJECTIONS: Final = frozenset({"SIGINT", "handler_shutdown", "handler_shutdown_exit"})
-#: The factory explored when none is named: kvoffload_ref's own worker.
-REFERENCE_FACTORY: Final = "kvoffload_ref.testing.adapter:reference_factory"
 #: Real seconds a method may block before the explorer calls it a deadlock (a safety net, not a timing rule).
 WATCHDOG: Final = 2.0
-
-_PAGE = 64
-#: The job id of the empty submission that probes whether the worker still accepts work.
-_PROBE = 99
-_LAYOUT = KVCacheLayout(tensor_page_bytes=(_PAGE, _PAGE), groups=((LayerRef(0, _PAGE), LayerRef(1, _PAGE)),))
-
-
-def _gpu(*blocks: int) -> GPULoadStoreSpec:
-    return GPULoadStoreSpec(list(blocks), group_sizes=(len(blocks),), block_indices=(0,))
-
-
-def _cpu(*chunks: int) -> CPULoadStoreSpec:
-    return CPULoadStoreSpec(list(chunks))
-
-
-#: Seconds (virtual) of a configuration's shutdown; the explored ``wait`` waits half of it.
-TIMEOUT: Final = 0.004
-#: The same in a hung configuration. There a drain, a proof and a wait poll until their deadline, one backend call
-#: after another (an event query, the clock, a sleep, each a call point); the polls of a short schedule still reach
-#: every kind of call (a first query, a sleep that doubles, one cut short by the deadline, the last query at the
-#: deadline, the proof that finds its deadline passed) in half as many polls, and the other jobs still complete
-#: inside it (every case ends as one of the same outcomes as with the long timeout: the same reports, results and
-#: exceptions per method and injection).
-HUNG_TIMEOUT: Final = 0.0002
-
-
-def _setup(faults: tuple[Fault, ...] = (), on_unproven: str = "quarantine", shared: bool = False,
-           timeout: float = TIMEOUT) -> Setup:
-    return Setup(layout=_LAYOUT, blocks_per_chunk=2, num_gpu_blocks=8, num_cpu_chunks=4, gpu_row_pad=(0, 0),
-                 policy=ShutdownPolicy(timeout=timeout, on_unproven=on_unproven), faults=faults,
-                 shared_region=shared)
-
-
-#: name -> the setup of a configuration. Together they reach every path of shutdown: the clean path, a failed
-#: transfer (its head's end event fails: R5 reports it, the proof runs), a hung transfer (the drain times out,
-#: the proof times out, quarantine), the same under the release policy, and a shared /dev/shm region.
-CONFIGS: Final[dict[str, Setup]] = {
-    "clean": _setup(),
-    "failed": _setup((Fault("event_query", "error", job_id=1),)),
-    "hung": _setup((Fault("copy", "hang", job_id=2),), timeout=HUNG_TIMEOUT),
-    "hung-release": _setup((Fault("copy", "hang", job_id=2),), on_unproven="release", timeout=HUNG_TIMEOUT),
-    "failed-release": _setup((Fault("event_query", "error", job_id=1),), on_unproven="release"),
-    "shared": _setup(shared=True),
-}
-
-#: (direction, job id, source spec, destination spec) of the prelude's jobs and of the jobs under test.
-Job = tuple[str, int, object, object]
-PRELUDE: Final[tuple[Job, ...]] = (
-    ("store", 1, _gpu(0, 1), _cpu(0)),
-    ("load", 2, _cpu(1), _gpu(2, 3)),
-    ("store", 3, _gpu(4, 5), _cpu(2)),
-)
-UNDER_TEST: Final[dict[str, Job]] = {
-    "submit_store": ("store", 10, _gpu(6, 7), _cpu(3)),
-    "submit_load": ("load", 11, _cpu(3), _gpu(6, 7)),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One exploration: interrupt ``method`` at its ``point``-th backend call with ``injection``."""
-
-    config: str
-    method: str
-    point: int
-    injection: str
-
-    def reproduction(self, factory: str = REFERENCE_FACTORY) -> str:
-        """The command that reruns this case alone."""
-        return (f"kvoffload-ref explore --factory {factory} --config {self.config} --method {self.method} "
-                f"--point {self.point} --injection {self.injection}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,41 +138,6 @@ class _Hook:
             self._action(k - self._at)
 
 
-def _worker_calls(method: str, worker: WorkerLike, setup: Setup) -> Callable[[], object]:
-    """The call under test, on a worker after the prelude (``wait`` waits half the shutdown's timeout: store 3
-    completes during it, the hung load does not)."""
-    if method in UNDER_TEST:
-        direction, job, src, dst = UNDER_TEST[method]
-        submit = worker.submit_store if direction == "store" else worker.submit_load
-        return lambda: submit(job, src, dst)  # type: ignore[arg-type]
-    if method == "get_finished":
-        return worker.get_finished
-    if method == "wait":
-        return lambda: worker.wait({1, 2, 3}, timeout=setup.policy.timeout / 2)
-    if method == "order_after":  # R23: a named stream of the sim waits for the queued jobs (and an unknown id)
-        return lambda: worker.order_after({2, 3, 99}, stream="explorer")
-    if method == "shutdown":
-        return worker.shutdown
-    raise ValueError(method)
-
-
-def _prelude(worker: WorkerLike, device: SimDevice, method: str, results: list[object]) -> list[int]:
-    """Bring the worker to the method's starting point: three jobs submitted, the first one reaped (when it can
-    be), the others left queued or proven but unreaped. Returns the accepted job ids."""
-    accepted = []
-    for direction, job, src, dst in PRELUDE:
-        submit = worker.submit_store if direction == "store" else worker.submit_load
-        submit(job, src, dst)  # type: ignore[arg-type]
-        accepted.append(job)
-        if job == 1:
-            with contextlib.suppress(DeadlineExceeded):
-                worker.wait({1}, timeout=0.002)
-            results.extend(worker.get_finished())
-    if method in ("get_finished", "shutdown", "finalizer"):
-        device.advance(0.001)  # the rest completes (unless hung): proven at the next look, not yet reaped
-    return accepted
-
-
 def run_case(case: Case, factory: WorkerFactory = reference_factory, name: str = REFERENCE_FACTORY) -> list[Failure]:
     """Run one case and check it.
 
@@ -248,19 +149,19 @@ def run_case(case: Case, factory: WorkerFactory = reference_factory, name: str =
     Returns:
         The rules the case broke (empty: none).
     """
-    with _own_heap():
+    with own_heap():
         problems = list(check_case(case, _run(case, factory)))
     return [Failure(case, rules, message, name) for rules, message in problems]
 
 
 def count_points(config: str, method: str, factory: WorkerFactory = reference_factory) -> int:
     """How many backend calls ``method`` makes in ``config`` without an interrupt."""
-    with _own_heap():
+    with own_heap():
         return _run(Case(config, method, -1, "none"), factory).calls
 
 
 @contextlib.contextmanager
-def _own_heap() -> Iterator[None]:
+def own_heap() -> Iterator[None]:
     """A case's garbage is its own: what existed before it is frozen (``gc.freeze``) for its duration, so the
     finalizer path's ``gc.collect()`` looks at the case's objects only (a full collection of a test session's
     heap costs ~100 times the rest of the case), and the case's garbage is collected as it ends (no finalizer of
@@ -279,23 +180,24 @@ def _own_heap() -> Iterator[None]:
 def _run(case: Case, factory: WorkerFactory) -> Outcome:
     setup = CONFIGS[case.config]
     device = SimDevice(setup)
-    out = Outcome(setup=setup, device=device, case=case)
+    out = Outcome(setup=setup, device=device, case=case,
+                  under_test=[UNDER_TEST[case.method]] if case.method in UNDER_TEST else [])
     box: list[WorkerLike] = []  # Invariant: the only strong reference to the worker (the finalizer case drops it)
     hook = _Hook(case.point if case.point >= 0 else None, _injector(case, out))
     device.sim.on_call = hook
     with _signals(case, out):
         if case.method == "construct":
             hook.armed = True
-            out.raised = _guarded(lambda: box.append(factory(device.backend, device.gpu, setup)))
+            out.raised = guarded(lambda: box.append(factory(device.backend, device.gpu, setup)))
         else:
             box.append(factory(device.backend, device.gpu, setup))
-            out.accepted = _prelude(box[0], device, case.method, out.results)
+            out.accepted = prelude(box[0], device, case.method, out.results)
             out.baseline_cpu = [np.array(a, copy=True) for a in box[0].cpu_snapshot()]
             out.baseline_gpu = device.read_gpu()
-            call = _drop_last(box) if case.method == "finalizer" else _worker_calls(case.method, box[0], setup)
+            call = _drop_last(box) if case.method == "finalizer" else worker_call(case.method, box[0], setup)
             out.worker_ref[:] = box if case.method != "finalizer" else []
             hook.armed = True
-            out.raised = _guarded(lambda: out.returned.append(call()))
+            out.raised = guarded(lambda: out.returned.append(call()))
         hook.armed = False
         out.worker_ref.clear()
     out.calls, out.fired = hook.calls, hook.fired
@@ -304,11 +206,11 @@ def _run(case: Case, factory: WorkerFactory) -> Outcome:
     if case.method == "get_finished" and out.returned:
         out.results.extend(out.returned[0])  # type: ignore[arg-type]  # get_finished() returned a list
     if box:
-        _settle(out, box[0])
+        settle(out, box[0])
     return out
 
 
-def _guarded(call: Callable[[], object]) -> BaseException | None:
+def guarded(call: Callable[[], object]) -> BaseException | None:
     """Run ``call`` under the deadlock watchdog; what it raised (None if it returned)."""
     on_main = threading.current_thread() is threading.main_thread()
     previous = None
@@ -414,8 +316,8 @@ class _signals:
             signal.signal(signum, handler)  # type: ignore[arg-type]
 
 
-def _settle(out: Outcome, worker: WorkerLike) -> None:
-    """Reap and shut down what the case left, recording everything the checks read."""
+def settle(out: Outcome, worker: WorkerLike) -> None:
+    """Reap and shut down what a case left, recording everything the checks read (the pair explorer's too)."""
     out.closed_after_call = _refuses_submission(out, worker)
     if not out.closed_after_call:
         pending = [j for j in out.accepted_or_tried() if j not in out.reported_ids()]
@@ -425,7 +327,7 @@ def _settle(out: Outcome, worker: WorkerLike) -> None:
         out.reuse_refused = _reuse_refused(out, worker)
         out.final_cpu = [a.copy() for a in worker.cpu_snapshot()]
         out.final_gpu = out.device.read_gpu()
-    out.final_raised = _guarded(lambda: out.reports.append(worker.shutdown()))
+    out.final_raised = guarded(lambda: out.reports.append(worker.shutdown()))
     if out.reports:
         out.after_shutdown = list(worker.get_finished())
         out.reports.append(worker.shutdown())
@@ -434,28 +336,31 @@ def _settle(out: Outcome, worker: WorkerLike) -> None:
 def _refuses_submission(out: Outcome, worker: WorkerLike) -> bool:
     """Whether the worker is shut down (a fresh, empty submission is refused with WorkerClosedError)."""
     try:
-        worker.submit_store(_PROBE, _gpu(), _cpu())  # an empty transfer: copies nothing
+        worker.submit_store(PROBE, gpu(), cpu())  # an empty transfer: copies nothing
     except WorkerClosedError:
         return True
-    worker.wait({_PROBE}, timeout=0.002)
-    out.results.extend(r for r in worker.get_finished() if r.job_id != _PROBE)
+    worker.wait({PROBE}, timeout=0.002)
+    out.results.extend(r for r in worker.get_finished() if r.job_id != PROBE)
     return False
 
 
-def _reuse_refused(out: Outcome, worker: WorkerLike) -> bool:
-    """The submission under test was never accepted: its id must be free again (R14)."""
-    job = UNDER_TEST.get(out.case_method(), (None, None))[1]
-    if job is None or job in out.reported_ids():
-        return False
-    try:
-        worker.submit_store(job, _gpu(), _cpu())  # empty: copies nothing, takes the id
-    except WorkerClosedError:
-        return False
-    except Exception:  # InvalidTransferError: "already in flight"
-        return True
-    worker.wait({job}, timeout=0.002)
-    out.results.extend(r for r in worker.get_finished() if r.job_id != job)
-    return False
+def _reuse_refused(out: Outcome, worker: WorkerLike) -> frozenset[int]:
+    """The ids of the submissions under test still refused as in flight, though unreported (R14: an id never
+    accepted must be free again; the checks ask which of these the device never took a copy of)."""
+    refused = set()
+    for _, job, _, _ in out.under_test:
+        if job in out.reported_ids():
+            continue
+        try:
+            worker.submit_store(job, gpu(), cpu())  # empty: copies nothing, takes the id
+        except WorkerClosedError:
+            continue
+        except Exception:  # InvalidTransferError: "already in flight"
+            refused.add(job)
+            continue
+        worker.wait({job}, timeout=0.002)
+        out.results.extend(r for r in worker.get_finished() if r.job_id != job)
+    return frozenset(refused)
 
 
 def explore(factory: WorkerFactory = reference_factory, *, configs: Iterable[str] = CONFIGS,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -16,10 +16,8 @@ import numpy.typing as npt
 from kvoffload_ref.errors import DeadlineExceeded, ShutdownDeferred
 from kvoffload_ref.testing.adapter import ReportLike, Setup, SimDevice, WorkerLike, initial_gpu_bytes
 from kvoffload_ref.testing.model import plan_moves
+from kvoffload_ref.testing.scenario import PRELUDE, CaseLike, Job
 from kvoffload_ref.testing.shutdown import _ledger
-
-if TYPE_CHECKING:
-    from kvoffload_ref.testing.explorer import Case
 
 __all__ = ["Outcome", "check_case"]
 
@@ -38,7 +36,9 @@ class Outcome:
 
     setup: Setup
     device: SimDevice
-    case: Case | None = None
+    case: CaseLike | None = None
+    # Invariant: the submissions the case made besides the prelude's (none, one, or a pair's two).
+    under_test: list[Job] = dataclasses.field(default_factory=list)
     # Invariant: the worker while the call under test runs (the signal handler's target); empty otherwise.
     worker_ref: list[WorkerLike] = dataclasses.field(default_factory=list)
     raised: BaseException | None = None
@@ -54,7 +54,8 @@ class Outcome:
     final_cpu: list[Bytes] = dataclasses.field(default_factory=list)
     final_gpu: list[Bytes] = dataclasses.field(default_factory=list)
     closed_after_call: bool = False
-    reuse_refused: bool = False
+    # Invariant: the ids of the submissions under test still refused as in flight after the case, unreported.
+    reuse_refused: frozenset[int] = frozenset()
     handler_ran: bool = False
     handler_report: object | None = None
     handler_raised: BaseException | None = None
@@ -65,21 +66,17 @@ class Outcome:
     def case_method(self) -> str:
         return "" if self.case is None else self.case.method
 
-    def tag_under_test(self) -> tuple[str, int] | None:
-        from kvoffload_ref.testing.explorer import UNDER_TEST  # noqa: PLC0415  # the scenario lives there
-
-        job = UNDER_TEST.get(self.case_method())
-        return None if job is None else (job[0], job[1])
+    def tags_under_test(self) -> list[tuple[str, int]]:
+        return [(job[0], job[1]) for job in self.under_test]
 
     def accepted_or_tried(self) -> list[int]:
-        tag = self.tag_under_test()
-        return [*self.accepted, *([tag[1]] if tag is not None else [])]
+        return [*self.accepted, *(job for _, job in self.tags_under_test())]
 
     def reported_ids(self) -> list[int]:
         return [r.job_id for r in self.results]  # type: ignore[attr-defined]
 
 
-def check_case(case: Case, out: Outcome) -> Iterator[Problem]:
+def check_case(case: CaseLike, out: Outcome) -> Iterator[Problem]:
     """Every rule the case broke."""
     if case.point >= 0 and not out.fired:
         return  # the method made fewer calls this time: nothing was injected
@@ -103,7 +100,7 @@ def check_case(case: Case, out: Outcome) -> Iterator[Problem]:
     yield from _violations(out, report)
 
 
-def _propagation(case: Case, out: Outcome) -> Iterator[Problem]:
+def _propagation(case: CaseLike, out: Outcome) -> Iterator[Problem]:
     """R14: an interrupt propagates out of the interrupted call; a handler that caught what it raised does not
     break the call."""
     raised, kind = out.raised, case.injection
@@ -124,7 +121,7 @@ def _propagation(case: Case, out: Outcome) -> Iterator[Problem]:
             yield "R19", f"{case.method} raised {raised!r} after a signal handler's shutdown() that caught all"
 
 
-def _closing(case: Case, out: Outcome) -> Iterator[Problem]:
+def _closing(case: CaseLike, out: Outcome) -> Iterator[Problem]:
     """R14/R19: a later shutdown() returns the report; after a signal handler's shutdown() the worker is shut
     down by the time the interrupted call returned."""
     if case.method == "finalizer" or (case.method == "construct" and out.raised is not None):
@@ -141,16 +138,14 @@ def _closing(case: Case, out: Outcome) -> Iterator[Problem]:
                       "submission after the interrupted call returned")
 
 
-def _accounting(case: Case, out: Outcome, report: ReportLike | None) -> Iterator[Problem]:
+def _accounting(case: CaseLike, out: Outcome, report: ReportLike | None) -> Iterator[Problem]:
     """R5/R8/R14: every accepted job is accounted for exactly once (get_finished() or the report); a submission
     interrupted before the device took its copy leaves no trace and its id free."""
-    tag = out.tag_under_test()
     accepted = list(out.accepted)
-    if tag is not None:
-        copied = out.device.copied(tag)
-        if copied:
+    for tag in out.tags_under_test():
+        if out.device.copied(tag):
             accepted.append(tag[1])
-        elif out.reuse_refused:
+        elif tag[1] in out.reuse_refused:
             yield "R14/R7", f"job {tag[1]} left no copy on the device, yet its id is still refused as in flight"
     ids = out.reported_ids()
     for job in set(ids):
@@ -178,9 +173,7 @@ def _accounting(case: Case, out: Outcome, report: ReportLike | None) -> Iterator
 
 def _bytes(out: Outcome) -> Iterator[Problem]:
     """R5: a job reported success=True moved exactly the right bytes."""
-    from kvoffload_ref.testing.explorer import PRELUDE, UNDER_TEST  # noqa: PLC0415
-
-    jobs = {job: (d, src, dst) for d, job, src, dst in (*PRELUDE, *UNDER_TEST.values())}
+    jobs = {job: (d, src, dst) for d, job, src, dst in (*PRELUDE, *out.under_test)}
     setup = out.setup
     gpu0 = [initial_gpu_bytes(setup, t) for t in range(setup.layout.num_tensors)]
     for result in out.results:
@@ -200,7 +193,7 @@ def _bytes(out: Outcome) -> Iterator[Problem]:
                     yield "R5", f"load job {job} reported success, GPU block {m.gpu_row} holds other bytes"
 
 
-def _report(case: Case, out: Outcome, report: ReportLike) -> Iterator[Problem]:
+def _report(case: CaseLike, out: Outcome, report: ReportLike) -> Iterator[Problem]:
     """R12/R14/R16: the region's fate, the interrupted mark, and the ledger against the report."""
     if report.region not in ("released", "quarantined"):
         yield "R14", f"the region ended {report.region!r}, neither released nor quarantined"
