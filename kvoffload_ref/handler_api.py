@@ -15,7 +15,7 @@ from kvoffload_ref.backends.base import Backend, Event, Stream
 from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.lifecycle import Fate
 from kvoffload_ref.results import HandlerReport, HandlerStats, TransferResult
-from kvoffload_ref.shield import Shield
+from kvoffload_ref.shield import Leaks, Shield
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 
 __all__ = ["DirectionHandlerAPI", "NewHandler"]
@@ -25,6 +25,8 @@ class DirectionHandlerAPI(Protocol):
     """One direction (R4): its stream, its FIFO of transfers, its results, its drain and release."""
 
     direction: Direction
+    #: What this handler's release calls failed to release, marked leaked (R16), with the failures outside release().
+    leaks: Leaks
 
     def submit(self, job_id: int, src: object, dst: object) -> None:
         """R4/R7/R14: check the transfer, then queue it whole on this direction's stream, or leave no trace."""
