@@ -7,6 +7,10 @@ under a :class:`Shield`: an interrupt that cuts a step short is remembered and t
 arrived before the step did its work, or the step is idempotent), the remaining steps run, and the caller re-raises
 the interrupt once everything is done.
 
+A release call that fails with an ``Exception`` (a failed release step, R3/R10) is no reason to stop either:
+:func:`each` hands the item to a ``leak`` callback and goes on, and :class:`Leaks` marks such items leaked in the
+backend's ledger and counts them for the shutdown report (R16).
+
 This module imports nothing of the package; the handler, the regions and the worker's core use it.
 """
 
