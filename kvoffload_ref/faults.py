@@ -18,6 +18,11 @@ Kinds:
   tagged record that does not close an open pair of its tag is a start), and ``nth`` counts matching
   submissions, a reused job id included; at ``device_sync`` it selects the proof call.
 
+Release points (:data:`RELEASE_POINTS`: ``destroy`` = ``destroy_stream``/``destroy_event``, ``free`` =
+``free_descriptors``, ``unmap`` = ``untrack_host``) take errors only; their calls are untagged, so only a fault
+without ``direction`` and ``job_id`` selects them. A batched release (``destroy_events``, ``free_descriptors_many``)
+is one call per item. Unlike every other point, a lost device does not fail them.
+
 ``plan.fired`` lists, in order, the faults that actually fired, so a test can assert its scenario happened.
 
 :class:`FaultyBackend` applies a plan to any backend (a real GPU included). Errors are raised before the call
@@ -35,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -64,14 +69,20 @@ from kvoffload_ref.errors import (
 )
 from kvoffload_ref.validate import check_int, check_positive
 
-__all__ = ["HANG_POINTS", "POINTS", "Fault", "FaultKind", "FaultPlan", "FaultPoint", "FaultyBackend"]
+__all__ = ["HANG_POINTS", "POINTS", "RELEASE_POINTS", "Fault", "FaultKind", "FaultPlan", "FaultPoint", "FaultyBackend"]
 
 FaultKind = Literal["error", "hang"]
+T = TypeVar("T")
 
 POINTS: Final[tuple[FaultPoint, ...]] = (
     "event_query", "event_sync", "copy", "device_sync", "host_register", "host_unregister",
-    "stream_create", "event_create", "descriptor_alloc",
+    "stream_create", "event_create", "descriptor_alloc", "destroy", "free", "unmap",
 )
+#: The release points (besides ``host_unregister``): ``destroy_stream``/``destroy_event(s)``, ``free_descriptors``
+#: (``_many``) and ``untrack_host`` (a region's unmap). An error there is a failed release step: the resource stays
+#: live on the device, for the library to mark leaked (R16). A lost device does not fail them (R3: releasing goes
+#: on); only an error fault that selects the call does.
+RELEASE_POINTS: Final[tuple[FaultPoint, ...]] = ("destroy", "free", "unmap")
 #: Points where a hang can be injected; the first three select a transfer at submission.
 HANG_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_sync", "copy", "device_sync")
 TRANSFER_HANG_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_sync", "copy")
@@ -204,6 +215,22 @@ class FaultPlan:
             what = "device lost: " if fault.sticky else ""
             raise DeviceError(f"{what}injected {point} failure (tag {tag}, {fault!r})", fault.status)
 
+    def check_release(self, point: FaultPoint) -> None:
+        """Count one untagged call at a release point (:data:`RELEASE_POINTS`) and raise if an error fault selects
+        it. A lost device does not fail it.
+
+        Raises:
+            DeviceError: an error fault fired.
+        """
+        fault = self._select(point, None, kinds=("error",), consult_lost=False)
+        if fault is not None:
+            what = "device lost: " if fault.sticky else ""
+            raise DeviceError(f"{what}injected {point} failure ({fault!r})", fault.status)
+
+    def armed(self, point: FaultPoint) -> bool:
+        """Whether any fault is armed at ``point`` (a batched call takes its one-pass path when none is)."""
+        return any(fault.point == point for fault in self.faults)
+
     def check_hang(self, point: FaultPoint, tag: Tag | None = None) -> bool:
         """Count one call at ``point`` against hang faults (used for ``device_sync``); True if one fires.
 
@@ -329,8 +356,13 @@ class FaultyBackend:
         self.inner.track_host(ptr, nbytes)
 
     def untrack_host(self, ptr: int) -> None:
-        """Delegated; never fails."""
+        """Fault point ``unmap``, then delegated.
+
+        Raises:
+            DeviceError: an injected fault (the mapping stays announced), or the inner backend's error.
+        """
         self._hook("untrack_host")
+        self.plan.check_release("unmap")
         self.inner.untrack_host(ptr)
 
     def host_register(self, ptr: int, nbytes: int) -> None:
@@ -361,14 +393,26 @@ class FaultyBackend:
         return self.inner.alloc_descriptors(capacity, tag=tag)
 
     def free_descriptors(self, buf: DescriptorBuffer) -> None:
-        """Delegated; never fails."""
+        """Fault point ``free``, then delegated.
+
+        Raises:
+            DeviceError: an injected fault (the buffer stays allocated), or the inner backend's error.
+        """
         self._hook("free_descriptors")
+        self.plan.check_release("free")
         self.inner.free_descriptors(buf)
 
     def free_descriptors_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
-        """Delegated; never fails."""
+        """Fault point ``free`` once per buffer; the others are delegated, then the first injected error raised.
+
+        Raises:
+            DeviceError: an injected fault (those buffers stay allocated), or the inner backend's error.
+        """
         self._hook("free_descriptors")
-        batched.free_descriptors_many(self.inner, bufs)
+        kept, failed = self._release_checks("free", bufs)
+        batched.free_descriptors_many(self.inner, kept)
+        if failed is not None:
+            raise failed
 
     # -- streams and events -----------------------------------------------------------------------------------
 
@@ -402,8 +446,13 @@ class FaultyBackend:
         return self.inner.create_stream(tag=tag)
 
     def destroy_stream(self, stream: Stream) -> None:
-        """Delegated; forgets the stream's hang. Never fails."""
+        """Fault point ``destroy``, then delegated; forgets the stream's hang.
+
+        Raises:
+            DeviceError: an injected fault (the stream stays), or the inner backend's error.
+        """
         self._hook("destroy_stream")
+        self.plan.check_release("destroy")
         with self._lock:
             self._hung_streams.discard(id(stream))
             self._hang_tags.pop(id(stream), None)
@@ -431,21 +480,38 @@ class FaultyBackend:
         return self.inner.create_event(tag=tag)
 
     def destroy_event(self, event: Event) -> None:
-        """Delegated; forgets the event's tag and hang. Never fails."""
+        """Fault point ``destroy``, then delegated; forgets the event's tag and hang.
+
+        Raises:
+            DeviceError: an injected fault (the event stays), or the inner backend's error.
+        """
         self._hook("destroy_event")
+        self.plan.check_release("destroy")
+        self._destroy_event(event)
+
+    def _destroy_event(self, event: Event) -> None:
+        """Forget the event's tag and hang, then destroy it on the inner backend (no fault point: the proof's)."""
         with self._lock:
             self._hung_events.discard(id(event))
             self._event_tags.pop(id(event), None)
             self.inner.destroy_event(event)
 
     def destroy_events(self, events: Sequence[Event]) -> None:
-        """Delegated; forgets the events' tags and hangs. Never fails."""
+        """Fault point ``destroy`` once per event; the others are delegated (their tags and hangs forgotten), then
+        the first injected error raised.
+
+        Raises:
+            DeviceError: an injected fault (those events stay), or the inner backend's error.
+        """
         self._hook("destroy_event")
+        kept, failed = self._release_checks("destroy", events)
         with self._lock:
-            for event in events:
+            for event in kept:
                 self._hung_events.discard(id(event))
                 self._event_tags.pop(id(event), None)
-            batched.destroy_events(self.inner, events)
+            batched.destroy_events(self.inner, kept)
+        if failed is not None:
+            raise failed
 
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
         """Delegated. The event is hung if the stream is. A transfer is submitted at its start record (see the
@@ -551,7 +617,12 @@ class FaultyBackend:
         if hang:
             poll_until(self, lambda: False, deadline)
             return False
-        return record_and_poll(self, streams, deadline)
+        return record_and_poll(self, streams, deadline, destroy=self._destroy_proof_event)
+
+    def _destroy_proof_event(self, event: Event) -> None:
+        """destroy_event for the proof's own events: the hook sees it; no fault point (not a library release)."""
+        self._hook("destroy_event")
+        self._destroy_event(event)
 
     # -- internals --------------------------------------------------------------------------------------------
 
@@ -564,6 +635,21 @@ class FaultyBackend:
         """The start of a call at fault point ``point``: the hook, then ``plan.check`` (DeviceError)."""
         self._hook(point, tag)
         self.plan.check(point, tag)
+
+    def _release_checks(self, point: FaultPoint, items: Sequence[T]) -> tuple[Sequence[T], DeviceError | None]:
+        """One release-point check per item: (the items no fault selected, the first injected error or None)."""
+        if not self.plan.armed(point):
+            return items, None
+        kept: list[T] = []
+        failed: DeviceError | None = None
+        for item in items:
+            try:
+                self.plan.check_release(point)
+            except DeviceError as exc:
+                failed = failed or exc
+                continue
+            kept.append(item)
+        return kept, failed
 
     def _check_alive(self, point: str, tag: Tag | None = None) -> None:
         """The start of a delegated call that fails while the device is lost: the hook, then that check."""

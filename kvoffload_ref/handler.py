@@ -59,7 +59,7 @@ from kvoffload_ref.results import (
     failed_in_order,
     stopped_outcomes,
 )
-from kvoffload_ref.shield import Shield, each, finish_all
+from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import Int64Array
 
@@ -163,6 +163,8 @@ class DirectionHandler:
         self._events: list[Event] = []
         self._descriptors: list[DescriptorBuffer] = []
         self._counts = collections.Counter[str]()
+        # Invariant: what a release call of this handler failed to release, marked leaked in the ledger (R16).
+        self.leaks = Leaks(backend.ledger)
         # Invariant: the jobs the shutdown drain took over without reporting them (results dropped at its start,
         # proven by it, abandoned by it), in submission order: the report lists them (R8, R14). Only appended to:
         # the unreaped at the drain's start, the drained as it proves them, the abandoned when it stops.
@@ -256,7 +258,8 @@ class DirectionHandler:
 
     def _take_descriptors(self, count: int, tag: Tag, taken: _Taken) -> DescriptorBuffer:
         while self._descriptors and self._descriptors[-1].capacity < count:
-            self._backend.free_descriptors(self._descriptors.pop())  # idle but too small: drop it, as upstream
+            self.leaks.release(self._backend.free_descriptors, "descriptor", self._descriptors.pop(),  # idle but too
+                               f"free a {self.direction} descriptor buffer too small to reuse")  # small, as upstream
         return taken.take(self._descriptors, lambda: self._backend.alloc_descriptors(count, tag=tag))
 
     def _undo(self, taken: _Taken) -> None:
@@ -268,8 +271,8 @@ class DirectionHandler:
                 pool.append(item)
                 continue
             release = self._backend.destroy_event if pool is self._events else self._backend.free_descriptors
-            finish_all([(f"release a {self.direction} {type(item).__name__}", functools.partial(release, item))],
-                        shield)
+            kind, what = "event" if pool is self._events else "descriptor", f"release a {self.direction} {item!r}"
+            finish_all([(what, functools.partial(self.leaks.release, release, kind, item, what))], shield)  # R16
 
     # -- completion -----------------------------------------------------------------------------------------------
     def knows(self, job_id: int) -> bool:
@@ -528,25 +531,37 @@ class DirectionHandler:
         if fate is Fate.RELEASE:
             freed += unproven
         streams = [] if stream is None else [stream]
-        steps: list[tuple[str, Callable[[], object]]] = [
-            (f"destroy the {self.direction} stream", lambda: each(backend.destroy_stream, streams)),
-            (f"destroy {len(events)} {self.direction} events", lambda: batched.destroy_events(backend, events)),
+        steps: list[tuple[str, Callable[[], object]]] = [  # a failed release is leaked, the rest go on (R16)
+            (f"destroy the {self.direction} stream",
+             lambda: each(backend.destroy_stream, streams, self.leaks.of("stream"))),
+            (f"destroy {len(events)} {self.direction} events",
+             lambda: self._release_many(batched.destroy_events, "event", events)),
             (f"free {len(freed)} {self.direction} descriptor buffers",
-             lambda: batched.free_descriptors_many(backend, freed)),
+             lambda: self._release_many(batched.free_descriptors_many, "descriptor", freed)),
             ("quarantine descriptor buffers", keeper(backend.ledger.quarantine, "descriptor", kept, reason)),  # R12
         ]
         failed, _ = finish_all(steps, shield)
         return len(kept), failed
 
+    def _release_many(self, release: Callable[[Backend, list[Any]], None], kind: str, items: list[Any]) -> None:
+        """One batched release call; if it raises, what it could not release is leaked (R16) and it propagates."""
+        try:
+            release(self._backend, items)
+        except Exception:
+            self.leaks.live_ones(kind, items)
+            raise
+
     def discard(self) -> None:
         """Construction rollback (R2): destroy what the constructor created; nothing was ever submitted. An
-        interrupt meanwhile does not stop it (R14); it propagates once everything is destroyed."""
+        interrupt meanwhile does not stop it (R14); it propagates once everything is destroyed. What cannot be
+        destroyed is leaked (R16)."""
         events, streams = self._events, [] if self._stream is None else [self._stream]
         self._stream, self._events = None, []
         backend = self._backend
-        _, interrupt = finish_all([(f"destroy {self.direction} events", lambda: each(backend.destroy_event, events)),
+        _, interrupt = finish_all([(f"destroy {self.direction} events",
+                                    lambda: each(backend.destroy_event, events, self.leaks.of("event"))),
                                    (f"destroy the {self.direction} stream",
-                                    lambda: each(backend.destroy_stream, streams))])
+                                    lambda: each(backend.destroy_stream, streams, self.leaks.of("stream")))])
         if interrupt is not None:
             raise interrupt
 

@@ -16,7 +16,7 @@ from kvoffload_ref.backends.base import Backend, Event, Stream
 from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.lifecycle import Fate, HandlerState
 from kvoffload_ref.results import HandlerReport, HandlerStats, TransferResult
-from kvoffload_ref.shield import Shield
+from kvoffload_ref.shield import Leaks, Shield
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 
 __all__ = ["GUARDED", "DirectionHandlerAPI", "NewHandler"]
@@ -31,6 +31,8 @@ class DirectionHandlerAPI(Protocol):
 
     direction: Direction
     state: HandlerState  # Invariant: changed only through the handler table, by a thread the lock check allows
+    #: What this handler's release calls failed to release, marked leaked (R16), with the failures outside release().
+    leaks: Leaks
 
     def submit(self, job_id: int, src: object, dst: object) -> None:
         """R4/R7/R14: check the transfer, then queue it whole on this direction's stream, or leave no trace."""

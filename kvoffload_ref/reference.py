@@ -33,7 +33,7 @@ from kvoffload_ref.process import CallGuard, ProcessOwner, finalize_safely, sigi
 from kvoffload_ref.quarantine import keeper
 from kvoffload_ref.region import DEFAULT_PIN_CHUNK_BYTES, HostRegion
 from kvoffload_ref.results import JobOutcome, ShutdownPolicy, ShutdownReport, ShutdownRun, TransferResult
-from kvoffload_ref.shield import Shield, each, finish_all
+from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import DIRECTIONS, Direction, KVCacheLayout, TensorGeometry, check_geometry
 from kvoffload_ref.validate import ByteArray, Int64Array, check_int, check_job_ids, check_timeout
 
@@ -298,8 +298,10 @@ class Core:
         reason = f"device not proven idle (device_sync={run.proof.value})"
         for name, handler in (("store", self.store), ("load", self.load)):
             kept, failed = handler.release(fate, shield, reason=reason)
-            run.errors.extend(f"{name} release: {f}" for f in failed)
+            run.errors.extend(f"{name} release: {f}" for f in [*handler.leaks.errors, *failed])
             run.add("quarantined", "descriptor", kept)
+            for kind, count in handler.leaks.counts.items():  # R16: release calls that failed, now or earlier
+                run.add("leaked", kind, count)
         if fate is Fate.RELEASE:  # R3 (R12: everything was proven idle, or the release policy)
             run.errors.extend(f"region: {f}" for f in self.region.release_by_owner(shield))
             table, kinds = "leaked", self.region.leaked  # R16: a release step that failed
@@ -333,10 +335,12 @@ class _Transfer:
     broken: errors.DeviceError | None = None  # Invariant: its end event could not be recorded: it fails at the head
     resolved: bool = False  # Invariant: True once it left the queue (proven, failed or abandoned)
 
-    def resources(self, backend: Backend) -> list[tuple[Callable[[Any], object], object]]:
-        """(release call, resource) for each of its events and its descriptor buffer."""
-        held: list[tuple[Callable[[Any], object], object]] = [(backend.destroy_event, e) for e in self.events]
-        return held + ([] if self.descriptors is None else [(backend.free_descriptors, self.descriptors)])
+    def resources(self, backend: Backend) -> list[tuple[Callable[[Any], object], str, object]]:
+        """(release call, ledger kind, resource) for each of its events and its descriptor buffer."""
+        held: list[tuple[Callable[[Any], object], str, object]] = [(backend.destroy_event, "event", e)
+                                                                   for e in self.events]
+        return held + ([] if self.descriptors is None else [(backend.free_descriptors, "descriptor",
+                                                              self.descriptors)])
 
 
 class ReferenceHandler:
@@ -348,12 +352,13 @@ class ReferenceHandler:
         self.backend, self.direction, self.compute, self.layout, self.bpc = backend, direction, compute, layout, bpc
         self.canonical = canonical  # Invariant: None (plain mode) or this rank's mappings, fitting the layout (R24)
         self.gpu, self.cpu = gpu, cpu  # R1: geometries only, never the region
+        self.leaks = Leaks(backend.ledger)  # Invariant: what a release call failed to release, leaked (R16)
         self.stream: Stream | None = backend.create_stream()  # Invariant: all of this direction's copies; R4
         self.state = lifecycle.HandlerState.ACCEPTING  # Invariant: changed only through tables.step
         self.queue: collections.deque[_Transfer] = collections.deque()  # Invariant: submission order, unproven
         self.ready: list[TransferResult] = []  # Invariant: results known, not yet handed over (R5), in order
         self.jobs: set[int] = set()  # Invariant: the ids in the queue or in ready: R7's "in flight"
-        self.spent: list[tuple[Callable[[Any], object], object]] = []  # Invariant: proven idle, not yet freed
+        self.spent: list[tuple[Callable[[Any], object], str, object]] = []  # Invariant: proven idle, not yet freed
         self.unproven: list[_Transfer] = []  # Invariant: failed/abandoned: kept until the device-level proof (R13)
         self.outcomes: list[JobOutcome] = []  # Invariant: jobs the drain took over, unreported (R14)
         self.drain_error: BaseException | None = None  # Invariant: the drain's first failure
@@ -388,8 +393,9 @@ class ReferenceHandler:
             else:
                 backend.copy_batch(stream, transfer.descriptors, len(moves), tag=tag)
         except BaseException:  # R14: the device did not take the copy: give everything back, the id stays free
-            finish_all([(f"release a {self.direction} {type(obj).__name__}", functools.partial(release, obj))
-                        for release, obj in reversed(transfer.resources(backend))])
+            finish_all([(f"release a {self.direction} {kind}", functools.partial(  # R16: a failure is leaked
+                self.leaks.release, release, kind, obj, f"release a {self.direction} {kind}"))
+                for release, kind, obj in reversed(transfer.resources(backend))])
             raise
         shield = Shield()
         if transfer.descriptors is not None:  # R14: the device took the copy: the job is queued whole, whatever comes
@@ -422,7 +428,10 @@ class ReferenceHandler:
         """Observe heads, one ``query`` each, until one is pending or ``mark`` resolved; free what is proven."""
         while self.queue and not (mark is not None and mark.resolved) and self._observe_head(self.backend.query):
             pass
-        each(lambda spent: spent[0](spent[1]), self.spent)  # R10: proven transfers' resources are idle
+        while self.spent:  # R10: proven transfers' resources are idle; R16: a failed release is leaked, never raised
+            release, kind, obj = self.spent[-1]
+            self.leaks.release(release, kind, obj, f"free a proven {self.direction} transfer's {kind}")
+            self.spent.pop()
 
     def _observe_head(self, observe: Callable[[Event], bool]) -> bool:
         """Observe the head's end event once (R5): proven, failed, or (False) still pending."""
@@ -535,18 +544,22 @@ class ReferenceHandler:
         unproven: list[object] = [t.descriptors for t in self.unproven if t.descriptors is not None]
         freed, kept = (unproven, []) if fate is Fate.RELEASE else ([], unproven)
         self.stream, self.unproven = None, []
+        leak = self.leaks.of  # R16: a release that fails is leaked; the others still run (R10)
         failed, _ = finish_all([
-            (f"destroy the {self.direction} stream", lambda: each(backend.destroy_stream, streams)),
+            (f"destroy the {self.direction} stream", lambda: each(backend.destroy_stream, streams, leak("stream"))),
             (f"free the resources of proven {self.direction} transfers", self.reap),
-            (f"destroy {len(events)} {self.direction} events", lambda: each(backend.destroy_event, events)),
-            (f"free {len(freed)} {self.direction} descriptor buffers", lambda: each(backend.free_descriptors, freed)),
+            (f"destroy {len(events)} {self.direction} events", lambda: each(backend.destroy_event, events,
+                                                                            leak("event"))),
+            (f"free {len(freed)} {self.direction} descriptor buffers", lambda: each(backend.free_descriptors, freed,
+                                                                                    leak("descriptor"))),
             ("quarantine descriptor buffers", keeper(backend.ledger.quarantine, "descriptor", kept, reason)),
         ], shield)
         return len(kept), failed
 
     def discard(self) -> None:
-        if self.stream is not None:  # R2: nothing was submitted; only the stream exists (retry-safe, R14)
-            self.backend.destroy_stream(self.stream)
+        if self.stream is not None:  # R2: nothing was submitted; only the stream exists (retry-safe, R14; R16)
+            self.leaks.release(self.backend.destroy_stream, "stream", self.stream,
+                               f"destroy the {self.direction} stream")
             self.stream = None
 
     def report(self) -> results.HandlerReport:

@@ -226,7 +226,14 @@ class _Held:
             quarantine(QuarantinedItem("region", f"mapping at {self.ptr:#x}", "a view is still exported",
                                        mapping))
             return [f"mmap close failed: {exc}"]
-        shield.run(functools.partial(self.backend.untrack_host, self.ptr))
+        try:  # the unmap as the device sees it (fault point "unmap")
+            shield.run(functools.partial(self.backend.untrack_host, self.ptr))
+        except DeviceError as exc:  # R3: logged, leaked (R16), and the next steps still run
+            logger.warning("Unmapping the region at %#x failed for rank=%d (code=%d)", self.ptr, self.log_rank,
+                           exc.status)
+            self.backend.ledger.leak("mapping", self.ptr)
+            self.leaked["mapping"] = 1
+            return [f"unmap failed (status {exc.status})"]
         return []
 
     def release_dropped(self, kind: str) -> None:

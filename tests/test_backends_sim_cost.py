@@ -208,3 +208,42 @@ def test_sim_cost_h200_profile_reproduces_the_recorded_h200_figures() -> None:
     bad = {(page, d, p): round(r, 3) for (page, d), row in ratios.items() for p, r in row.items()
            if not 0.85 <= r <= 1.15}
     assert not bad, f"modelled/recorded outside 0.85..1.15: {bad}"
+
+
+def _scattered_4k_copy(profile: str, copy_path: str, count: int = 128) -> tuple[float, str]:
+    """One store of ``count`` scattered 4 KiB descriptors (every other page on both sides) on a pinned host;
+    returns (the copy's duration, its path)."""
+    page = 4 * 1024
+    be = SimBackend(profile=profile, copy_path=copy_path, trace=True)  # type: ignore[arg-type]
+    dev = be.array_info(be.empty_device((2 * count, page)))
+    host = np.zeros(2 * count * page, np.uint8)
+    hptr = int(host.ctypes.data)
+    be.track_host(hptr, host.nbytes)
+    be.host_register(hptr, host.nbytes)
+    rows = np.arange(count, dtype=np.int64) * 2 * page
+    buf = be.alloc_descriptors(count)
+    buf.fill(dev.ptr + rows, hptr + rows, np.full(count, page, np.int64))
+    stream, start, end = be.create_stream(), be.create_event(), be.create_event()
+    be.record(start, stream)
+    be.copy_batch(stream, buf, count, tag=("store", 1))
+    be.record(end, stream)
+    be.synchronize(end)
+    spans = [e for e in be.trace_document()["traceEvents"] if e.get("cat") == "copy"]
+    return be.elapsed(start, end), str(spans[-1]["args"]["path"])
+
+
+def test_sim_cost_a_batch_is_priced_by_its_descriptors_size_not_its_total() -> None:
+    """vLLM #42212 measured batched DMA at 3.8 GB/s for 4 KiB descriptors (the h100 profile's first ``dma`` point,
+    docs/simulator.md's table): a batch of 128 x 4 KiB (512 KiB in all) must move at that rate, not at the
+    52 GB/s its total size would read off the same curve."""
+    count, nbytes = 128, 128 * 4 * 1024
+    took, path = _scattered_4k_copy("h100", "memcpy")
+    assert path == "dma", "batched DMA where memcpy would be"
+    link_rate = nbytes / (took - PROFILES["h100"].call_cost)   # the DMA path has no other fixed term
+    assert link_rate == pytest.approx(3.8 * GB, rel=0.01)
+    assert nbytes / took == pytest.approx(3.45 * GB, rel=0.02), "end to end, the 14 us call cost included"
+    # The kernel path reads its curve the same way: 35 GB/s at 4 KiB descriptors (nvbandwidth #24), not ~47 GB/s.
+    took, path = _scattered_4k_copy("h100", "auto", count)
+    assert path == "kernel"
+    fixed = PROFILES["h100"].call_cost + (PROFILES["h100"].kernel.launch if PROFILES["h100"].kernel else 0.0)
+    assert nbytes / (took - fixed) == pytest.approx(35 * GB, rel=0.01)

@@ -5,16 +5,18 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 import kvoffload_ref as kv
+from kvoffload_ref.backends import batched
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag
 from kvoffload_ref.backends.sim import SimBackend, SimHang
 from kvoffload_ref.errors import DeviceError
-from kvoffload_ref.faults import POINTS, Fault, FaultPlan, FaultPoint, FaultyBackend
+from kvoffload_ref.faults import POINTS, RELEASE_POINTS, Fault, FaultPlan, FaultPoint, FaultyBackend
 
 PAGE = 4096
 STATUS = 999
@@ -197,6 +199,9 @@ class PointScenario:
             "stream_create": lambda: be.create_stream(tag=TAG),
             "event_create": lambda: be.create_event(tag=TAG),
             "descriptor_alloc": lambda: be.alloc_descriptors(1, tag=TAG),
+            "destroy": lambda: be.destroy_event(self.event),
+            "free": lambda: be.free_descriptors(buf),
+            "unmap": lambda: be.untrack_host(rig.host_ptr),
         }
         return calls[point]()
 
@@ -230,16 +235,40 @@ def test_faults_error_at_each_point_raises_and_leaves_no_trace(factory: Factory,
     assert scenario_plan(be).fired == [fault]
     if sticky:
         for other in POINTS:
+            if other in RELEASE_POINTS:
+                continue
             with pytest.raises(DeviceError) as again:
                 scenario.call(other)
             assert again.value.status == STATUS
         with pytest.raises(DeviceError):
             be.record(scenario.event, scenario.stream)
-        be.destroy_stream(scenario.stream)                   # release calls never fail, even on a lost device
+        be.destroy_stream(scenario.stream)                   # a lost device fails no release call
         be.destroy_event(scenario.event)
+        be.free_descriptors(scenario.buffer)
         be.untrack_host(scenario.rig.host_ptr)
     else:
         scenario.call(point)                                 # nth matched once: the next call succeeds
+
+
+@pytest.mark.rule("R16")
+@FACTORIES
+@pytest.mark.parametrize("point", ["destroy", "free"])
+def test_faults_batched_release_is_one_call_per_item_and_releases_the_others(factory: Factory,
+                                                                             point: FaultPoint) -> None:
+    """``destroy_events``/``free_descriptors_many`` count one release-point call per item: the selected item stays
+    live, every other one is released, then the error is raised -- the caller leaks exactly what is still live."""
+    be = factory(FaultPlan([Fault(point, nth=2, status=STATUS)]))
+    kind = "event" if point == "destroy" else "descriptor"
+    items: list[Any] = ([be.create_event() for _ in range(3)] if kind == "event"
+                        else [be.alloc_descriptors(1) for _ in range(3)])
+    with pytest.raises(DeviceError) as info:
+        if kind == "event":
+            batched.destroy_events(be, items)
+        else:
+            batched.free_descriptors_many(be, items)
+    assert info.value.status == STATUS
+    assert [be.ledger.state_of(kind, id(item)) for item in items] == ["released", "live", "released"]
+    assert [f.point for f in scenario_plan(be).fired] == [point]
 
 
 def scenario_plan(be: Backend) -> FaultPlan:

@@ -313,6 +313,29 @@ def test_shared_region_dropped_unreleased_is_unpinned_and_unmapped_too(shm_dir: 
     assert be.ledger.live() == {}
 
 
+@pytest.mark.rule("R3")
+@pytest.mark.rule("R16")
+@pytest.mark.parametrize("point", ["host_unregister", "unmap"])
+def test_shared_region_release_goes_on_past_a_failed_step(shm_dir: str, point: str) -> None:
+    """R3: a failed unregister or unmap is logged, listed and leaked, and the steps after it still run: the last
+    opener unlinks the file and closes its descriptor (the file's ledger entry is released)."""
+    plan = kv.FaultPlan()
+    be = SimBackend(faults=plan)
+    region = _rank(shm_dir, 0, 1).open(be)
+    path = region.path
+    gpu = [be.from_host(h) for h in ranks.gpu_pattern(0)]
+    worker = kv.create_worker(be, gpu, ranks.layout(), blocks_per_chunk=ranks.BPC, num_cpu_chunks=ranks.CHUNKS,
+                              region=region, policy=kv.ShutdownPolicy(timeout=0.5))
+    worker.submit_store(1, kv.GPULoadStoreSpec([0, 1, 2], (3,), (0,)), kv.CPULoadStoreSpec([0]))
+    plan.add(kv.Fault(point, "error"))
+    report = worker.shutdown()
+    kind = "pinned" if point == "host_unregister" else "mapping"
+    assert report.region == "released" and dict(report.leaked) == {kind: 1} == be.ledger.leaked()
+    assert any(f"{point} failed" in e for e in report.errors), report.errors
+    assert not os.path.exists(path), "the file was still unlinked"
+    assert be.ledger.live() == {} and be.ledger.released().get("shm_file") == 1
+
+
 @pytest.mark.rule("R7")
 def test_shared_region_knows_its_backend_and_refuses_another(shm_dir: str) -> None:
     be = SimBackend()

@@ -9,7 +9,9 @@ so each test is deterministic and cheap; the steps the machine needed are printe
 from __future__ import annotations
 
 import collections.abc
+import gc
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -21,9 +23,10 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvoffload_ref.backends.base import Backend, Event
 from kvoffload_ref.errors import DeviceError
 from kvoffload_ref.lifecycle import HandlerState, ProofOutcome, WorkerState
-from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload_ref.results import ShutdownPolicy
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.testing import ConformanceError, Setup, make_machine, reference_factory
-from kvoffload_ref.testing.adapter import WorkerLike
+from kvoffload_ref.testing.adapter import SimDevice, WorkerLike
 from kvoffload_ref.testing.campaign import quiet_logs
 from kvoffload_ref.worker import CPUOffloadingWorker
 
@@ -152,14 +155,17 @@ def success_for_failed_event(worker: CPUOffloadingWorker, setup: Setup) -> None:
 
 def submit_after_shutdown(worker: CPUOffloadingWorker, setup: Setup) -> None:
     """Submissions after shutdown began are accepted (and silently dropped) instead of refused."""
-    core = worker._core
+    core, me = worker._core, weakref.ref(worker)
+    # The patch holds the worker weakly: a worker -> patch -> worker cycle would leave a dropped mutant to the
+    # machine's gc.collect() (see drop_worker), a collection of the whole test session's heap on every drop -- the
+    # minutes this test took in a full run. Held weakly, the mutant is finalized when dropped, as the real worker.
     for name in ("submit_store", "submit_load"):
-        submit = getattr(worker, name)
+        submit = getattr(type(worker), name)
 
         def accept(job_id: int, src: Any, dst: Any, submit: Any = submit) -> bool:
             if core.state is not WorkerState.OPEN:
                 return True
-            return bool(submit(job_id, src, dst))
+            return bool(submit(me(), job_id, src, dst))
         setattr(worker, name, accept)
 
 
@@ -265,6 +271,22 @@ def test_testing_mutant_success_for_failed_event_is_caught() -> None:
 def test_testing_mutant_submit_after_shutdown_is_caught() -> None:
     message, _ = _catch(submit_after_shutdown, "submit_after_shutdown")
     assert _cites(message, MUTANTS["submit accepted after shutdown began"][1]), message
+
+
+def test_testing_mutant_submit_after_shutdown_is_freed_without_a_collection() -> None:
+    """The mutant hunt above drops hundreds of mutants: each must go when its last reference does, as the real
+    worker does; one held by a cycle costs a collection of the whole session's heap per drop (minutes in CI)."""
+    layout = KVCacheLayout(tensor_page_bytes=(64,), groups=((LayerRef(0, 64),),))
+    setup = Setup(layout, 2, 8, 4, (0,), ShutdownPolicy())
+    device = SimDevice(setup)
+    worker = _factory(submit_after_shutdown)(device.backend, device.gpu, setup)
+    alive = weakref.ref(worker)
+    gc.disable()
+    try:
+        del worker
+        assert alive() is None, "a reference cycle holds the patched worker"
+    finally:
+        gc.enable()
 
 
 @pytest.mark.rule("R4")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
-from kvoffload_ref.faults import HANG_POINTS
+from kvoffload_ref.faults import HANG_POINTS, RELEASE_POINTS
 from kvoffload_ref.planner import plan_copies
 from kvoffload_ref.specs import TensorGeometry
 from kvoffload_ref.testing import (
@@ -122,8 +122,8 @@ def test_testing_strategies_completion_faults_fail_a_transfer(aimed: kv.Fault, a
 @pytest.mark.rule("R5")
 def test_testing_strategies_plans_often_fail_a_transfer_and_keep_every_other_fault() -> None:
     """Half the plans or more arm an error at a transfer's completion (what a worker reporting failures as
-    successes gets wrong); the others still bring hangs, submission faults, device_sync, host_unregister and
-    sticky errors, and some plans are empty."""
+    successes gets wrong); the others still bring hangs, submission faults, device_sync, the release steps'
+    errors (host_unregister, destroy, free, unmap) and sticky errors, and some plans are empty."""
     plans: list[tuple[kv.Fault, ...]] = []
 
     @settings(max_examples=400, database=None, derandomize=True)
@@ -137,7 +137,7 @@ def test_testing_strategies_plans_often_fail_a_transfer_and_keep_every_other_fau
     assert failing >= len(plans) // 2, (failing, len(plans))
     assert any(not plan for plan in plans)
     assert any(f.kind == "hang" for f in drawn) and any(f.sticky for f in drawn)
-    assert {"device_sync", "host_unregister"} <= {f.point for f in drawn}
+    assert {"device_sync", "host_unregister", *RELEASE_POINTS} <= {f.point for f in drawn}
     assert any(f.point in SUBMIT_POINTS and f.kind == "error" for f in drawn)
 
 

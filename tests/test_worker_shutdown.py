@@ -9,7 +9,7 @@ import weakref
 from typing import Any
 
 import pytest
-from _support import CPU_CHUNKS, GPU_BLOCKS, PAGE, cspec, gspec, make_worker, messages, small_layout
+from _support import BPC, CPU_CHUNKS, GPU_BLOCKS, PAGE, cspec, gspec, make_worker, messages, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend, SimHang
@@ -22,9 +22,14 @@ SKIPPING = "Failed to synchronize transfer end event; skipping %d remaining tran
 SYNC_FAIL = "Device sync before mmap cleanup failed; proceeding with cleanup anyway"
 
 
-def _busy_worker(plan: kv.FaultPlan, on_unproven: str = "quarantine", **kwargs: Any) -> tuple[Any, Any]:
-    """A worker with two stores and two loads queued and not yet complete."""
-    be, w, _ = make_worker(SimBackend(plan), timeout=TIMEOUT, on_unproven=on_unproven, **kwargs)
+def _busy_worker(plan: kv.FaultPlan, on_unproven: str = "quarantine", *, create: Any = kv.create_worker,
+                 **kwargs: Any) -> tuple[Any, Any]:
+    """A worker (``create``: either worker's factory) with two stores and two loads queued and not yet complete."""
+    be = SimBackend(plan)
+    layout = small_layout()
+    policy = kv.ShutdownPolicy(timeout=TIMEOUT, on_unproven=on_unproven)
+    w = create(be, patterned_gpu(be, layout), layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS, policy=policy,
+               **kwargs)
     w.submit_store(1, gspec([1, 2]), cspec([1]))
     w.submit_store(2, gspec([3]), cspec([2]))
     w.submit_load(3, cspec([5]), gspec([30]))
@@ -112,6 +117,59 @@ def test_shutdown_fault_matrix_quarantine_policy(name: str, faults: list[kv.Faul
     assert bool(plan.fired) == ("not on the shutdown path" not in name), "the scenario really happened"
     _assert_accounted(be, report)
     assert not be.violations, "R12: nothing released while it may be under DMA"
+
+
+# The release steps' fault points: what each may leave unreleased (its ledger kinds) and the error it lists.
+RELEASE_STEPS: dict[str, tuple[set[str], str]] = {
+    "destroy": ({"stream", "event"}, "injected destroy failure"),
+    "free": ({"descriptor"}, "injected free failure"),
+    "host_unregister": ({"pinned"}, "host_unregister failed"),
+    "unmap": ({"mapping"}, "unmap failed"),
+}
+CREATE = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
+
+
+@pytest.mark.rule("R3")
+@pytest.mark.rule("R9")
+@pytest.mark.rule("R10")
+@pytest.mark.rule("R16")
+@pytest.mark.parametrize("hung", [False, True], ids=["clean", "hung"])
+@pytest.mark.parametrize("on_unproven", ["quarantine", "release"])
+@pytest.mark.parametrize("worker", list(CREATE))
+@pytest.mark.parametrize("every", [False, True], ids=["first", "every"])
+@pytest.mark.parametrize("point", list(RELEASE_STEPS))
+def test_shutdown_fault_matrix_release_steps(point: str, every: bool, worker: str, on_unproven: str, hung: bool,
+                                             caplog: Any) -> None:
+    """A release step that fails (the first call at its point, or every one) is logged, listed in the report's
+    errors and leaked -- and every other release step still runs: nothing else stays live (R3, R10, R16). A
+    quarantined region makes no region release call (nothing fails); under the release policy a hung load makes the
+    sim see the hazard vLLM #51622 has (R12), whatever fails."""
+    kinds, text = RELEASE_STEPS[point]
+    plan = kv.FaultPlan([kv.Fault("copy", "hang", direction="load", job_id=4)] if hung else [])
+    be, w = _busy_worker(plan, on_unproven, create=CREATE[worker], pin_chunk_bytes=16 << 10)
+    live = be.ledger.live()
+    plan.add(kv.Fault(point, "error", nth=None if every else 1))  # armed now: the shutdown's calls only
+    with caplog.at_level(logging.WARNING, logger="kvoffload_ref"):
+        report = w.shutdown()
+    quarantined = hung and on_unproven == "quarantine"
+    assert report.region == ("quarantined" if quarantined else "released")
+    assert report.device_sync == ("timeout" if hung else "not_needed")
+    _assert_accounted(be, report)  # R16: nothing else live; leaked and quarantined exactly as reported
+    assert not be.violations or (hung and on_unproven == "release"), "R12: nothing released under DMA"
+    fails = any(f.point == point for f in plan.fired)
+    assert fails == (not quarantined or point not in ("host_unregister", "unmap")), "the release step failed"
+    leaked = dict(report.leaked)
+    if not fails:
+        assert not leaked
+        return
+    assert leaked and set(leaked) <= kinds, f"only what failed is leaked: {leaked}"
+    if not every:
+        assert sum(leaked.values()) == 1, f"one call failed, one resource leaked: {leaked}"
+    else:  # every call at the point failed: all of its kinds the worker held is leaked (or quarantined)
+        kept = dict(report.quarantined)
+        assert all(leaked.get(k, 0) + kept.get(k, 0) == live.get(k, 0) for k in kinds), (live, leaked, kept)
+    assert any(text in e for e in report.errors), report.errors
+    assert any(text in m or "Failed to" in m or "failed" in m for m in messages(caplog)), "and logged"
 
 
 @pytest.mark.rule("R12")

@@ -16,7 +16,7 @@ import itertools
 import operator
 import threading
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -61,6 +61,8 @@ from kvoffload_ref.errors import (
 from kvoffload_ref.validate import INT64_MAX, check_int, check_positive, check_seconds
 
 __all__ = ["SimCore", "checked_shape", "describe", "tag_of", "transfer_name"]
+
+T = TypeVar("T")
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -182,15 +184,19 @@ class SimCore:
             self._ledger.acquire("mapping", ptr)
 
     def untrack_host(self, ptr: int) -> None:
-        """Forget the host mapping starting at ptr. Never fails.
+        """Forget the host mapping starting at ptr (fault point ``unmap``).
 
         Pending copies touching it are recorded (``unmap_under_dma``) and poisoned: they will not touch it and
         will raise the sticky illegal-address error when they execute. An unknown ptr is recorded
         (``invalid_release``). Ranges still pinned inside it stay registered (as after a failed unregister).
+
+        Raises:
+            DeviceError: an injected ``unmap`` fault (nothing happens: the mapping stays tracked and live).
         """
         if self.on_call is not None:
             self.on_call("untrack_host", None)
         with self._lock:
+            self._release_fault("unmap")
             self._catch_up()
             span = self._memory.host_span_at(ptr)
             if span is None:
@@ -317,10 +323,41 @@ class SimCore:
                 try:
                     self._plan.check(point, tag)
                 except DeviceError as exc:
-                    self._trace.instant(None, f"fault: {point} error {exc.status}", self._sched.now, "fault",
-                                        {"point": point, "tag": list(tag) if tag else None, "status": exc.status})
+                    self._trace_fault(point, tag, exc)
                     raise
         self._check_alive()
+
+    def _release_fault(self, point: FaultPoint) -> None:
+        """A release point (``destroy``, ``free``, ``unmap``): only an error fault that selects the call fails it;
+        a lost device does not."""
+        if self._plan is not None:
+            try:
+                self._plan.check_release(point)
+            except DeviceError as exc:
+                if self._trace is not None:
+                    self._trace_fault(point, None, exc)
+                raise
+
+    def _release_checks(self, point: FaultPoint, items: Sequence[T]) -> tuple[Sequence[T], DeviceError | None]:
+        """A batched release: one check per item (none when nothing is armed at ``point``): (the items no fault
+        selected, the first injected error or None)."""
+        if self._plan is None or not self._plan.armed(point):
+            return items, None
+        kept: list[T] = []
+        failed: DeviceError | None = None
+        for item in items:
+            try:
+                self._release_fault(point)
+            except DeviceError as exc:
+                failed = failed or exc
+                continue
+            kept.append(item)
+        return kept, failed
+
+    def _trace_fault(self, point: FaultPoint, tag: Tag | None, exc: DeviceError) -> None:
+        assert self._trace is not None
+        self._trace.instant(None, f"fault: {point} error {exc.status}", self._sched.now, "fault",
+                            {"point": point, "tag": list(tag) if tag else None, "status": exc.status})
 
     def _catch_up(self) -> None:
         self._sched.catch_up()
@@ -462,29 +499,49 @@ class SimCore:
     # -- batched calls (the SimBackend facade's; here for the facade's size) ---------------------------------
 
     def free_descriptors_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
-        """Free several descriptor buffers in one call, with ``free_descriptors``'s checks. Never fails."""
+        """Free several descriptor buffers in one call, with ``free_descriptors``'s checks; one ``free`` fault
+        point per buffer.
+
+        Raises:
+            DeviceError: an injected ``free`` fault, once every other buffer was freed (that one stays live).
+        """
         if self.on_call is not None:
             self.on_call("free_descriptors", None)
         with self._lock:
-            self._catch_up()
-            keys = list(map(id, bufs))
-            freed = self._pop_live(self._buffers, keys, bufs, "free_descriptors", "buffer")
-            users = self._buffer_users
-            if users and any(map(users.get, freed)):
-                released = set(freed)
-                for buf in bufs:
-                    if id(buf) in released and users.get(id(buf)):
-                        self._violate("descriptor_freed_under_dma",
-                                      f"{buf!r} freed while {users[id(buf)]} pending copies read it")
-            self._ledger.release_many("descriptor", freed)
+            bufs, failed = self._release_checks("free", bufs)
+            self._free_many(bufs)
+        if failed is not None:
+            raise failed
+
+    def _free_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
+        """free_descriptors_many's work (the lock held)."""
+        self._catch_up()
+        keys = list(map(id, bufs))
+        freed = self._pop_live(self._buffers, keys, bufs, "free_descriptors", "buffer")
+        users = self._buffer_users
+        if users and any(map(users.get, freed)):
+            released = set(freed)
+            for buf in bufs:
+                if id(buf) in released and users.get(id(buf)):
+                    self._violate("descriptor_freed_under_dma",
+                                  f"{buf!r} freed while {users[id(buf)]} pending copies read it")
+        self._ledger.release_many("descriptor", freed)
 
     def destroy_events(self, events: Sequence[Event]) -> None:
-        """Destroy several events in one call, with ``destroy_event``'s checks. Never fails."""
+        """Destroy several events in one call, with ``destroy_event``'s checks; one ``destroy`` fault point per
+        event.
+
+        Raises:
+            DeviceError: an injected ``destroy`` fault, once every other event was destroyed (that one stays live).
+        """
         if self.on_call is not None:
             self.on_call("destroy_event", None)
         with self._lock:
+            events, failed = self._release_checks("destroy", events)
             keys = _event_keys(events)
             self._ledger.release_many("event", self._pop_live(self._events, keys, events, "destroy_event", "event"))
+        if failed is not None:
+            raise failed
 
     def _pop_live(self, live: dict[int, Any], keys: list[int], handles: Sequence[object], call: str,
                   what: str) -> list[int]:

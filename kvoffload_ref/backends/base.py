@@ -51,14 +51,15 @@ Tag = tuple[str, int]
 #: The backend calls where a fault can be injected (``faults.Fault``); see ``faults.py`` for their meaning.
 FaultPoint = Literal[
     "event_query", "event_sync", "copy", "device_sync", "host_register", "host_unregister",
-    "stream_create", "event_create", "descriptor_alloc",
+    "stream_create", "event_create", "descriptor_alloc", "destroy", "free", "unmap",
 ]
 
 #: The point name each backend method reports to an ``on_call`` hook: a fault point's name where the method is
 #: one (``copy_batch`` -> ``"copy"``, ``query`` -> ``"event_query"``, ``synchronize`` -> ``"event_sync"``,
 #: ``prove_idle`` -> ``"device_sync"``, ``create_stream`` -> ``"stream_create"``, ``create_event`` ->
 #: ``"event_create"``, ``alloc_descriptors`` -> ``"descriptor_alloc"``, ``host_register``, ``host_unregister``),
-#: else the method's own name.
+#: else the method's own name (the release calls keep theirs: ``destroy_stream``/``destroy_event`` are the fault point
+#: ``"destroy"``, ``free_descriptors`` is ``"free"``, ``untrack_host`` is ``"unmap"``).
 CALL_POINTS: Final[dict[str, str]] = {
     "destroy_events": "destroy_event", "free_descriptors_many": "free_descriptors",
     "query_prefix": "event_query",
@@ -109,6 +110,15 @@ class FaultSource(Protocol):
 
     def check(self, point: FaultPoint, tag: Tag | None = None) -> None:
         """Count one call at ``point``; raise ``DeviceError`` if an error fault selects it or the device is lost."""
+        ...
+
+    def check_release(self, point: FaultPoint) -> None:
+        """Count one untagged call at a release point; raise ``DeviceError`` if an error fault selects it (a lost
+        device does not fail it)."""
+        ...
+
+    def armed(self, point: FaultPoint) -> bool:
+        """Whether any fault is armed at ``point``."""
         ...
 
     def check_hang(self, point: FaultPoint, tag: Tag | None = None) -> bool:
@@ -309,8 +319,11 @@ class Ledger:
 class Backend(Protocol):
     """What a device must offer (docs/architecture.md, "The Backend protocol"; docs/backends.md).
 
-    Every method may raise ``DeviceError`` (with a CUDA-style ``.status``) unless it says otherwise. Release
-    calls (``destroy_*``, ``free_descriptors``, ``untrack_host``) never fail; ``host_unregister`` may.
+    Every method may raise ``DeviceError`` (with a CUDA-style ``.status``) unless it says otherwise. A release call
+    (``destroy_*``, ``free_descriptors``, ``untrack_host``, ``host_unregister``) that raises leaves its resource as
+    it was: live in the ledger, which the library then marks leaked (R16) before it goes on with the next release
+    step (R3, R9, R10). A batched release call (``destroy_events``, ``free_descriptors_many``) releases every item
+    it can and raises the first failure once done; the items it could not release stay live.
 
     The batched calls a teardown or a drain of thousands of transfers wants (``destroy_events``,
     ``free_descriptors_many``, ``query_prefix``) are an optional extension: :class:`~kvoffload_ref.backends.
@@ -366,7 +379,8 @@ class Backend(Protocol):
         ...
 
     def untrack_host(self, ptr: int) -> None:
-        """Announce that the mapping starting at ptr is about to be unmapped. Never fails."""
+        """Announce that the mapping starting at ptr is about to be unmapped. May fail (the mapping then stays
+        announced: leaked)."""
         ...
 
     def host_register(self, ptr: int, nbytes: int) -> None:
@@ -383,7 +397,7 @@ class Backend(Protocol):
         ...
 
     def free_descriptors(self, buf: DescriptorBuffer) -> None:
-        """Free a descriptor buffer. Never fails."""
+        """Free a descriptor buffer. May fail (the buffer then stays allocated: leaked)."""
         ...
 
     # -- streams and events -----------------------------------------------------------------------------------
@@ -409,7 +423,7 @@ class Backend(Protocol):
         ...
 
     def destroy_stream(self, stream: Stream) -> None:
-        """Destroy a stream; work already queued on it still runs. Never fails."""
+        """Destroy a stream; work already queued on it still runs. May fail (the stream then stays: leaked)."""
         ...
 
     def wait_event(self, stream: Stream, event: Event) -> None:
@@ -421,7 +435,7 @@ class Backend(Protocol):
         ...
 
     def destroy_event(self, event: Event) -> None:
-        """Destroy an event. Never fails."""
+        """Destroy an event. May fail (the event then stays: leaked)."""
         ...
 
     def record(self, event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
@@ -537,11 +551,14 @@ def wait_polling(backend: Backend, settled: Callable[[], bool], started: float, 
         pause = min(pause * 2, longest)
 
 
-def record_and_poll(backend: Backend, streams: Sequence[Stream], deadline: float) -> bool:
+def record_and_poll(backend: Backend, streams: Sequence[Stream], deadline: float, *,
+                    destroy: Callable[[Event], object] | None = None) -> bool:
     """The generic device-level proof: record a fresh event on each of ``streams`` (only those), then poll all
     of them until the deadline. Backends use it to implement ``prove_idle``.
 
-    The events are created and destroyed here (so they pass through the ledger).
+    The events are created and destroyed here (so they pass through the ledger), with ``destroy`` (default
+    ``backend.destroy_event``): a backend with release fault points passes one that skips them -- the proof's own
+    events are not a release step of the library's (R16's report could not list them).
     """
     targets = list(streams)
     events: list[Event] = []
@@ -558,13 +575,14 @@ def record_and_poll(backend: Backend, streams: Sequence[Stream], deadline: float
 
         done = poll_until(backend, all_done, deadline)
     except BaseException:
-        _destroy_all(backend, events)  # an interrupt meanwhile is dropped: the one in flight propagates
+        _destroy_all(destroy or backend.destroy_event, events)  # an interrupt meanwhile is dropped: the one in
+        # flight propagates
         raise
-    _destroy_all(backend, events).reraise()
+    _destroy_all(destroy or backend.destroy_event, events).reraise()
     return done
 
 
-def _destroy_all(backend: Backend, events: list[Event]) -> Shield:
+def _destroy_all(destroy: Callable[[Event], object], events: list[Event]) -> Shield:
     """Destroy the proof's events, every one whatever interrupts arrive meanwhile (R14: none stays live).
 
     Returns:
@@ -572,6 +590,6 @@ def _destroy_all(backend: Backend, events: list[Event]) -> Shield:
     """
     shield = Shield()
     while events:
-        shield.run(lambda: backend.destroy_event(events[-1]))
+        shield.run(lambda: destroy(events[-1]))
         events.pop()
     return shield

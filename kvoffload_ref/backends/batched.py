@@ -9,8 +9,8 @@ method when it has one and else make one call each -- the same result, only slow
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event
 from kvoffload_ref.errors import DeviceError
@@ -23,11 +23,15 @@ class BatchedBackend(Backend, Protocol):
     """A backend with batched teardown and drain calls (the simulated device)."""
 
     def destroy_events(self, events: Sequence[Event]) -> None:
-        """Destroy several events in one call (a teardown destroys thousands). Never fails."""
+        """Destroy several events in one call (a teardown destroys thousands). Each event is one call at the fault
+        point ``destroy``: every event that can be is destroyed, then the first failure is raised (those stay
+        live)."""
         ...
 
     def free_descriptors_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
-        """Free several descriptor buffers in one call (a teardown frees thousands). Never fails."""
+        """Free several descriptor buffers in one call (a teardown frees thousands). Each buffer is one call at the
+        fault point ``free``: every buffer that can be is freed, then the first failure is raised (those stay
+        live)."""
         ...
 
     def query_prefix(self, events: Sequence[Event]) -> int:
@@ -71,13 +75,23 @@ def query_prefix(backend: Backend, events: Sequence[Event]) -> int:
 
 
 def _destroy_each(backend: Backend, events: Sequence[Event]) -> None:
-    for event in events:
-        backend.destroy_event(event)
+    _every(backend.destroy_event, events)
 
 
 def _free_each(backend: Backend, bufs: Sequence[DescriptorBuffer]) -> None:
-    for buf in bufs:
-        backend.free_descriptors(buf)
+    _every(backend.free_descriptors, bufs)
+
+
+def _every(release: Callable[[Any], object], items: Sequence[object]) -> None:
+    """``release`` each item; one that raises does not stop the others: the first failure is raised once done."""
+    failed: Exception | None = None
+    for item in items:
+        try:
+            release(item)
+        except Exception as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
 
 
 def _query_each(backend: Backend, events: Sequence[Event]) -> int:

@@ -25,8 +25,9 @@ each ``host_register``, see ``registrations()``). docs/simulator.md is the user'
 is selected when a transfer is submitted (its start: a tagged ``record`` on a stream other than a compute stream
 that does not close the stream's open start/end pair of that tag), and is a hang op queued right after it.
 Once the device is lost (a sticky fault, or the sim's own illegal-address error) nothing queued runs any more
-and every call but the clock, the release calls (``destroy_*``, ``free_descriptors``, ``untrack_host``),
-``track_host``, ``array_info``, ``current_stream`` and ``compute_stream`` raises.
+and every call but the clock, the release calls (``destroy_*``, ``free_descriptors``, ``untrack_host``: they fail
+only where an error fault selects them), ``track_host``, ``array_info``, ``current_stream`` and ``compute_stream``
+raises.
 
 *Accounting.* Streams, events, descriptor buffers, pinned ranges and host mappings pass through the
 :class:`~kvoffload_ref.backends.base.Ledger`, only once the call that acquires them has succeeded.
@@ -34,6 +35,7 @@ and every call but the clock, the release calls (``destroy_*``, ``free_descripto
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
@@ -242,16 +244,20 @@ class SimBackend(SimCore):
             return buf
 
     def free_descriptors(self, buf: DescriptorBuffer) -> None:
-        """Free a descriptor buffer. Never fails.
+        """Free a descriptor buffer (fault point ``free``).
 
         Freeing one that a pending copy still reads is recorded (``descriptor_freed_under_dma``); the copy
         still runs with the descriptors it reads. An unknown or already freed buffer is recorded
         (``invalid_release``).
+
+        Raises:
+            DeviceError: an injected ``free`` fault (nothing happens: the buffer stays live).
         """
         key = id(buf)
         if self.on_call is not None:
             self.on_call("free_descriptors", None)
         with self._lock:
+            self._release_fault("free")
             self._catch_up()
             if self._buffers.get(key) is not buf:
                 self._violate("invalid_release", f"free_descriptors({buf!r}): not a live buffer of this device")
@@ -312,11 +318,17 @@ class SimBackend(SimCore):
             return stream
 
     def destroy_stream(self, stream: Stream) -> None:
-        """Destroy a stream; work already queued on it still runs. Never fails (misuse: ``invalid_release``)."""
+        """Destroy a stream (fault point ``destroy``); work already queued on it still runs (misuse:
+        ``invalid_release``).
+
+        Raises:
+            DeviceError: an injected ``destroy`` fault (nothing happens: the stream stays live).
+        """
         key = id(stream)
         if self.on_call is not None:
             self.on_call("destroy_stream", None)
         with self._lock:
+            self._release_fault("destroy")
             if self._streams.pop(key, None) is not stream or not isinstance(stream, SimStream):
                 self._violate("invalid_release", f"destroy_stream({stream!r}): not a live stream of this device")
                 return
@@ -358,11 +370,22 @@ class SimBackend(SimCore):
             return event
 
     def destroy_event(self, event: Event) -> None:
-        """Destroy an event. Never fails (misuse: ``invalid_release``)."""
+        """Destroy an event (fault point ``destroy``; misuse: ``invalid_release``).
+
+        Raises:
+            DeviceError: an injected ``destroy`` fault (nothing happens: the event stays live).
+        """
+        self._destroy_event(event, fault=True)
+
+    def _destroy_event(self, event: Event, *, fault: bool) -> None:
+        """``destroy_event``; ``fault=False`` for the device-level proof's own events (not a release step of the
+        library's: no fault point applies, the hook still sees the call)."""
         key = id(event)
         if self.on_call is not None:
             self.on_call("destroy_event", None)
         with self._lock:
+            if fault:
+                self._release_fault("destroy")
             if self._events.pop(key, None) is not event or not isinstance(event, SimEvent):
                 self._violate("invalid_release", f"destroy_event({event!r}): not a live event of this device")
                 return
@@ -550,7 +573,7 @@ class SimBackend(SimCore):
         if hang:
             poll_until(self, lambda: False, deadline)
             return False
-        return record_and_poll(self, streams, deadline)
+        return record_and_poll(self, streams, deadline, destroy=functools.partial(self._destroy_event, fault=False))
 
     # -- test helpers ------------------------------------------------------------------------------------------
 

@@ -113,6 +113,14 @@ class RecordingPlan(FaultPlan):
         finally:
             self._record(before, point, tag)
 
+    def check_release(self, point: FaultPoint) -> None:
+        """As FaultPlan.check_release, recording what fired."""
+        before = len(self.fired)
+        try:
+            super().check_release(point)
+        finally:
+            self._record(before, point, None)
+
     def check_hang(self, point: FaultPoint, tag: Tag | None = None) -> bool:
         """As FaultPlan.check_hang, recording what fired."""
         before = len(self.fired)

@@ -18,7 +18,7 @@ from typing import Final, Literal, TypeVar, cast
 
 from hypothesis import strategies as st
 
-from kvoffload_ref.faults import HANG_POINTS, POINTS, Fault, FaultKind, FaultPoint
+from kvoffload_ref.faults import HANG_POINTS, POINTS, RELEASE_POINTS, Fault, FaultKind, FaultPoint
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.testing.adapter import Setup
 from kvoffload_ref.worker import ShutdownPolicy
@@ -46,6 +46,10 @@ TIMEOUTS: Final = (0.0, 1e-3, 0.05, 0.5, 2.0)
 SUBMIT_POINTS: Final[tuple[FaultPoint, ...]] = ("copy", "stream_create", "event_create", "descriptor_alloc")
 #: Points where an error makes a queued transfer fail: querying (or synchronizing) its end event.
 COMPLETION_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_query", "event_query", "event_sync")
+#: Points a fault not aimed at a transfer is drawn at: transfer points, the proof, and every release step (their
+#: calls carry no tag, so only an unaimed fault selects them: a failed release is leaked and reported, R16).
+UNTARGETED_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "copy", "device_sync", "host_unregister",
+                                                    *RELEASE_POINTS)
 #: Bound on each strategy cache (distinct argument sets; a campaign meets a few hundred layouts).
 _CACHE_SIZE: Final = 4096
 
@@ -168,8 +172,9 @@ def fault_plans(job_ids: Sequence[int] = (), *, max_faults: int = 3) -> st.Searc
     transfer's completion (:func:`completion_faults`, the failure path R5 is about) and may add others; the
     rest are a few faults aimed at transfers (any point and kind, completion errors among them).
 
-    Faults that are not aimed at a transfer (no direction or job id) are drawn at the transfer points only, so a
-    plan rarely breaks the worker's construction (prewarmed streams and events are untagged).
+    Faults that are not aimed at a transfer (no direction or job id) are drawn at the transfer points, the proof and
+    the release steps only (:data:`UNTARGETED_POINTS`), so a plan rarely breaks the worker's construction
+    (prewarmed streams and events are untagged).
     """
     return _fault_plans(tuple(job_ids), max_faults, _types(tuple(job_ids)))
 
@@ -178,7 +183,7 @@ def fault_plans(job_ids: Sequence[int] = (), *, max_faults: int = 3) -> st.Searc
 def _fault_plans(job_ids: tuple[int, ...], max_faults: int,
                  types_key: tuple[type, ...]) -> st.SearchStrategy[tuple[Fault, ...]]:
     aimed = faults(job_ids)
-    untargeted = faults((), points=("event_query", "copy", "device_sync", "host_unregister")).map(
+    untargeted = faults((), points=UNTARGETED_POINTS).map(
         lambda f: dataclasses.replace(f, direction=None, job_id=None))
     completion = st.one_of(completion_faults(), completion_faults(job_ids)) if job_ids else completion_faults()
     some = st.lists(st.one_of(aimed, aimed, untargeted, completion), min_size=1, max_size=max_faults).map(tuple)
