@@ -292,14 +292,26 @@ class Core:
             kept, failed = handler.release(fate, shield, reason=reason)
             run.errors.extend(f"{name} release: {f}" for f in failed)
             run.add("quarantined", "descriptor", kept)
+        wait = self._wait_left(run, shield)  # R11: a shared file's lock is waited for within the same timeout
         if fate is Fate.RELEASE:  # R3 (R12: everything was proven idle, or the release policy)
-            run.errors.extend(f"region: {f}" for f in self.region.release_by_owner(shield))
+            run.errors.extend(f"region: {f}" for f in self.region.release_by_owner(shield, wait=wait))
             table, kinds = "leaked", self.region.leaked  # R16: a release step that failed
         else:  # R12: quarantined: mapped and pinned until process exit
-            run.errors.extend(f"region: {f}" for f in self.region.quarantine_by_owner(reason))
+            run.errors.extend(f"region: {f}" for f in self.region.quarantine_by_owner(reason, wait=wait))
             table, kinds = "quarantined", self.region.quarantined_resources
         for kind, count in kinds.items():
             run.add(table, kind, count)
+
+    def _wait_left(self, run: ShutdownRun, shield: Shield) -> float:
+        """R11: the seconds the release may still wait (a shared file's lock): what is left of the policy's timeout
+        on the backend clock; none after an interrupt (R14) or when the clock cannot be read."""
+        if run.interrupt is not None:
+            return 0.0
+        try:
+            now = shield.run(self.backend.monotonic)
+        except BaseException:  # a failed clock read waits for nothing; the shield keeps an interrupt (R14)
+            return 0.0
+        return max(0.0, run.started + self.policy.timeout - now)
 
     def _close(self, run: ShutdownRun, shield: Shield) -> None:
         """Store the report and close (no backend call but the clock, retried through interrupts)."""
