@@ -134,6 +134,16 @@ def test_shared_region_rejects_unsafe_engine_ids(shm_dir: str, engine_id: Any) -
         _rank(shm_dir, 0, 1, engine=engine_id).open(SimBackend())
 
 
+@pytest.mark.rule("R17")
+def test_shared_region_engine_id_leaves_room_for_the_creators_temporary_name(shm_dir: str) -> None:
+    longest = 255 - shared_file.TEMP_NAME_EXTRA - len(shared_region.FILE_PREFIX + shared_region.FILE_SUFFIX)
+    with pytest.raises(kv.InvalidTransferError, match="temporary name adds 22"):
+        shared_region.region_path("x" * (longest + 1), shm_dir)
+    region = _rank(shm_dir, 0, 1, engine="x" * longest).open(SimBackend())
+    assert len(os.path.basename(region.path)) == 255 - 22
+    region.release()
+
+
 @pytest.mark.rule("R7")
 @pytest.mark.parametrize(("rank", "world_size", "extra"), [
     (2, 2, {}), (-1, 2, {}), (0, 0, {}), (0, shared_region.MAX_WORLD_SIZE + 1, {}), (True, 2, {}),
