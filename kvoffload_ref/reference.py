@@ -85,8 +85,11 @@ def build_core(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheL
     logger.info("Allocating %d CPU tensors...", layout.num_tensors)
     undo: list[tuple[str, Callable[[], object]]] = []  # R2: what to give back, in acquisition order
     try:
-        if not region.pinned and region.pin(options.pin_chunk_bytes, required=options.require_pinned):
-            undo.append(("unpin the region", region.unpin))  # a failure left it pageable (a warning), unless required
+        # R11: on a backend whose copies to pageable memory block the host, no pageable fallback (a copy under the
+        # lock must never block); elsewhere a failure leaves the region pageable (a warning), unless required.
+        required = options.require_pinned or bool(getattr(backend, "pageable_copies_block", False))
+        if not region.pinned and region.pin(options.pin_chunk_bytes, required=required):
+            undo.append(("unpin the region", region.unpin))
         handlers = []
         for direction in DIRECTIONS:  # R4: one handler, with its own stream, per direction
             handlers.append(new_handler(backend, direction, compute, layout, gpu, region.geometries(), bpc, canonical))

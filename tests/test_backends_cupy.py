@@ -429,7 +429,9 @@ def test_fake_memcpy_path_coalesces_contiguous_runs_byte_exact(fake: tuple[cb.Cu
     dev = backend.from_host(np.arange(16 * page, dtype=np.uint8).reshape(16, page) % 251)
     g = backend.array_info(dev)
     host = np.zeros((16, page), np.uint8)
-    backend.track_host(host.ctypes.data, host.nbytes)  # tracked, not pinned: memcpy path whatever the mode
+    backend.track_host(host.ctypes.data, host.nbytes)
+    backend.host_register(host.ctypes.data, host.nbytes)  # page-locked: a memcpy never blocks the host (R11)
+    backend.copy_path = "memcpy"
     gpu_ids, cpu_ids = [3, 4, 5, 9, 0, 1], [7, 8, 9, 2, 14, 15]  # runs: 3 (3-5 -> 7-9), 1, 2 (0-1 -> 14-15)
     src = [g.ptr + i * g.row_stride for i in gpu_ids]
     dst = [host.ctypes.data + i * page for i in cpu_ids]
@@ -444,6 +446,42 @@ def test_fake_memcpy_path_coalesces_contiguous_runs_byte_exact(fake: tuple[cb.Cu
     finally:
         backend.destroy_stream(stream)
         backend.free_descriptors(buf)
+        backend.host_unregister(host.ctypes.data)
+        backend.untrack_host(host.ctypes.data)
+
+
+@pytest.mark.rule("R11")
+@pytest.mark.parametrize("copy_path", ["memcpy", "auto"])
+def test_fake_copy_batch_refuses_pageable_host_memory_before_any_cuda_call(
+        fake: tuple[cb.CupyBackend, FakeRuntime], copy_path: str) -> None:
+    """A cudaMemcpyAsync to or from pageable memory blocks the host until the stream reaches it -- under the
+    worker's lock, a hung stream would hold shutdown() from another thread (R11): refused, whatever the path."""
+    backend, rt = fake
+    backend.copy_path = copy_path  # type: ignore[assignment]
+    page = 64
+    dev = backend.from_host(np.ones((4, page), np.uint8))
+    g = backend.array_info(dev)
+    host = np.zeros((4, page), np.uint8)
+    backend.track_host(host.ctypes.data, host.nbytes)  # mapped (a region), not registered: pageable
+    stream = backend.create_stream()
+    cases = [([g.ptr], [host.ctypes.data + page], "descriptor 0's destination"),  # a store into pageable rows
+             ([g.ptr, host.ctypes.data], [g.ptr + 2 * page, g.ptr + page], "descriptor 1's source")]  # a load
+    try:
+        for src, dst, what in cases:
+            buf, count = descriptors(backend, src, dst, [page] * len(src))
+            calls = len(rt.calls)
+            with pytest.raises(InvalidTransferError, match=f"{what} .* is pageable host memory .*R11"):
+                backend.copy_batch(stream, buf, count, tag=("store", 1))
+            assert len(rt.calls) == calls, "refused before any CUDA call"
+            backend.free_descriptors(buf)
+        backend.host_register(host.ctypes.data, host.nbytes)  # page-locked now: the same copy is queued
+        buf, count = descriptors(backend, *cases[0][:2], [page])
+        backend.copy_batch(stream, buf, count)
+        assert (host[1] == 1).all()
+        backend.free_descriptors(buf)
+        backend.host_unregister(host.ctypes.data)
+    finally:
+        backend.destroy_stream(stream)
         backend.untrack_host(host.ctypes.data)
 
 
@@ -540,6 +578,34 @@ def test_span_set_contains_all_matches_brute_force(pinned: list[tuple[int, int]]
     expected = all(all(b in covered for b in range(a, a + n)) and (n > 0 or a in covered or _touches(covered, a))
                    for a, n in copies)
     assert spans.contains_all(addrs, sizes) == expected
+
+
+@pytest.mark.rule("R11")
+@given(registered=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20), st.booleans()), max_size=5),
+       device=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), max_size=5),
+       copies=st.lists(st.tuples(st.integers(0, 80), st.integers(1, 20)), min_size=1, max_size=6))
+def test_span_set_first_pageable_matches_brute_force(registered: list[tuple[int, int, bool]],
+                                                      device: list[tuple[int, int]],
+                                                      copies: list[tuple[int, int]]) -> None:
+    """Every registered range is page-locked, kernel-usable or not; a copy is pageable unless it lies inside one
+    merged interval of registered and device memory; a discarded registration is pageable again."""
+    spans = SpanSet()
+    locked: set[int] = set()
+    for start, length, kernel in registered:
+        spans.add_pinned(start, start + length, kernel=kernel)
+    for start, end in {start: start + length for start, length, _ in registered}.items():
+        locked.update(range(start, end))
+    for start, length in device:
+        spans.add_device(start, start + length)
+        locked.update(range(start, start + length))
+    addrs = np.array([a for a, _ in copies], np.int64)
+    sizes = np.array([n for _, n in copies], np.int64)
+    expected = next((i for i, (a, n) in enumerate(copies) if not all(b in locked for b in range(a, a + n))), None)
+    assert spans.first_pageable(addrs, sizes) == expected
+    for start, _, _ in registered:
+        spans.discard_pinned(start)
+    if not device:
+        assert spans.first_pageable(addrs, sizes) == 0
 
 
 def _touches(covered: set[int], addr: int) -> bool:
@@ -1319,9 +1385,11 @@ def test_fake_memcpy_path_splits_a_merged_run_at_a_registration_seam(fake: tuple
         assert np.array_equal(backend.to_host(back)[rows], data[rows])
         backend.host_unregister(hp + 6 * page)
         backend.host_unregister(hp)
+        backend.host_register(hp, 16 * page)  # one registration: no seam inside, one run again
         before = len(rt.calls)
-        backend.copy_batch(stream, store, n_store, tag=("store", 3))  # no registrations left: one run again
+        backend.copy_batch(stream, store, n_store, tag=("store", 3))
         assert [c[3] for c in rt.calls[before:] if c[0] == "memcpyAsync"] == [10 * page]
+        backend.host_unregister(hp)
     finally:
         backend.destroy_stream(stream)
         backend.free_descriptors(store)
