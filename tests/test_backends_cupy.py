@@ -634,6 +634,35 @@ def test_fake_kernel_compile_failure_falls_back_to_memcpy(caplog: pytest.LogCapt
         backend.untrack_host(host.ctypes.data)
 
 
+@pytest.mark.rule("R11")
+def test_fake_kernel_path_only_after_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend built with copy_path="memcpy" never warmed the kernel up: switched to "kernel" later, copy_batch
+    still takes the memcpy path, so no submission (under a worker's lock) compiles or loads a module, which may
+    synchronize the context (R11); after warm_up() it takes the kernel path."""
+    module = fake_cupy()
+    compiled: list[str] = []
+    monkeypatch.setattr(module, "RawModule", lambda code: compiled.append(code) or FakeRawModule(code))
+    backend = cb.CupyBackend(copy_path="memcpy", _cupy_module=module)
+    backend.copy_path = "kernel"
+    dev = backend.from_host(np.full((4, 256), 5, np.uint8))
+    g = backend.array_info(dev)
+    host = np.zeros((4, 256), np.uint8)
+    backend.track_host(host.ctypes.data, host.nbytes)
+    backend.host_register(host.ctypes.data, host.nbytes)
+    buf, count = descriptors(backend, [g.ptr + i * 256 for i in (3, 1)],
+                             [host.ctypes.data + i * 256 for i in (0, 2)], [256, 256])
+    try:
+        backend.copy_batch(backend.current_stream(), buf, count)
+        assert backend.copy_path_counts() == {"kernel": 0, "memcpy": 1} and compiled == []
+        assert backend.warm_up() is True and len(compiled) == 1
+        backend.copy_batch(backend.current_stream(), buf, count)
+        assert backend.copy_path_counts() == {"kernel": 1, "memcpy": 1} and (host[[0, 2]] == 5).all()
+    finally:
+        backend.free_descriptors(buf)
+        backend.host_unregister(host.ctypes.data)
+        backend.untrack_host(host.ctypes.data)
+
+
 def test_fake_copy_batch_validates_before_device_work(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
     backend, rt = fake
     buf, count = descriptors(backend, [0, 0], [0, 0], [16, -1])
@@ -1084,17 +1113,20 @@ def test_gpu_padded_rows_and_unaligned_descriptors(gpu: cb.CupyBackend, path: cb
 
 
 @pytest.mark.gpu
-def test_gpu_unpinned_host_memory_never_takes_the_kernel_path(gpu: cb.CupyBackend) -> None:
+@pytest.mark.rule("R11")
+def test_gpu_unpinned_host_memory_is_refused_on_every_path(gpu: cb.CupyBackend) -> None:
+    """Never the kernel path (it cannot dereference unregistered memory), and never a cudaMemcpyAsync either (to
+    pageable memory it blocks the host, R11): refused before any CUDA call."""
     gpu.copy_path = "kernel"
     data = np.random.default_rng(3).integers(0, 256, (16, 4096), dtype=np.uint8)
     dev = gpu.from_host(data)
     g = gpu.array_info(dev)
     ids = np.arange(16, dtype=np.int64)[::-1].copy()
     with region(gpu, 16, 4096, pin=False) as host:
-        took = run_copy(gpu, g.ptr + ids * 4096, host.ptr + np.arange(16) * 4096,
-                        np.full(16, 4096, np.int64), ("store", 5))
-        assert took == "memcpy"
-        assert np.array_equal(host.view(), data[ids])
+        with pytest.raises(InvalidTransferError, match="pageable host memory"):
+            run_copy(gpu, g.ptr + ids * 4096, host.ptr + np.arange(16) * 4096, np.full(16, 4096, np.int64),
+                     ("store", 5))
+        assert not host.view().any()
 
 
 @pytest.mark.gpu

@@ -521,7 +521,7 @@ class CupyBackend(TracingMixin):
         if count == 0 or int(sizes.max()) == 0:
             return
         path = self.choose_path(src, dst, sizes)
-        path = "memcpy" if path == "kernel" and not self._engine.available() else path
+        path = "memcpy" if path == "kernel" and not self._engine.warmed else path  # R11: no module load here
         if path == "memcpy":
             self._refuse_pageable(src, dst, sizes)  # R11 (the kernel path's descriptors are all page-locked)
         tracer = self._tracer  # read once: a stop_trace() meanwhile must not strand the start event
