@@ -15,9 +15,11 @@ canonical page). Ranks that hold the same bytes share the store work by rotation
 ``p`` only when ``p % num_writers == writer_index`` (:meth:`PageMapping.is_writer`); loads are never filtered.
 
 R24 asks two things of the mappings of one layer across the ranks of the group, checked before any device
-work (:func:`verify_mappings`): each rank's runs cover its own page exactly once, and, for each writer index,
-the runs of the ranks that write it tile the canonical page exactly once. A failure is a
-:class:`MappingError` naming the layer, the rank and the first byte where a gap or an overlap begins.
+work (:func:`verify_mappings`): each rank's runs cover its own page exactly once and write no canonical byte
+twice (:func:`verify_mapping`, what a worker checks of its own rank), and, for each writer index, the runs of the
+ranks that write it tile the canonical page exactly once. A failure is a :class:`MappingError` naming the layer,
+the rank and the first byte where a gap or an overlap begins (for canonical bytes one rank writes twice, their
+range).
 
 How the mappings are derived from a parallel context and a layer's geometry is
 :mod:`kvoffload_ref.canonical_derive`'s business; this module knows nothing of parallelism.
@@ -315,6 +317,26 @@ def _first_fault(starts: Int64Array, sizes: Int64Array, size: int) -> tuple[_Fau
     return None, order
 
 
+def _first_overlap(starts: Int64Array, sizes: Int64Array) -> tuple[int, int, int, int] | None:
+    """Where fragments first overlap one another (gaps are allowed: a rank writes only part of the canonical page).
+
+    Returns:
+        None when no byte is covered twice; else ``(first, end, later, earlier)``: the overlapping bytes
+        ``[first, end)`` of the two fragments that overlap first in start order, as indices into ``starts``.
+    """
+    if len(starts) < 2:
+        return None
+    order = np.lexsort((sizes, starts))
+    s, e = starts[order], starts[order] + sizes[order]
+    reach = np.maximum.accumulate(e)
+    bad = np.flatnonzero(s[1:] < reach[:-1])
+    if not len(bad):
+        return None
+    i = int(bad[0]) + 1
+    other = int(np.flatnonzero(e[:i] > s[i])[0])  # the first earlier fragment still covering s[i]
+    return int(s[i]), int(min(e[i], e[other])), int(order[i]), int(order[other])
+
+
 def _check_name(layer: object) -> str:
     if not isinstance(layer, str):
         raise InvalidTransferError(f"layer must be a str (the layer's name), got {type(layer).__name__}")
@@ -328,7 +350,9 @@ def _check_mapping(mapping: object, where: str) -> PageMapping:
 
 
 def verify_mapping(layer: str, rank: int, mapping: PageMapping) -> None:
-    """R24, one rank: the runs cover the rank's local page exactly once (no gap, no overlap, nothing past it).
+    """R24, one rank: the runs cover the rank's local page exactly once (no gap, no overlap, nothing past it), and
+    write no canonical byte twice (two local bytes copied to one canonical byte would leave another canonical byte
+    unwritten by this rank, while a store still reports success).
 
     Args:
         layer: the layer's name (for the message).
@@ -336,25 +360,38 @@ def verify_mapping(layer: str, rank: int, mapping: PageMapping) -> None:
         mapping: the rank's mapping of the layer.
 
     Raises:
-        MappingError: the runs leave a gap or overlap; the message names the layer, the rank and the first byte.
+        MappingError: the runs leave a gap or overlap in the local page (the message names the layer, the rank and
+            the first byte), or two of its fragments write the same canonical bytes (``page="canonical"``; the
+            message names the layer, the rank, the runs and the overlapping canonical byte range).
         InvalidTransferError: ``layer`` is not a str, ``rank`` not an int >= 0, ``mapping`` not a PageMapping.
     """
     layer = _check_name(layer)
     rank = check_int("rank", rank, minimum=0)
     mapping = _check_mapping(mapping, "mapping")
-    local, _canonical, sizes = mapping.fragments()
+    local, canonical, sizes = mapping.fragments()
     fault, order = _first_fault(local, sizes, mapping.local_page_size)
-    if fault is None:
-        return
     where = f"layer {layer!r}, rank {rank}: the runs"
-    if fault.problem == "gap":
-        text = f"{where} leave a gap in the local page at byte {fault.offset} ({fault.length} bytes uncovered)"
-    else:
-        run_of = np.repeat(np.arange(len(mapping.runs)), [r.num_fragments for r in mapping.runs])
-        first, second = int(run_of[order[fault.other]]), int(run_of[order[fault.index]])
-        text = (f"{where} overlap in the local page at byte {fault.offset}: runs[{first}] and runs[{second}] both "
-                f"cover it")
-    raise MappingError(text, layer=layer, rank=rank, problem=fault.problem, page="local", offset=fault.offset)
+    if fault is not None:
+        if fault.problem == "gap":
+            text = f"{where} leave a gap in the local page at byte {fault.offset} ({fault.length} bytes uncovered)"
+        else:
+            first, second = _run_of(mapping, order[fault.other]), _run_of(mapping, order[fault.index])
+            text = (f"{where} overlap in the local page at byte {fault.offset}: runs[{first}] and runs[{second}] "
+                    f"both cover it")
+        raise MappingError(text, layer=layer, rank=rank, problem=fault.problem, page="local", offset=fault.offset)
+    twice = _first_overlap(canonical, sizes)
+    if twice is not None:  # R24: each canonical byte is written by one fragment of one rank at most
+        lo, hi, later, earlier = twice
+        first, second = _run_of(mapping, earlier), _run_of(mapping, later)
+        text = (f"{where} write canonical bytes [{lo}, {hi}) twice: runs[{first}] and runs[{second}] both write "
+                f"them (each canonical byte must come from one local byte)")
+        raise MappingError(text, layer=layer, rank=rank, problem="overlap", page="canonical", offset=lo)
+
+
+def _run_of(mapping: PageMapping, fragment: int) -> int:
+    """The index of the run that unrolled fragment ``fragment`` belongs to."""
+    counts = np.cumsum([r.num_fragments for r in mapping.runs])
+    return int(np.searchsorted(counts, fragment, side="right"))
 
 
 def verify_mappings(layer: str, mappings: Sequence[PageMapping]) -> None:

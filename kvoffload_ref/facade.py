@@ -65,7 +65,9 @@ class WorkerFacade:
         policy: the shutdown timeout and what to do with unproven memory (R11, R12).
         pin_chunk_bytes: the most bytes registered per host-register call (with the region's
             ``max_register_bytes``: the smaller applies; seams fall on row boundaries either way, R25).
-        require_pinned: if True a failed registration fails construction; else it runs unpinned (a warning).
+        require_pinned: if True a failed registration fails construction; else it runs unpinned (a warning) --
+            except on a backend whose copies to pageable memory block the host (``pageable_copies_block``, the
+            CuPy backend): there it is always required (R11).
         compute_stream: the stream the model computes on; every transfer waits for the work queued on it when the
             transfer is submitted (R4), and the device-level proof covers it (R13). None: the backend's current
             stream in the constructing thread, captured once (``Backend.compute_stream`` says what each accepts).

@@ -324,6 +324,11 @@ class FaultyBackend:
         """Backend seconds after which a wait without a bound on hung work gives up with SimHang."""
         return self._horizon
 
+    @property
+    def pageable_copies_block(self) -> bool:
+        """The inner backend's (a copy to or from pageable host memory blocks the host there, R11)."""
+        return bool(getattr(self.inner, "pageable_copies_block", False))
+
     def check_unbounded_wait(self, started: float, now: float, what: str) -> None:
         """SimHang once a wait without a timeout outlived :attr:`hang_horizon` (no hook, no inner call)."""
         give_up_past_horizon(self._horizon, started, now, what)

@@ -171,7 +171,9 @@ class DirectionHandler:
         # Invariant: the report's jobs, in submission order: those known before the drain began (_outcomes), then
         # those the drain proved (ids and bytes: no outcome object until a report is read), then those it stopped at.
         self._outcomes: list[JobOutcome] = []
-        self._drained_ids: array.array[int] = array.array("q")
+        # R7: a job id is any int (2**63 and uuid4().int included): ids are kept as Python ints, never packed
+        # into a fixed-width array; byte counts fit in int64 (every address range was checked to).
+        self._drained_ids: list[int] = []
         self._drained_bytes: array.array[int] = array.array("q")
         self._stopped: list[JobOutcome] = []
         # Invariant: True while some queued transfer is broken (its end event unrecorded): prefixes stop there.
@@ -370,7 +372,7 @@ class DirectionHandler:
                                for h in run]
         self._events += itertools.chain.from_iterable(map(_EVENTS, run))
         self._descriptors += filter(None, map(_DESCRIPTORS, run))  # None: no copy
-        # The drain reads no timings: a drained head leaves only its id and byte count (two C arrays); its outcome
+        # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its outcome
         # is built when a report is read, so a teardown of thousands allocates nothing per job.
         if action is Action.COUNT_DRAINED:
             self._drained_ids.extend(map(_JOB_ID, run))

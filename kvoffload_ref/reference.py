@@ -85,8 +85,11 @@ def build_core(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheL
     logger.info("Allocating %d CPU tensors...", layout.num_tensors)
     undo: list[tuple[str, Callable[[], object]]] = []  # R2: what to give back, in acquisition order
     try:
-        if not region.pinned and region.pin(options.pin_chunk_bytes, required=options.require_pinned):
-            undo.append(("unpin the region", region.unpin))  # a failure left it pageable (a warning), unless required
+        # R11: on a backend whose copies to pageable memory block the host, no pageable fallback (a copy under the
+        # lock must never block); elsewhere a failure leaves the region pageable (a warning), unless required.
+        required = options.require_pinned or bool(getattr(backend, "pageable_copies_block", False))
+        if not region.pinned and region.pin(options.pin_chunk_bytes, required=required):
+            undo.append(("unpin the region", region.unpin))
         handlers = []
         for direction in DIRECTIONS:  # R4: one handler, with its own stream, per direction
             handlers.append(new_handler(backend, direction, compute, layout, gpu, region.geometries(), bpc, canonical))
@@ -302,14 +305,26 @@ class Core:
             run.add("quarantined", "descriptor", kept)
             for kind, count in handler.leaks.counts.items():  # R16: release calls that failed, now or earlier
                 run.add("leaked", kind, count)
+        wait = self._wait_left(run, shield)  # R11: a shared file's lock is waited for within the same timeout
         if fate is Fate.RELEASE:  # R3 (R12: everything was proven idle, or the release policy)
-            run.errors.extend(f"region: {f}" for f in self.region.release_by_owner(shield))
+            run.errors.extend(f"region: {f}" for f in self.region.release_by_owner(shield, wait=wait))
             table, kinds = "leaked", self.region.leaked  # R16: a release step that failed
         else:  # R12: quarantined: mapped and pinned until process exit
-            run.errors.extend(f"region: {f}" for f in self.region.quarantine_by_owner(reason))
+            run.errors.extend(f"region: {f}" for f in self.region.quarantine_by_owner(reason, wait=wait))
             table, kinds = "quarantined", self.region.quarantined_resources
         for kind, count in kinds.items():
             run.add(table, kind, count)
+
+    def _wait_left(self, run: ShutdownRun, shield: Shield) -> float:
+        """R11: the seconds the release may still wait (a shared file's lock): what is left of the policy's timeout
+        on the backend clock; none after an interrupt (R14) or when the clock cannot be read."""
+        if run.interrupt is not None:
+            return 0.0
+        try:
+            now = shield.run(self.backend.monotonic)
+        except BaseException:  # a failed clock read waits for nothing; the shield keeps an interrupt (R14)
+            return 0.0
+        return max(0.0, run.started + self.policy.timeout - now)
 
     def _close(self, run: ShutdownRun, shield: Shield) -> None:
         """Store the report and close (no backend call but the clock, retried through interrupts)."""

@@ -291,6 +291,9 @@ class HostRegion:
         )
         # Invariant: why the owning worker quarantined the region (set just before quarantining).
         self._quarantine_reason = "not proven idle"
+        # Invariant: the real seconds the owning worker's release or quarantine may still wait (R11: what is left
+        # of its shutdown timeout; set just before, None otherwise): bounds a file-backed region's lock wait.
+        self._release_wait: float | None = None
         backend.track_host(self.ptr, self.nbytes)
         # Invariant: releases the region if its caller drops it unreleased; detached once released or quarantined.
         self._dropped = weakref.finalize(self, held.release_dropped, type(self).__name__)
@@ -513,31 +516,36 @@ class HostRegion:
         """
         return self._finish(RegionInput.CALLER_RELEASE)
 
-    def release_by_owner(self, shield: Shield | None = None) -> list[str]:
+    def release_by_owner(self, shield: Shield | None = None, *, wait: float | None = None) -> list[str]:
         """The owning worker releases the region after proving it idle (or under policy "release"). Nothing in a
         forked child (R21).
 
         Args:
             shield: collects interrupts arriving meanwhile; every step still runs (R14). None: re-raised at the end.
+            wait: the real seconds the release may still wait (R11: what is left of the shutdown's timeout); a
+                file-backed region waits for its file's lock no longer (see ``SharedFile.give_up_name``). None:
+                the region's own bound.
 
         Returns:
             Descriptions of release steps that failed (each also logged).
         """
+        self._release_wait = wait
         return self._finish(RegionInput.WORKER_RELEASE, shield)
 
-    def quarantine_by_owner(self, reason: str) -> list[str]:
+    def quarantine_by_owner(self, reason: str, *, wait: float | None = None) -> list[str]:
         """The owning worker keeps the region mapped and pinned until process exit (R12). Nothing in a forked
         child (R21).
 
         Args:
             reason: why, for the quarantine registry and the log.
+            wait: as for :meth:`release_by_owner` (a file-backed region gives up its file's name within it).
 
         Returns:
             Descriptions of quarantine steps that failed (each also logged), e.g. a file region's unlink (R18).
         """
         if self._held.owner.inherited():
             return []
-        self._quarantine_reason = reason
+        self._quarantine_reason, self._release_wait = reason, wait
         return self._finish(RegionInput.WORKER_QUARANTINE)
 
     def _step(self, event: RegionInput) -> Action:

@@ -211,14 +211,14 @@ class ShutdownReport:
 
 class JobOutcomes(Sequence[JobOutcome]):
     """A handler's ``HandlerReport.jobs``, built when first read: the jobs known before the drain (``head``), those
-    the drain proved (ids and byte counts, kept as two int arrays), and those it stopped at (``tail``), in
-    submission order. A teardown of thousands of transfers so allocates no outcome nobody reads."""
+    the drain proved (their ids, Python ints of any size (R7), and their byte counts, an int64 array), and those it
+    stopped at (``tail``), in submission order. A teardown of thousands of transfers so allocates no outcome nobody
+    reads."""
 
-    def __init__(self, head: Sequence[JobOutcome], drained_ids: array.array[int], drained_bytes: array.array[int],
+    def __init__(self, head: Sequence[JobOutcome], drained_ids: Sequence[int], drained_bytes: array.array[int],
                  kind: tuple[str, str], tail: Sequence[JobOutcome]) -> None:
         # Invariant: copies (the handler keeps appending to its own); len(drained_ids) == len(drained_bytes).
-        self._parts = (tuple(head), array.array("q", drained_ids), array.array("q", drained_bytes), kind,
-                       tuple(tail))
+        self._parts = (tuple(head), tuple(drained_ids), array.array("q", drained_bytes), kind, tuple(tail))
         self._built: tuple[JobOutcome, ...] | None = None  # Invariant: the whole list once built
 
     def _all(self) -> tuple[JobOutcome, ...]:

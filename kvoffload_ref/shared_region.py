@@ -50,6 +50,7 @@ from kvoffload_ref.shared_file import (
     HEADER_BYTES,
     MAX_WORLD_SIZE,
     RELEASE_GATE_TIMEOUT,
+    TEMP_NAME_EXTRA,
     SharedFile,
     open_file,
     pack_header,
@@ -91,7 +92,8 @@ def validate_engine_id(engine_id: object) -> str:
         The id.
 
     Raises:
-        InvalidTransferError: the id breaks one of those rules, or makes a file name longer than 255 bytes.
+        InvalidTransferError: the id breaks one of those rules, or makes a file name longer than 255 bytes less
+            ``TEMP_NAME_EXTRA`` (the room its creator's temporary name needs).
     """
     if not isinstance(engine_id, str) or not engine_id:
         raise InvalidTransferError(f"engine_id must be a non-empty str, got {engine_id!r}")
@@ -103,8 +105,9 @@ def validate_engine_id(engine_id: object) -> str:
         name = os.fsencode(FILE_PREFIX + engine_id + FILE_SUFFIX)
     except UnicodeEncodeError as exc:
         raise InvalidTransferError(f"engine_id {engine_id!r} cannot be encoded as a file name") from exc
-    if len(name) > _NAME_MAX:
-        raise InvalidTransferError(f"engine_id {engine_id!r} makes a file name of {len(name)} bytes (> 255)")
+    if len(name) + TEMP_NAME_EXTRA > _NAME_MAX:  # its creator's temporary name must fit too (R17)
+        raise InvalidTransferError(f"engine_id {engine_id!r} makes a file name of {len(name)} bytes (its creator's "
+                                   f"temporary name adds {TEMP_NAME_EXTRA}: at most {_NAME_MAX} in all)")
     return engine_id
 
 
@@ -240,9 +243,11 @@ class SharedRegion(HostRegion):
              max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> SharedRegion:
         """Create or join engine ``engine_id``'s shared file, map it and return this rank's caller-owned region.
 
-        The first rank to create the file (``O_EXCL``) is its creator; the others wait, bounded by ``timeout``,
-        until it is sized. The file is unlinked as soon as all ``world_size`` ranks have mapped it, or by the
-        last rank to release it (R18). A stale file left by a dead engine is removed and created afresh.
+        The first rank to publish the file is its creator: it builds the whole file under a temporary name and
+        links it into place (``link`` fails if the path exists), so the path never names a partly built file;
+        the others join it. The file is unlinked as soon as all ``world_size`` ranks have mapped it, or by the
+        last rank to release it (R18). A stale file left by a dead engine is removed and created afresh, and so
+        are the temporary files of creators that died before publishing.
 
         Args:
             engine_id: names the file (validated, R17).
@@ -254,7 +259,8 @@ class SharedRegion(HostRegion):
             world_size: ranks sharing the file, in [1, MAX_WORLD_SIZE].
             replicated: every rank sees the same bytes instead of its own slice of each row.
             directory: an existing (tmpfs) directory for the file.
-            timeout: real seconds to wait for the creator and for the file's lock (a finite number >= 0).
+            timeout: real seconds to wait for the file's lock when opening (and, capped by
+                ``RELEASE_GATE_TIMEOUT``, when releasing), a finite number >= 0.
             max_register_bytes: the most bytes ``pin`` registers per call (R25; default 64 GiB); every seam lies
                 outside this rank's rows.
 
@@ -267,9 +273,11 @@ class SharedRegion(HostRegion):
                 NaN, an infinity or an int too large for a float is refused, a ``max_register_bytes`` that is not
                 an int >= 1), or a geometry mismatch with the file (another rank's sizes).
             OwnershipError: this rank is already open in a live process.
-            DeadlineExceeded: the file was not ready (or its lock not free) within ``timeout``.
+            DeadlineExceeded: the file's lock was not free (or an earlier version's creator did not make its file
+                ready) within ``timeout``.
             OSError: a symlink at the path (ELOOP, at once), not enough free space (ENOSPC), a file that is not
-                a kvoffload_ref region (FileExistsError, left untouched), a missing directory.
+                a kvoffload_ref region, an empty one included (FileExistsError, at once, left untouched), a
+                missing directory.
         """
         geometry = SharedGeometry.of(layout, blocks_per_chunk, num_cpu_chunks, world_size, replicated)
         rank = check_int("rank", rank, minimum=0, maximum=geometry.world_size - 1)
@@ -337,11 +345,11 @@ class SharedRegion(HostRegion):
         """R3, after the unmap: unlink if this process is the last live opener and the path names our inode, then
         close the descriptor. (Never reached in a forked child: ``_finish`` returns first, R21.)"""
         self._finalizer.detach()
-        return self._file.abandon()
+        return self._file.abandon(self._release_wait)
 
     def _quarantine_backing(self) -> list[str]:
         """R18: give up the file name; keep the descriptor (so this rank stays taken) with the mapping and pins."""
-        failures = self._file.give_up_name()
+        failures = self._file.give_up_name(self._release_wait)
         self._file.quarantine()
         return failures
 

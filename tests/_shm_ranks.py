@@ -121,7 +121,7 @@ def store_and_check(spec: Rank, barrier: Any, conn: Connection) -> None:
         report = worker.shutdown()
         assert report.region == "released" and not be.ledger.live() and not be.violations, report
         return {"creator": region.is_creator, "path_left": os.path.exists(region.path),
-                "released": be.ledger.released().get("shm_file")}
+                "released": be.ledger.released().get("shm_file"), "acquired": be.ledger.acquired().get("shm_file")}
     _report(conn, body)
 
 
@@ -134,7 +134,8 @@ def _block(reached: Any, resume: Any) -> NoReturn:
 
 
 def stop_at(spec: Rank, where: str, reached: Any, resume: Any, conn: Connection) -> None:
-    """Open a rank and stop at ``where``: "before_size" (creator), "before_map" or "after_map".
+    """Open a rank and stop at ``where``: "after_create" (a creator, right after its ``O_EXCL`` create: the next
+    step is the ``fchmod`` of the new file), "before_size" (creator), "before_map" or "after_map".
 
     The parent then kills the process (SIGKILL) or sets ``resume``, which makes the stopped step raise.
     """
@@ -142,7 +143,9 @@ def stop_at(spec: Rank, where: str, reached: Any, resume: Any, conn: Connection)
         _block(reached, resume)
 
     def body() -> str:
-        if where == "before_size":
+        if where == "after_create":
+            shared_file.os.fchmod = stuck  # this process only opens the region: nothing else calls fchmod
+        elif where == "before_size":
             shared_file._size_file = stuck
         elif where == "before_map":
             shared_region._map_file = stuck

@@ -429,7 +429,9 @@ def test_fake_memcpy_path_coalesces_contiguous_runs_byte_exact(fake: tuple[cb.Cu
     dev = backend.from_host(np.arange(16 * page, dtype=np.uint8).reshape(16, page) % 251)
     g = backend.array_info(dev)
     host = np.zeros((16, page), np.uint8)
-    backend.track_host(host.ctypes.data, host.nbytes)  # tracked, not pinned: memcpy path whatever the mode
+    backend.track_host(host.ctypes.data, host.nbytes)
+    backend.host_register(host.ctypes.data, host.nbytes)  # page-locked: a memcpy never blocks the host (R11)
+    backend.copy_path = "memcpy"
     gpu_ids, cpu_ids = [3, 4, 5, 9, 0, 1], [7, 8, 9, 2, 14, 15]  # runs: 3 (3-5 -> 7-9), 1, 2 (0-1 -> 14-15)
     src = [g.ptr + i * g.row_stride for i in gpu_ids]
     dst = [host.ctypes.data + i * page for i in cpu_ids]
@@ -444,6 +446,42 @@ def test_fake_memcpy_path_coalesces_contiguous_runs_byte_exact(fake: tuple[cb.Cu
     finally:
         backend.destroy_stream(stream)
         backend.free_descriptors(buf)
+        backend.host_unregister(host.ctypes.data)
+        backend.untrack_host(host.ctypes.data)
+
+
+@pytest.mark.rule("R11")
+@pytest.mark.parametrize("copy_path", ["memcpy", "auto"])
+def test_fake_copy_batch_refuses_pageable_host_memory_before_any_cuda_call(
+        fake: tuple[cb.CupyBackend, FakeRuntime], copy_path: str) -> None:
+    """A cudaMemcpyAsync to or from pageable memory blocks the host until the stream reaches it -- under the
+    worker's lock, a hung stream would hold shutdown() from another thread (R11): refused, whatever the path."""
+    backend, rt = fake
+    backend.copy_path = copy_path  # type: ignore[assignment]
+    page = 64
+    dev = backend.from_host(np.ones((4, page), np.uint8))
+    g = backend.array_info(dev)
+    host = np.zeros((4, page), np.uint8)
+    backend.track_host(host.ctypes.data, host.nbytes)  # mapped (a region), not registered: pageable
+    stream = backend.create_stream()
+    cases = [([g.ptr], [host.ctypes.data + page], "descriptor 0's destination"),  # a store into pageable rows
+             ([g.ptr, host.ctypes.data], [g.ptr + 2 * page, g.ptr + page], "descriptor 1's source")]  # a load
+    try:
+        for src, dst, what in cases:
+            buf, count = descriptors(backend, src, dst, [page] * len(src))
+            calls = len(rt.calls)
+            with pytest.raises(InvalidTransferError, match=f"{what} .* is pageable host memory .*R11"):
+                backend.copy_batch(stream, buf, count, tag=("store", 1))
+            assert len(rt.calls) == calls, "refused before any CUDA call"
+            backend.free_descriptors(buf)
+        backend.host_register(host.ctypes.data, host.nbytes)  # page-locked now: the same copy is queued
+        buf, count = descriptors(backend, *cases[0][:2], [page])
+        backend.copy_batch(stream, buf, count)
+        assert (host[1] == 1).all()
+        backend.free_descriptors(buf)
+        backend.host_unregister(host.ctypes.data)
+    finally:
+        backend.destroy_stream(stream)
         backend.untrack_host(host.ctypes.data)
 
 
@@ -542,6 +580,34 @@ def test_span_set_contains_all_matches_brute_force(pinned: list[tuple[int, int]]
     assert spans.contains_all(addrs, sizes) == expected
 
 
+@pytest.mark.rule("R11")
+@given(registered=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20), st.booleans()), max_size=5),
+       device=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), max_size=5),
+       copies=st.lists(st.tuples(st.integers(0, 80), st.integers(1, 20)), min_size=1, max_size=6))
+def test_span_set_first_pageable_matches_brute_force(registered: list[tuple[int, int, bool]],
+                                                      device: list[tuple[int, int]],
+                                                      copies: list[tuple[int, int]]) -> None:
+    """Every registered range is page-locked, kernel-usable or not; a copy is pageable unless it lies inside one
+    merged interval of registered and device memory; a discarded registration is pageable again."""
+    spans = SpanSet()
+    locked: set[int] = set()
+    for start, length, kernel in registered:
+        spans.add_pinned(start, start + length, kernel=kernel)
+    for start, end in {start: start + length for start, length, _ in registered}.items():
+        locked.update(range(start, end))
+    for start, length in device:
+        spans.add_device(start, start + length)
+        locked.update(range(start, start + length))
+    addrs = np.array([a for a, _ in copies], np.int64)
+    sizes = np.array([n for _, n in copies], np.int64)
+    expected = next((i for i, (a, n) in enumerate(copies) if not all(b in locked for b in range(a, a + n))), None)
+    assert spans.first_pageable(addrs, sizes) == expected
+    for start, _, _ in registered:
+        spans.discard_pinned(start)
+    if not device:
+        assert spans.first_pageable(addrs, sizes) == 0
+
+
 def _touches(covered: set[int], addr: int) -> bool:
     """A zero-size copy at addr counts as inside if addr is inside or at the end of an interval."""
     return addr - 1 in covered
@@ -562,6 +628,35 @@ def test_fake_kernel_compile_failure_falls_back_to_memcpy(caplog: pytest.LogCapt
         assert backend.copy_path_counts() == {"kernel": 0, "memcpy": 1}
         assert (host[[0, 2]] == 5).all()
         assert backend.warm_up() is False
+    finally:
+        backend.free_descriptors(buf)
+        backend.host_unregister(host.ctypes.data)
+        backend.untrack_host(host.ctypes.data)
+
+
+@pytest.mark.rule("R11")
+def test_fake_kernel_path_only_after_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend built with copy_path="memcpy" never warmed the kernel up: switched to "kernel" later, copy_batch
+    still takes the memcpy path, so no submission (under a worker's lock) compiles or loads a module, which may
+    synchronize the context (R11); after warm_up() it takes the kernel path."""
+    module = fake_cupy()
+    compiled: list[str] = []
+    monkeypatch.setattr(module, "RawModule", lambda code: compiled.append(code) or FakeRawModule(code))
+    backend = cb.CupyBackend(copy_path="memcpy", _cupy_module=module)
+    backend.copy_path = "kernel"
+    dev = backend.from_host(np.full((4, 256), 5, np.uint8))
+    g = backend.array_info(dev)
+    host = np.zeros((4, 256), np.uint8)
+    backend.track_host(host.ctypes.data, host.nbytes)
+    backend.host_register(host.ctypes.data, host.nbytes)
+    buf, count = descriptors(backend, [g.ptr + i * 256 for i in (3, 1)],
+                             [host.ctypes.data + i * 256 for i in (0, 2)], [256, 256])
+    try:
+        backend.copy_batch(backend.current_stream(), buf, count)
+        assert backend.copy_path_counts() == {"kernel": 0, "memcpy": 1} and compiled == []
+        assert backend.warm_up() is True and len(compiled) == 1
+        backend.copy_batch(backend.current_stream(), buf, count)
+        assert backend.copy_path_counts() == {"kernel": 1, "memcpy": 1} and (host[[0, 2]] == 5).all()
     finally:
         backend.free_descriptors(buf)
         backend.host_unregister(host.ctypes.data)
@@ -1018,17 +1113,20 @@ def test_gpu_padded_rows_and_unaligned_descriptors(gpu: cb.CupyBackend, path: cb
 
 
 @pytest.mark.gpu
-def test_gpu_unpinned_host_memory_never_takes_the_kernel_path(gpu: cb.CupyBackend) -> None:
+@pytest.mark.rule("R11")
+def test_gpu_unpinned_host_memory_is_refused_on_every_path(gpu: cb.CupyBackend) -> None:
+    """Never the kernel path (it cannot dereference unregistered memory), and never a cudaMemcpyAsync either (to
+    pageable memory it blocks the host, R11): refused before any CUDA call."""
     gpu.copy_path = "kernel"
     data = np.random.default_rng(3).integers(0, 256, (16, 4096), dtype=np.uint8)
     dev = gpu.from_host(data)
     g = gpu.array_info(dev)
     ids = np.arange(16, dtype=np.int64)[::-1].copy()
     with region(gpu, 16, 4096, pin=False) as host:
-        took = run_copy(gpu, g.ptr + ids * 4096, host.ptr + np.arange(16) * 4096,
-                        np.full(16, 4096, np.int64), ("store", 5))
-        assert took == "memcpy"
-        assert np.array_equal(host.view(), data[ids])
+        with pytest.raises(InvalidTransferError, match="pageable host memory"):
+            run_copy(gpu, g.ptr + ids * 4096, host.ptr + np.arange(16) * 4096, np.full(16, 4096, np.int64),
+                     ("store", 5))
+        assert not host.view().any()
 
 
 @pytest.mark.gpu
@@ -1319,9 +1417,11 @@ def test_fake_memcpy_path_splits_a_merged_run_at_a_registration_seam(fake: tuple
         assert np.array_equal(backend.to_host(back)[rows], data[rows])
         backend.host_unregister(hp + 6 * page)
         backend.host_unregister(hp)
+        backend.host_register(hp, 16 * page)  # one registration: no seam inside, one run again
         before = len(rt.calls)
-        backend.copy_batch(stream, store, n_store, tag=("store", 3))  # no registrations left: one run again
+        backend.copy_batch(stream, store, n_store, tag=("store", 3))
         assert [c[3] for c in rt.calls[before:] if c[0] == "memcpyAsync"] == [10 * page]
+        backend.host_unregister(hp)
     finally:
         backend.destroy_stream(stream)
         backend.free_descriptors(store)

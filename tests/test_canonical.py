@@ -18,6 +18,7 @@ from kvoffload_ref.canonical import (
     verify_mapping,
     verify_mappings,
 )
+from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.errors import InvalidTransferError
 
 
@@ -118,6 +119,35 @@ def test_canonical_verify_names_layer_rank_and_first_overlap_of_the_local_page()
     self_overlap = PageMapping(1024, 512, [ByteRun(0, 0, 256, 2, 128, 256), ByteRun(384, 512, 128, 1, 128, 128)])
     with pytest.raises(MappingError, match="at byte 128: runs\\[0\\] and runs\\[0\\]"):
         verify_mapping("L", 0, self_overlap)
+
+
+@pytest.mark.rule("R24")
+def test_canonical_verify_refuses_a_rank_that_writes_canonical_bytes_twice() -> None:
+    """Two runs at canonical offset 0: the local page is covered once, but canonical bytes [128, 256) would never
+    be written by this rank while its stores report success."""
+    twice = PageMapping(256, 256, [ByteRun(0, 0, 128, 1, 128, 128), ByteRun(128, 0, 128, 1, 128, 128)])
+    with pytest.raises(MappingError) as caught:
+        verify_mapping("model.layers.0.attn", 3, twice)
+    assert str(caught.value) == ("layer 'model.layers.0.attn', rank 3: the runs write canonical bytes [0, 128) "
+                                 "twice: runs[0] and runs[1] both write them (each canonical byte must come from "
+                                 "one local byte)")
+    error = caught.value
+    assert (error.layer, error.rank, error.problem, error.page, error.offset, error.writer_index) == (
+        "model.layers.0.attn", 3, "overlap", "canonical", 0, None)
+    with pytest.raises(MappingError, match=r"rank 0: the runs write canonical bytes \[0, 128\) twice"):
+        CanonicalLayout([twice])  # what both workers build from canonical=: refused before any device work
+    with pytest.raises(MappingError, match=r"rank 1: the runs write canonical bytes \[0, 128\) twice"):
+        verify_mappings("L", [_whole(256, 0, 256), twice])  # the group check names the rank, not a writer clash
+    # A partial overlap: the range is the bytes both fragments write; within one run (a stride below the fragment).
+    partial = PageMapping(1024, 512, [ByteRun(0, 512, 256, 1, 256, 256), ByteRun(256, 640, 256, 1, 256, 256)])
+    with pytest.raises(MappingError, match=r"canonical bytes \[640, 768\) twice: runs\[0\] and runs\[1\]"):
+        verify_mapping("L", 0, partial)
+    strided = PageMapping(1024, 512, [ByteRun(0, 0, 128, 4, 128, 64)])
+    with pytest.raises(MappingError, match=r"canonical bytes \[64, 128\) twice: runs\[0\] and runs\[0\]"):
+        verify_mapping("L", 0, strided)
+    # Gaps in the canonical page are a rank's right (the other ranks write the rest), touching fragments are fine.
+    verify_mapping("L", 0, PageMapping(1024, 512, [ByteRun(0, 768, 256, 1, 256, 256), ByteRun(256, 0, 128, 2, 128,
+                                                                                               256)]))
 
 
 @pytest.mark.rule("R24")

@@ -234,6 +234,9 @@ def test_canonical_worker_refuses_bad_mappings_before_any_device_work(factory: F
     live = be.ledger.live()
     with pytest.raises(MappingError, match="gap in the local page at byte 128"):
         factory(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=CHUNKS, canonical=[gap])
+    twice = PageMapping(512, page, (ByteRun(0, 0, 128, 1, 0, 0), ByteRun(128, 0, 128, 1, 0, 0)))  # both at 0
+    with pytest.raises(MappingError, match=r"rank 0: the runs write canonical bytes \[0, 128\) twice"):
+        factory(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=CHUNKS, canonical=[twice])
     good = PageMapping(512, page, (ByteRun(0, 256, page, 1, 0, 0),))
     with pytest.raises(InvalidTransferError, match="one per layout tensor"):
         factory(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=CHUNKS, canonical=[good, good])

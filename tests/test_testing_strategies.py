@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import array
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import pytest
+from _support import catch_budget
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
@@ -14,18 +20,30 @@ from kvoffload_ref.planner import plan_copies
 from kvoffload_ref.specs import TensorGeometry
 from kvoffload_ref.testing import (
     INVALID_CASES,
+    ConformanceError,
     Setup,
     SimDevice,
     fault_plans,
     faults,
     invalid_transfers,
     layouts,
+    make_machine,
     plan_moves,
     policies,
+    reference_factory,
     setups,
     transfer_specs,
 )
-from kvoffload_ref.testing.strategies import COMPLETION_POINTS, SUBMIT_POINTS, completion_faults
+from kvoffload_ref.testing.adapter import WorkerLike
+from kvoffload_ref.testing.campaign import quiet_logs
+from kvoffload_ref.testing.strategies import (
+    COMPLETION_POINTS,
+    JOB_ID_STARTS,
+    SUBMIT_POINTS,
+    completion_faults,
+    first_job_ids,
+)
+from kvoffload_ref.worker import CPUOffloadingWorker
 
 GPU_BLOCKS, CPU_CHUNKS = 12, 6
 
@@ -218,3 +236,32 @@ def test_testing_strategies_are_built_once_per_arguments_and_draw_the_same() -> 
 
     assert draws(specs_for(layout, 2, 8, 4)) == draws(transfer_specs(layout, 2, 8, 4))
     assert draws(setups()) == draws(setups())
+
+
+def _int64_drained_ids(backend: Any, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """The engine as it was: its shutdown drain kept the ids it proved in an int64 array (``array("q")``)."""
+    worker = reference_factory(backend, gpu, setup)
+    assert isinstance(worker, CPUOffloadingWorker)
+    for handler in (worker._core.store, worker._core.load):
+        handler._drained_ids = array.array("q")
+    return worker
+
+
+@pytest.mark.rule("R7")
+@given(first_job_ids())
+def test_testing_strategies_first_job_ids_are_ints_small_and_at_the_int64_edges(first: int) -> None:
+    assert type(first) is int and first in JOB_ID_STARTS and JOB_ID_STARTS[0] == 1  # shrinks to id 1
+    run = range(first, first + 4)  # the ids of a run's first four jobs: small, or across an int64 edge
+    assert first == 1 or any(j in run and j - 1 in run for j in (2**63, -2**63)), first
+    assert {2**63 - 2, -2**63 - 2} <= set(JOB_ID_STARTS)  # both edges, and negative ids, are reached
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.rule("R22")
+def test_testing_strategies_job_ids_catch_a_worker_that_packs_ids_into_int64() -> None:
+    """The machine's ids reach the int64 edges: a worker whose drain packs ids into int64 (the engine's own bug,
+    once) fails R7's "any int" contract there, and the machine says so within the CI budget."""
+    machine = make_machine(_int64_drained_ids, name="Mutant_int64_job_ids")
+    with quiet_logs(), pytest.raises(ConformanceError) as info:
+        run_state_machine_as_test(machine, settings=catch_budget())
+    print(f"caught after {machine.counters.steps} steps: {info.value}")

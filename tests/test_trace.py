@@ -197,6 +197,7 @@ def test_trace_cupy_backend_traces_copy_batch_on_the_fake_runtime() -> None:
     g = backend.array_info(dev)
     host = np.zeros((4, 64), np.uint8)
     backend.track_host(host.ctypes.data, host.nbytes)
+    backend.host_register(host.ctypes.data, host.nbytes)  # page-locked: copy_batch refuses pageable memory (R11)
     buf = backend.alloc_descriptors(4)
     buf.fill(g.ptr + np.arange(4, dtype=np.int64) * g.row_stride, host.ctypes.data + np.arange(4) * 64,
              np.full(4, 64, np.int64))
@@ -211,6 +212,7 @@ def test_trace_cupy_backend_traces_copy_batch_on_the_fake_runtime() -> None:
         backend.stop_trace()
         backend.destroy_stream(stream)
         backend.free_descriptors(buf)
+        backend.host_unregister(host.ctypes.data)
         backend.untrack_host(host.ctypes.data)
     assert backend.ledger.live() == {}
 
@@ -265,6 +267,7 @@ def test_trace_cupy_backend_gives_back_the_start_event_of_a_failed_copy(monkeypa
     g = backend.array_info(dev)
     host = np.zeros((2, 64), np.uint8)
     backend.track_host(host.ctypes.data, host.nbytes)
+    backend.host_register(host.ctypes.data, host.nbytes)  # page-locked: copy_batch refuses pageable memory (R11)
     buf = backend.alloc_descriptors(2)
     buf.fill(g.ptr + np.arange(2, dtype=np.int64) * g.row_stride, host.ctypes.data + np.arange(2) * 64,
              np.full(2, 64, np.int64))
@@ -278,4 +281,5 @@ def test_trace_cupy_backend_gives_back_the_start_event_of_a_failed_copy(monkeypa
         backend.stop_trace()
         backend.destroy_stream(stream)
         backend.free_descriptors(buf)
+        backend.host_unregister(host.ctypes.data)
         backend.untrack_host(host.ctypes.data)

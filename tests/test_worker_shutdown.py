@@ -408,6 +408,30 @@ def test_shutdown_failed_pinning_runs_unpinned_unless_required(caplog: Any) -> N
     w.shutdown()
 
 
+class _BlockingPageableSim(SimBackend):
+    """A device whose copies to or from pageable host memory block the host, as CUDA's cudaMemcpyAsync does."""
+
+    pageable_copies_block = True
+
+
+@pytest.mark.rule("R11")
+@pytest.mark.rule("R2")
+@pytest.mark.parametrize("create", [kv.create_worker, kv.create_reference_worker], ids=["engine", "reference"])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["bare", "faulty-wrapper"])
+def test_shutdown_no_pageable_fallback_where_pageable_copies_block_the_host(create: Any, wrapped: bool) -> None:
+    """R11's bound holds only if no device call made under the worker's lock blocks the host: on a backend whose
+    pageable copies do (the CuPy backend), a failed registration fails construction even with require_pinned=False,
+    instead of leaving every later copy a blocking one. Nothing is left live (R2)."""
+    plan = kv.FaultPlan([kv.Fault("host_register", "error", nth=2)])
+    be: Any = _BlockingPageableSim(None if wrapped else plan)
+    be = kv.FaultyBackend(be, plan) if wrapped else be
+    layout = small_layout()
+    gpu = [be.empty_device((GPU_BLOCKS, PAGE)) for _ in range(2)]
+    with pytest.raises(kv.DeviceError, match="injected host_register failure"):
+        create(be, gpu, layout, blocks_per_chunk=3, num_cpu_chunks=CPU_CHUNKS, pin_chunk_bytes=16 << 10)
+    assert be.ledger.live() == {}
+
+
 @pytest.mark.rule("R1")
 def test_shutdown_worker_owns_the_region_and_handlers_never_see_it() -> None:
     be = SimBackend()

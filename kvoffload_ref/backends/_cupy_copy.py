@@ -129,6 +129,10 @@ class SpanSet:
         # Invariant: the union of both dicts' intervals, merged; _starts sorted, _ends[i] the end of interval i.
         self._starts: npt.NDArray[np.int64] = np.empty(0, np.int64)
         self._ends: npt.NDArray[np.int64] = np.empty(0, np.int64)
+        # Invariant: the same for _registered and _device: memory a cudaMemcpyAsync reaches without blocking the
+        # host (device memory, page-locked host memory); anything else is taken as pageable (R11).
+        self._locked_starts: npt.NDArray[np.int64] = np.empty(0, np.int64)
+        self._locked_ends: npt.NDArray[np.int64] = np.empty(0, np.int64)
 
     def add_pinned(self, start: int, end: int, *, kernel: bool = True) -> None:
         """Add a registered host range: its bounds become seams; with ``kernel`` (its device pointer equals its
@@ -137,14 +141,14 @@ class SpanSet:
         self.seams = registration_seams(self._registered.items())
         if kernel:
             self._pinned[start] = end
-            self._rebuild()
+        self._rebuild()
 
     def discard_pinned(self, start: int) -> None:
         """Remove the registered range that starts at ``start`` (no-op if there is none)."""
         if self._registered.pop(start, None) is not None:
             self.seams = registration_seams(self._registered.items())
-        if self._pinned.pop(start, None) is not None:
-            self._rebuild()
+        self._pinned.pop(start, None)
+        self._rebuild()
 
     def add_device(self, start: int, end: int) -> None:
         """Add (or widen) a device array's range."""
@@ -153,30 +157,53 @@ class SpanSet:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        merged: list[list[int]] = []
-        for start, end in sorted([*self._pinned.items(), *self._device.items()]):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        self._starts = np.array([m[0] for m in merged], np.int64)
-        self._ends = np.array([m[1] for m in merged], np.int64)
+        self._starts, self._ends = _merged([*self._pinned.items(), *self._device.items()])
+        self._locked_starts, self._locked_ends = _merged([*self._registered.items(), *self._device.items()])
 
     def contains_all(self, addrs: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64]) -> bool:
-        """Whether every ``[addrs[i], addrs[i] + sizes[i])`` lies inside one interval."""
-        if addrs.size == 0:
-            return True
-        if self._starts.size == 0:
-            return False
-        ends = addrs + sizes
-        # Fast path: the whole batch inside the interval that holds its lowest address.
-        i = int(np.searchsorted(self._starts, addrs.min(), side="right")) - 1
-        if i >= 0 and int(ends.max()) <= int(self._ends[i]):
-            return True
-        idx = np.searchsorted(self._starts, addrs, side="right") - 1
-        if bool((idx < 0).any()):
-            return False
-        return bool((ends <= self._ends[idx]).all())
+        """Whether every ``[addrs[i], addrs[i] + sizes[i])`` lies inside one interval the kernel may dereference."""
+        return _inside(self._starts, self._ends, addrs, sizes)
+
+    def first_pageable(self, addrs: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64]) -> int | None:
+        """The first ``i`` whose ``[addrs[i], addrs[i] + sizes[i])`` is not inside device memory or one registered
+        (page-locked) host range -- pageable memory, as far as this set knows -- or None if there is none (R11: a
+        ``cudaMemcpyAsync`` to or from pageable memory blocks the calling thread)."""
+        if _inside(self._locked_starts, self._locked_ends, addrs, sizes):
+            return None
+        if self._locked_starts.size == 0:
+            return 0
+        idx = np.searchsorted(self._locked_starts, addrs, side="right") - 1
+        inside = (idx >= 0) & (addrs + sizes <= self._locked_ends[np.maximum(idx, 0)])
+        return int(np.flatnonzero(~inside)[0])
+
+
+def _merged(items: list[tuple[int, int]]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Intervals ``(start, end)`` merged into sorted disjoint ones: (starts, ends)."""
+    merged: list[list[int]] = []
+    for start, end in sorted(items):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return np.array([m[0] for m in merged], np.int64), np.array([m[1] for m in merged], np.int64)
+
+
+def _inside(starts: npt.NDArray[np.int64], ends_of: npt.NDArray[np.int64], addrs: npt.NDArray[np.int64],
+            sizes: npt.NDArray[np.int64]) -> bool:
+    """Whether every ``[addrs[i], addrs[i] + sizes[i])`` lies inside one of the sorted disjoint intervals."""
+    if addrs.size == 0:
+        return True
+    if starts.size == 0:
+        return False
+    ends = addrs + sizes
+    # Fast path: the whole batch inside the interval that holds its lowest address.
+    i = int(np.searchsorted(starts, addrs.min(), side="right")) - 1
+    if i >= 0 and int(ends.max()) <= int(ends_of[i]):
+        return True
+    idx = np.searchsorted(starts, addrs, side="right") - 1
+    if bool((idx < 0).any()):
+        return False
+    return bool((ends <= ends_of[idx]).all())
 
 
 def launch_grid(count: int, max_size: int) -> tuple[int, int, int]:

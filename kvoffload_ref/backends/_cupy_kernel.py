@@ -48,6 +48,9 @@ class CopyEngine:
         self.module: Any = None  # Invariant: the compiled RawModule, once loaded.
         self._function: Any = None  # Invariant: the loaded copy kernel, once loaded.
         self._broken: str | None = None  # Invariant: why the kernel path is off for good, if it is.
+        # Invariant: True once warm_up() launched the kernel (its module is loaded): only then does copy_batch take
+        # the kernel path, so no submission under a worker's lock loads a module (which may synchronize, R11).
+        self.warmed = False
 
     @property
     def broken(self) -> str | None:
@@ -112,6 +115,7 @@ class CopyEngine:
         except Exception as exc:
             self.disable(exc)
             return False
+        self.warmed = True
         return True
 
     def memcpy(self, s: CupyStream, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],

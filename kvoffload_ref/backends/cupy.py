@@ -81,6 +81,9 @@ class CupyBackend(TracingMixin):
     """
 
     name = "cupy"
+    #: A copy to or from pageable (unregistered) host memory would block the host (CUDA's ``cudaMemcpyAsync``
+    #: does), so ``copy_batch`` refuses it and a worker on this backend requires its region pinned (R11).
+    pageable_copies_block = True
 
     def __init__(self, device: int = 0, *, copy_path: CopyPath = "auto",
                  kernel_min_count: int = DEFAULT_KERNEL_MIN_COUNT,
@@ -499,8 +502,13 @@ class CupyBackend(TracingMixin):
         """Queue the first ``count`` copies of ``buf`` on ``stream`` as one submission (kernel or memcpy path; see
         ``_cupy_copy``). ``buf`` must stay untouched and alive until the copy is proven complete.
 
+        Never blocks the host (R11: it runs under the worker's lock): every descriptor's source and destination
+        must be device memory or registered (page-locked) host memory -- a ``cudaMemcpyAsync`` to or from pageable
+        memory would block until the stream reaches it.
+
         Raises:
-            InvalidTransferError: a foreign buffer, ``count`` out of range, or a negative size (before any work).
+            InvalidTransferError: a foreign buffer, ``count`` out of range, a negative size, or a descriptor touching
+                pageable host memory (before any work).
             DeviceError: a CUDA call failed. On the memcpy path, copies queued before the failing one still run.
         """
         s = self._stream(stream)
@@ -513,7 +521,9 @@ class CupyBackend(TracingMixin):
         if count == 0 or int(sizes.max()) == 0:
             return
         path = self.choose_path(src, dst, sizes)
-        path = "memcpy" if path == "kernel" and not self._engine.available() else path
+        path = "memcpy" if path == "kernel" and not self._engine.warmed else path  # R11: no module load here
+        if path == "memcpy":
+            self._refuse_pageable(src, dst, sizes)  # R11 (the kernel path's descriptors are all page-locked)
         tracer = self._tracer  # read once: a stop_trace() meanwhile must not strand the start event
         traced = tracer.begin(s.ptr) if tracer is not None else None
         try:
@@ -530,6 +540,27 @@ class CupyBackend(TracingMixin):
         with self._lock:
             self._path_counts[path] += 1
         self.last_copy_path = path
+
+    def _refuse_pageable(self, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
+                         sizes: npt.NDArray[np.int64]) -> None:
+        """R11: no copy of ``copy_batch`` may block the host, and a ``cudaMemcpyAsync`` to or from pageable host
+        memory does (it waits for the stream, staging through the driver's pinned buffers) -- under the worker's
+        lock, where a hung stream would hold ``shutdown()`` from another thread. So every byte must be device memory
+        or registered (page-locked) host memory; anything else is refused before any CUDA call.
+
+        Raises:
+            InvalidTransferError: a descriptor's source or destination is pageable (not registered) host memory.
+        """
+        with self._lock:
+            bad = [(side, self._spans.first_pageable(addrs, sizes)) for side, addrs in (("source", src),
+                                                                                        ("destination", dst))]
+        for side, i in bad:
+            if i is not None:
+                addr = int((src if side == "source" else dst)[i])
+                raise InvalidTransferError(
+                    f"copy_batch: descriptor {i}'s {side} [{addr:#x}, {addr + int(sizes[i]):#x}) is pageable host "
+                    "memory (neither device memory nor a registered range): cudaMemcpyAsync would block the host "
+                    "until the stream reaches it (R11); register the memory first (HostRegion.pin)")
 
     def choose_path(self, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64],
                     sizes: npt.NDArray[np.int64]) -> Literal["kernel", "memcpy"]:

@@ -135,7 +135,9 @@ def _run_construct(row: Row, policy: str) -> str:
                           policy=ShutdownPolicy(TIMEOUT, policy), pin_chunk_bytes=8192)
     except DeviceError as exc:
         return f"`DeviceError({exc.status})` re-raised; ledger live after: {be.ledger.live() or 'nothing'}"
-    state = "pinned" if w.stats().pinned else "pageable (warning), registered chunks rolled back"
+    state = "pinned" if w.stats().pinned else ("pageable (warning; the CuPy backend refuses this fallback: a copy "
+                                               "to pageable memory would block the host, R11), registered chunks "
+                                               "rolled back")
     report = w.shutdown()
     return f"worker runs {state}; " + _summary(be, report)
 

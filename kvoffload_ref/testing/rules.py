@@ -28,6 +28,7 @@ from kvoffload_ref.testing.strategies import (
     INVALID_CASES,
     completion_faults,
     faults,
+    first_job_ids,
     invalid_for,
     specs_for,
 )
@@ -70,7 +71,7 @@ class TransferRules(MachineBase):
     def build(self, data: st.DataObject) -> None:
         """Draw a setup, build the device and the worker (R1/R2 when construction fails)."""
         with self._step():
-            self.next_job = data.draw(st.sampled_from((1, 1, 1000)), label="first job id")
+            self.next_job = data.draw(first_job_ids(), label="first job id")  # R7: at the int64 edges too
             header = "import gc\nfrom kvoffload_ref import *\nfrom kvoffload_ref.testing import *"
             self._say(header + (f"\n{self.factory_import}" if self.factory_import else ""))
             self._start(data)

@@ -29,6 +29,7 @@ __all__ = [
     "completion_faults",
     "fault_plans",
     "faults",
+    "first_job_ids",
     "invalid_transfers",
     "layouts",
     "policies",
@@ -50,6 +51,12 @@ COMPLETION_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_query"
 #: calls carry no tag, so only an unaimed fault selects them: a failed release is leaked and reported, R16).
 UNTARGETED_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "copy", "device_sync", "host_unregister",
                                                     *RELEASE_POINTS)
+#: Where a run's job ids start (they count up from there): 1, or just below an int64 edge, so that the run's ids
+#: cross it (``2**63`` is reached from below, ``-2**63`` from ``-2**63 - 2``, a negative id). R7: a job id is any
+#: int, only compared, hashed and printed; a worker that packs ids into a fixed-width integer (int64, or uint64)
+#: fails there. Three values, the small one first: a failure shrinks to id 1 unless it needs an edge, and the
+#: draw takes as much randomness as the ``(1, 1, 1000)`` it replaced (derandomized runs keep their course).
+JOB_ID_STARTS: Final = (1, 2**63 - 2, -2**63 - 2)
 #: Bound on each strategy cache (distinct argument sets; a campaign meets a few hundred layouts).
 _CACHE_SIZE: Final = 4096
 
@@ -83,6 +90,11 @@ def _distinct(low: int, high: int, min_size: int, max_size: int) -> st.SearchStr
 def _page_lists(page_sizes: tuple[int, ...], types_key: tuple[type, ...],
                 max_tensors: int) -> st.SearchStrategy[list[int]]:
     return st.lists(st.sampled_from(page_sizes), min_size=1, max_size=max_tensors)
+
+
+def first_job_ids() -> st.SearchStrategy[int]:
+    """The first job id of a run (see :data:`JOB_ID_STARTS`); the machine numbers its jobs up from it."""
+    return _sampled(JOB_ID_STARTS)
 
 
 @st.composite
