@@ -53,6 +53,7 @@ from kvoffload_ref.testing.scenario import (
     REFERENCE_FACTORY,
     UNDER_TEST,
     Case,
+    Failure,
     cpu,
     gpu,
     prelude,
@@ -75,21 +76,6 @@ SIGNAL_INJECTIONS: Final = frozenset({"SIGINT", "handler_shutdown", "handler_shu
 WATCHDOG: Final = 2.0
 
 
-@dataclasses.dataclass(frozen=True)
-class Failure:
-    """A rule broken in one case."""
-
-    case: Case
-    rules: str
-    message: str
-    factory: str = "kvoffload_ref.testing.adapter:reference_factory"
-
-    def __str__(self) -> str:
-        c = self.case
-        return (f"[{self.rules}] {c.method} at backend call #{c.point} with {c.injection} ({c.config}): "
-                f"{self.message}\n    reproduce: {c.reproduction(self.factory)}")
-
-
 @dataclasses.dataclass
 class ExploreResult:
     """What :func:`explore` exercised and found."""
@@ -97,7 +83,7 @@ class ExploreResult:
     # Invariant: (method, config) -> number of backend calls the method makes there (the points explored).
     points: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     cases: int = 0
-    failures: list[Failure] = dataclasses.field(default_factory=list)
+    failures: list[Failure[Case]] = dataclasses.field(default_factory=list)
 
     def table(self) -> str:
         """Points per method (rows) and configuration (columns), then the totals."""
@@ -138,7 +124,8 @@ class _Hook:
             self._action(k - self._at)
 
 
-def run_case(case: Case, factory: WorkerFactory = reference_factory, name: str = REFERENCE_FACTORY) -> list[Failure]:
+def run_case(case: Case, factory: WorkerFactory = reference_factory,
+             name: str = REFERENCE_FACTORY) -> list[Failure[Case]]:
     """Run one case and check it.
 
     Args:

@@ -47,7 +47,7 @@ from kvoffload_ref.testing.explorer import own_heap, settle
 from kvoffload_ref.testing.explorer_checks import check_case
 from kvoffload_ref.testing.lock_watch import WatchedLock, watch_lock
 from kvoffload_ref.testing.pair_checks import BLOCKED, RAN, STUCK, WAITED, PairOutcome, check_pair
-from kvoffload_ref.testing.scenario import CONFIGS, REFERENCE_FACTORY, SECOND, UNDER_TEST, prelude, worker_call
+from kvoffload_ref.testing.scenario import CONFIGS, REFERENCE_FACTORY, SECOND, UNDER_TEST, Failure, prelude, worker_call
 from kvoffload_ref.testing.threads import Runner
 
 __all__ = ["METHODS", "WATCHDOG", "PairCase", "PairFailure", "PairResult", "count_points", "explore_pairs",
@@ -79,25 +79,17 @@ class PairCase:
         """What is done at the call point: a second thread runs (never an interrupt)."""
         return "pair"
 
+    def describe(self) -> str:
+        """What was done where, for a failure's first line."""
+        return f"{self.first} paused at backend call #{self.point} while {self.second} ran ({self.config})"
+
     def reproduction(self, factory: str = REFERENCE_FACTORY) -> str:
         """The command that reruns this case alone."""
         return (f"kvoffload-ref explore --pairs --factory {factory} --config {self.config} --method {self.first} "
                 f"--second {self.second} --point {self.point}")
 
 
-@dataclasses.dataclass(frozen=True)
-class PairFailure:
-    """A rule broken in one pair case."""
-
-    case: PairCase
-    rules: str
-    message: str
-    factory: str = REFERENCE_FACTORY
-
-    def __str__(self) -> str:
-        c = self.case
-        return (f"[{self.rules}] {c.first} paused at backend call #{c.point} while {c.second} ran ({c.config}): "
-                f"{self.message}\n    reproduce: {c.reproduction(self.factory)}")
+PairFailure = Failure[PairCase]  #: a rule broken in one pair case
 
 
 @dataclasses.dataclass

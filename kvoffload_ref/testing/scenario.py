@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import Final, Protocol
+from typing import Final, Generic, Protocol, TypeVar
 
 from kvoffload_ref.errors import DeadlineExceeded
 from kvoffload_ref.faults import Fault
@@ -21,7 +21,7 @@ from kvoffload_ref.testing.adapter import Setup, SimDevice, WorkerLike
 from kvoffload_ref.worker import ShutdownPolicy
 
 __all__ = ["CONFIGS", "HUNG_TIMEOUT", "PRELUDE", "PROBE", "REFERENCE_FACTORY", "SECOND", "TIMEOUT", "UNDER_TEST",
-           "Case", "CaseLike", "Job", "cpu", "gpu", "prelude", "worker_call"]
+           "Case", "CaseLike", "Failure", "Job", "cpu", "gpu", "prelude", "worker_call"]
 
 #: The factory explored when none is named: kvoffload_ref's own worker.
 REFERENCE_FACTORY: Final = "kvoffload_ref.testing.adapter:reference_factory"
@@ -113,10 +113,36 @@ class Case:
     point: int
     injection: str
 
+    def describe(self) -> str:
+        """What was done where, for a failure's first line."""
+        return f"{self.method} at backend call #{self.point} with {self.injection} ({self.config})"
+
     def reproduction(self, factory: str = REFERENCE_FACTORY) -> str:
         """The command that reruns this case alone."""
         return (f"kvoffload-ref explore --factory {factory} --config {self.config} --method {self.method} "
                 f"--point {self.point} --injection {self.injection}")
+
+
+class _Reproducible(Protocol):
+    def describe(self) -> str: ...
+    def reproduction(self, factory: str = ...) -> str: ...
+
+
+C = TypeVar("C", bound=_Reproducible)
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure(Generic[C]):
+    """A rule broken in one case (of either explorer): the rules' tags, what happened, and how to rerun it."""
+
+    case: C
+    rules: str
+    message: str
+    factory: str = REFERENCE_FACTORY
+
+    def __str__(self) -> str:
+        return (f"[{self.rules}] {self.case.describe()}: {self.message}\n"
+                f"    reproduce: {self.case.reproduction(self.factory)}")
 
 
 def worker_call(method: str, worker: WorkerLike, setup: Setup, jobs: dict[str, Job] = UNDER_TEST
