@@ -14,6 +14,7 @@ import numpy.typing as npt
 import pytest
 
 from kvoffload_ref import backends
+from kvoffload_ref.backends._simcore import PREFIX_FIRST_RUN
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Ledger, Stream, Tag
 from kvoffload_ref.backends.sim import SimBackend, SimHang
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError
@@ -651,6 +652,40 @@ def test_sim_query_prefix_counts_the_completed_events_from_the_first(rig: Rig) -
     assert be.query_prefix(done) == 1, "stops before a handle that is not live"
     be.on_call = lambda point, tag: None
     assert be.query_prefix([done[0]]) == 0, "an on_call hook sends every query through query()"
+    assert not be.violations
+
+
+class _Watched(Sequence[Event]):
+    """A sequence of events that notes how far into it a caller looked."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self.events, self.seen = events, 0
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __getitem__(self, where: Any) -> Any:
+        last = where.indices(len(self.events))[1] if isinstance(where, slice) else where % len(self.events) + 1
+        self.seen = max(self.seen, last)
+        return self.events[where]
+
+
+@pytest.mark.rule("R10")
+def test_sim_query_prefix_stops_at_the_first_pending_event(rig: Rig) -> None:
+    """Wherever the first pending event sits in a long run (at, before and after the bounds of the runs the sim
+    looks at), the count is exact; and a pending head costs a look at a few events, not at the whole run (a drain
+    polls a queue of thousands)."""
+    be = rig.be
+    stream = be.create_stream()
+    done = [rig.end_event(stream) for _ in range(130)]
+    rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0))])
+    pending = [rig.end_event(stream) for _ in range(1000)]   # behind a copy that has not run
+    for first in (0, 1, 15, 16, 17, 47, 48, 49, 111, 112, 113, 130):
+        assert be.query_prefix([*done[:first], *pending[:3], *done]) == first
+    assert be.query_prefix(done) == len(done)
+    watched = _Watched([*done[:3], *pending])
+    assert be.query_prefix(watched) == 3
+    assert watched.seen <= 2 * PREFIX_FIRST_RUN, "looked far past the first pending event"
     assert not be.violations
 
 
