@@ -9,10 +9,12 @@ giving a :class:`CopyPlan`. The sim never touches an address outside a live span
 slow (host mappings that no one pinned range holds whole) is cached too: when there is none, pricing looks at
 no descriptor's pinning.
 
-*Copies.* :meth:`CopyPlan.execute` moves the bytes, every source read before any destination is written. Small
-batches go descriptor by descriptor. Otherwise the descriptors are grouped by (source span, destination span,
-size) with one integer key per descriptor; the groups run in key order, each group's descriptors in descriptor
-order (as a sort by key would order them). A planner's output already lists each group as one contiguous
+*Copies.* :meth:`CopyPlan.execute` moves the bytes, every source read before any destination is written. The
+descriptors are grouped by (source span, destination span, size) with one integer key per descriptor; the groups
+run in key order, each group's descriptors in descriptor order (as a sort by key would order them), whichever way
+they are moved. Small batches, and batches whose (source span, destination span) pairs -- a worker's tensor
+pairs -- hold few descriptors each (a one-block job over many layers: one per pair), go descriptor by descriptor
+in that order: one slice assignment each, no numpy call per copy or per group. Otherwise group by group. A planner's output already lists each group as one contiguous
 segment, so usually no sort and no gather of the descriptors is needed: a group is a slice. What the row copies
 need is computed once per copy, vectorized over all descriptors: where each side's offsets stop advancing by
 exactly one row (run breaks), and whether they sit on one row grid. Per group then:
@@ -41,6 +43,7 @@ import ctypes
 import dataclasses
 import functools
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Final, NamedTuple
 
@@ -51,7 +54,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 from kvoffload_ref.backends.copy_paths import registration_seams
 from kvoffload_ref.errors import InvalidTransferError
 
-__all__ = ["SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Span", "address", "host_view"]
+__all__ = [
+    "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Span", "address",
+    "host_view",
+]
 
 I64 = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
@@ -60,6 +66,11 @@ Bytes = npt.NDArray[np.uint8]
 _LOOP_MIN_BYTES: Final = 32 * 1024
 #: Copies with at most this many descriptors are resolved and moved descriptor by descriptor.
 SMALL_BATCH: Final = 16
+#: Larger copies are moved descriptor by descriptor too when their (source span, destination span) pairs -- a
+#: worker's tensor pairs -- hold at most this many descriptors each on average: a one-block job over many layers
+#: is one descriptor per tensor pair, where the grouped path's per-copy and per-group numpy calls cost more than
+#: the copies themselves.
+EACH_MAX_PER_PAIR: Final = 4
 #: A side of a copy whose adjacent-row runs average at least this many rows is copied run by run, in one pass.
 _MIN_RUN_ROWS: Final = 32
 #: Bytes gathered per fancy-indexing chunk: large enough to amortize the call, small enough to stay in cache.
@@ -77,9 +88,9 @@ class Intervals:
     def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
         pairs = sorted(ranges)
         # Invariant: the same sorted bounds as Python lists (scalar lookups) and int64 arrays (vectorized ones).
-        self._first = [a for a, _ in pairs]
+        self.firsts = [a for a, _ in pairs]
         self._last = [b for _, b in pairs]
-        self.starts: I64 = np.array(self._first, dtype=np.int64)
+        self.starts: I64 = np.array(self.firsts, dtype=np.int64)
         self.ends: I64 = np.array(self._last, dtype=np.int64)
         # Invariant: _end_by_count[c] == ends[c - 1] for c >= 1 (find reads it by how many ranges start at or
         # before an address); [0] is a placeholder (no range there: find answers -1 whatever it reads).
@@ -90,7 +101,7 @@ class Intervals:
         if addr.size <= SMALL_BATCH:
             found = [self.find_one(a, n) for a, n in zip(addr.tolist(), size.tolist(), strict=True)]
             return np.array(found, dtype=np.intp)
-        if not self._first:
+        if not self.firsts:
             return np.full(addr.shape, -1, dtype=np.intp)
         count = self.starts.searchsorted(addr, side="right")   # range count - 1 is the candidate, if count >= 1
         room = self._end_by_count.take(count) - addr   # no overflow where count >= 1: addr >= a start there
@@ -99,12 +110,12 @@ class Intervals:
 
     def find_one(self, addr: int, size: int) -> int:
         """Scalar :meth:`find`."""
-        i = bisect.bisect_right(self._first, addr) - 1
+        i = bisect.bisect_right(self.firsts, addr) - 1
         return i if i >= 0 and 0 <= size <= self._last[i] - addr else -1
 
     def overlapping(self, lo: int, hi: int) -> list[int]:
         """Indices of the ranges intersecting [lo, hi)."""
-        return [i for i, (a, b) in enumerate(zip(self._first, self._last, strict=True)) if a < hi and b > lo]
+        return [i for i, (a, b) in enumerate(zip(self.firsts, self._last, strict=True)) if a < hi and b > lo]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -147,6 +158,11 @@ class CopyPlan:
     starts: I64
     # Invariant: grid views of the data of ``spans`` (shared by the plans over one snapshot; a cache only).
     grids: Grids = dataclasses.field(default_factory=dict)
+    # Invariant: for a copy of at most SMALL_BATCH descriptors, each descriptor as Python ints (source span,
+    # destination span, size, offset into the source span, offset into the destination span; an offset is 0
+    # where its span is -1), in descriptor order: what the per-descriptor path and the checks read
+    # without a numpy call; None for larger copies.
+    each: list[Move] | None = None
 
     @functools.cached_property
     def smallest(self) -> int:
@@ -155,10 +171,14 @@ class CopyPlan:
 
     def live_bytes(self) -> int:
         """How many bytes the non-empty descriptors copy."""
+        if self.each is not None:
+            return sum(n for _, _, n, _, _ in self.each if n > 0)
         return int(self.sizes.sum()) if self.smallest > 0 else int(self.sizes[self.sizes > 0].sum())
 
     def first_bad(self) -> int | None:
         """The first non-empty descriptor touching memory outside every live span, or None."""
+        if self.each is not None:   # an empty copy touches nothing
+            return next((k for k, (i, j, n, _, _) in enumerate(self.each) if n and (i < 0 or j < 0)), None)
         worst = np.minimum(self.si, self.di)
         if not worst.size or worst.min() >= 0:
             return None
@@ -166,9 +186,20 @@ class CopyPlan:
         return int(bad.argmax()) if bad.any() else None
 
     def execute(self) -> None:
-        """Move the bytes (all sources are read before any destination is written). Needs first_bad() None."""
-        if self.sizes.size <= SMALL_BATCH:
-            self._execute_each()
+        """Move the bytes (all sources are read before any destination is written). Needs first_bad() None.
+
+        Descriptor by descriptor when the copy is small or its (source span, destination span) pairs hold few
+        descriptors each (EACH_MAX_PER_PAIR); else group by group (:class:`_Batch`). Both write in the same
+        order, so the choice changes nothing but the speed."""
+        data = [s.data for s in self.spans]
+        if self.each is not None:
+            moves = [m for m in self.each if m[2] > 0]
+            moves.sort(key=_GROUP)   # stable: descriptor order within a group
+            _move_each(data, moves)
+            return
+        key = self.si * len(self.spans) + self.di
+        if self.sizes.size <= EACH_MAX_PER_PAIR * (1 + int(np.count_nonzero(key[1:] != key[:-1]))):
+            _move_each(data, self._moves(key))
             return
         smallest = self.smallest
         if smallest <= 0:   # some are empty: copy the others
@@ -178,7 +209,6 @@ class CopyPlan:
             return
         batch = _Batch(self.si, self.di, self.sizes, self.src - self.starts.take(self.si),
                        self.dst - self.starts.take(self.di), len(self.spans), smallest == int(self.sizes.max()))
-        data = [s.data for s in self.spans]
         if not set(batch.src).isdisjoint(batch.dst):   # a span is read and written: stage all reads
             groups = list(zip(batch.src, batch.dst, batch.size, batch.a, batch.b, strict=True))
             staged = [sliding_window_view(data[s], n)[batch.so[a:b]] for s, _, n, a, b in groups]
@@ -187,17 +217,36 @@ class CopyPlan:
             return
         batch.run(data, self.grids)
 
-    def _execute_each(self) -> None:
-        """Descriptor by descriptor, for small batches (no per-call numpy setup)."""
-        moves = [(self.spans[i], src, self.spans[j], dst, n) for i, j, src, dst, n in zip(
-            self.si.tolist(), self.di.tolist(), self.src.tolist(), self.dst.tolist(), self.sizes.tolist(),
-            strict=True) if n > 0]
-        staged = {id(m[0]) for m in moves} & {id(m[2]) for m in moves}   # read and written: copy reads first
-        reads = [a.data[src - a.start:src - a.start + n] for a, src, _, _, n in moves]
-        if staged:
-            reads = [r.copy() for r in reads]
-        for (_, _, b, dst, n), data in zip(moves, reads, strict=True):
-            b.data[dst - b.start:dst - b.start + n] = data
+    def _moves(self, key: npt.NDArray[np.intp]) -> list[Move]:
+        """The non-empty descriptors as :data:`Move` s in the grouped path's order (``key``: source span x
+        destination span, per descriptor)."""
+        si, di, sizes, so, do = self.si, self.di, self.sizes, self.src, self.dst
+        if self.smallest <= 0:
+            live = sizes > 0
+            si, di, sizes, so, do, key = si[live], di[live], sizes[live], so[live], do[live], key[live]
+        so, do = so - self.starts.take(si), do - self.starts.take(di)
+        moves = list(zip(si.tolist(), di.tolist(), sizes.tolist(), so.tolist(), do.tolist(), strict=True))
+        if not (sizes.size and bool((key[1:] >= key[:-1]).all()) and self.smallest == int(sizes.max())):
+            moves.sort(key=_GROUP)   # stable: descriptor order within a group
+        return moves
+
+
+#: One descriptor, as Python ints: (source span, destination span, size, source offset, destination offset).
+Move = tuple[int, int, int, int, int]
+#: The grouped path's order of descriptors: (source span, destination span, size).
+_GROUP = operator.itemgetter(0, 1, 2)
+
+
+def _move_each(data: Sequence[Bytes], moves: list[Move]) -> None:
+    """Copy ``moves`` (non-empty, in order) between the spans' ``data``, every source read before any
+    destination is written (reads are staged when a span is both read and written)."""
+    if {m[0] for m in moves}.isdisjoint([m[1] for m in moves]):
+        for i, j, n, src, dst in moves:
+            data[j][dst:dst + n] = data[i][src:src + n]
+        return
+    reads = [data[i][src:src + n].copy() for i, _, n, src, _ in moves]
+    for (_, j, n, _, dst), read in zip(moves, reads, strict=True):
+        data[j][dst:dst + n] = read
 
 
 class _Side:
@@ -504,12 +553,22 @@ class Memory:
             between two unpinned host ranges counts its bytes twice).
         """
         index = self._index()
-        si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
+        each = None
+        if src.size <= SMALL_BATCH:   # in Python ints, kept for the per-descriptor path
+            s, d, n = src.tolist(), dst.tolist(), sizes.tolist()
+            find, starts = index.intervals.find_one, index.intervals.firsts
+            si_list, di_list = list(map(find, s, n)), list(map(find, d, n))
+            so = [a - starts[i] if i >= 0 else 0 for a, i in zip(s, si_list, strict=True)]
+            do = [a - starts[i] if i >= 0 else 0 for a, i in zip(d, di_list, strict=True)]
+            each = list(zip(si_list, di_list, n, so, do, strict=True))
+            si, di = np.array(si_list, dtype=np.intp), np.array(di_list, dtype=np.intp)
+        else:
+            si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
         slow = self._slow if self._slow is not None else self._slow_spans()
         slow_bytes = 0
         if self._any_slow:   # else every host side lies in a span one pinned range holds whole
             slow_bytes = self._unpinned_bytes(src, sizes, slow[si]) + self._unpinned_bytes(dst, sizes, slow[di])
-        return CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts, index.grids), slow_bytes
+        return CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts, index.grids, each), slow_bytes
 
     def _unpinned_bytes(self, addr: I64, sizes: I64, maybe: npt.NDArray[np.bool_]) -> int:
         """Bytes of the ranges among [addr, addr+sizes) that no pinned range holds whole, counting only those
