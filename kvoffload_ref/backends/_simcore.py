@@ -407,8 +407,8 @@ class SimCore:
             return op.delay if self._cost is None else op.delay * self._cost.compute_factor()
         if not isinstance(op, CopyOp):
             return 0.0
-        n = op.count
-        op.plan, slow = self._memory.plan(op.buf.src[:n].copy(), op.buf.dst[:n].copy(), op.buf.sizes[:n].copy())
+        n, buf = op.count, op.buf
+        op.plan, slow = self._memory.plan(buf.src[:n].copy(), buf.dst[:n].copy(), buf.sizes[:n].copy())
         if self._cost is not None:
             return self._cost.price(op, op.plan, slow, self.copy_path, self._memory.seams())
         total = op.plan.live_bytes()
@@ -422,9 +422,12 @@ class SimCore:
 
     def _execute_copy(self, op: CopyOp) -> None:
         del self._pending[op]
-        self._buffer_users[id(op.buf)] -= 1
-        if not self._buffer_users[id(op.buf)]:
-            del self._buffer_users[id(op.buf)]
+        users, key = self._buffer_users, id(op.buf)
+        left = users[key] - 1
+        if left:
+            users[key] = left
+        else:
+            del users[key]
         plan = op.plan
         bad = plan.first_bad() if plan is not None else None
         if plan is not None and op.poison is None and bad is None:

@@ -82,6 +82,10 @@ _MAX_GRIDS: Final = 256
 DESCRIPTOR_BLOCK_WORDS: Final = 512
 
 
+#: One descriptor, as Python ints: (source span, destination span, size, source offset, destination offset).
+Move = tuple[int, int, int, int, int]
+
+
 class Intervals:
     """An immutable, sorted set of disjoint [start, end) ranges with containment lookup."""
 
@@ -107,6 +111,18 @@ class Intervals:
         room = self._end_by_count.take(count) - addr   # no overflow where count >= 1: addr >= a start there
         held: npt.NDArray[np.intp] = count * ((size >= 0) & (size <= room)) - 1   # count 0: -1 whatever room is
         return held
+
+    def moves(self, src: list[int], dst: list[int], sizes: list[int]) -> list[Move]:
+        """Each descriptor as a :data:`Move`: (range holding the source whole or -1, the same for the destination,
+        size, offset of the source into its range, of the destination into its; an offset is 0 where the range
+        is -1). Scalar lookups, for a few descriptors."""
+        firsts, lasts, out = self.firsts, self._last, []
+        for a, b, n in zip(src, dst, sizes, strict=True):
+            i, j = bisect.bisect_right(firsts, a) - 1, bisect.bisect_right(firsts, b) - 1
+            i, so = (i, a - firsts[i]) if i >= 0 and 0 <= n <= lasts[i] - a else (-1, 0)
+            j, do = (j, b - firsts[j]) if j >= 0 and 0 <= n <= lasts[j] - b else (-1, 0)
+            out.append((i, j, n, so, do))
+        return out
 
     def find_one(self, addr: int, size: int) -> int:
         """Scalar :meth:`find`."""
@@ -143,9 +159,10 @@ class _Grid(NamedTuple):
 Grids = dict[tuple[int, int, int], _Grid]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class CopyPlan:
-    """A copy's descriptors as read when it started, resolved against the spans live then."""
+    """A copy's descriptors as read when it started, resolved against the spans live then (never changed after
+    it is made; not frozen only because a frozen dataclass costs a copy's start a microsecond)."""
 
     src: I64
     dst: I64
@@ -231,8 +248,6 @@ class CopyPlan:
         return moves
 
 
-#: One descriptor, as Python ints: (source span, destination span, size, source offset, destination offset).
-Move = tuple[int, int, int, int, int]
 #: The grouped path's order of descriptors: (source span, destination span, size).
 _GROUP = operator.itemgetter(0, 1, 2)
 
@@ -555,13 +570,9 @@ class Memory:
         index = self._index()
         each = None
         if src.size <= SMALL_BATCH:   # in Python ints, kept for the per-descriptor path
-            s, d, n = src.tolist(), dst.tolist(), sizes.tolist()
-            find, starts = index.intervals.find_one, index.intervals.firsts
-            si_list, di_list = list(map(find, s, n)), list(map(find, d, n))
-            so = [a - starts[i] if i >= 0 else 0 for a, i in zip(s, si_list, strict=True)]
-            do = [a - starts[i] if i >= 0 else 0 for a, i in zip(d, di_list, strict=True)]
-            each = list(zip(si_list, di_list, n, so, do, strict=True))
-            si, di = np.array(si_list, dtype=np.intp), np.array(di_list, dtype=np.intp)
+            each = index.intervals.moves(src.tolist(), dst.tolist(), sizes.tolist())
+            si = np.array([m[0] for m in each], dtype=np.intp)
+            di = np.array([m[1] for m in each], dtype=np.intp)
         else:
             si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
         slow = self._slow if self._slow is not None else self._slow_spans()
