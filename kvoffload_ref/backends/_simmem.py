@@ -14,9 +14,9 @@ descriptors are grouped by (source span, destination span, size) with one intege
 run in key order, each group's descriptors in descriptor order (as a sort by key would order them), whichever way
 they are moved. Small batches, and batches whose (source span, destination span) pairs -- a worker's tensor
 pairs -- hold few descriptors each (a one-block job over many layers: one per pair), go descriptor by descriptor
-in that order: one slice assignment each, no numpy call per copy or per group. Otherwise group by group. A planner's output already lists each group as one contiguous
-segment, so usually no sort and no gather of the descriptors is needed: a group is a slice. What the row copies
-need is computed once per copy, vectorized over all descriptors: where each side's offsets stop advancing by
+in that order: one slice assignment each, no numpy call per copy or per group. Otherwise group by group. A
+planner's output already lists each group as one contiguous segment, so usually no sort and no gather of the
+descriptors is needed: a group is a slice. What the row copies need is computed once per copy, vectorized over all descriptors: where each side's offsets stop advancing by
 exactly one row (run breaks), and whether they sit on one row grid. Per group then:
 
 * both sides one run of adjacent rows: one slice assignment;
