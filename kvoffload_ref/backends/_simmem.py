@@ -16,8 +16,9 @@ they are moved. Small batches, and batches whose (source span, destination span)
 pairs -- hold few descriptors each (a one-block job over many layers: one per pair), go descriptor by descriptor
 in that order: one slice assignment each, no numpy call per copy or per group. Otherwise group by group. A
 planner's output already lists each group as one contiguous segment, so usually no sort and no gather of the
-descriptors is needed: a group is a slice. What the row copies need is computed once per copy, vectorized over all descriptors: where each side's offsets stop advancing by
-exactly one row (run breaks), and whether they sit on one row grid. Per group then:
+descriptors is needed: a group is a slice. What the row copies need is computed once per copy, vectorized over
+all descriptors: where each side's offsets stop advancing by exactly one row (run breaks), and whether they sit
+on one row grid. Per group then:
 
 * both sides one run of adjacent rows: one slice assignment;
 * the destination one run (the worker's stores) or long runs: each run is a contiguous block filled in one
