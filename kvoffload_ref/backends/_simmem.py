@@ -87,6 +87,16 @@ DESCRIPTOR_BLOCK_WORDS: Final = 512
 Move = tuple[int, int, int, int, int]
 
 
+class Moves(NamedTuple):
+    """A few descriptors resolved in Python ints (:meth:`Intervals.moves`)."""
+
+    each: list[Move]  # in descriptor order (an offset is -1 where its span is -1: never moved)
+    si: list[int]  # each's source spans (-1: none holds it whole)
+    di: list[int]  # each's destination spans
+    live_bytes: int  # the non-empty descriptors' bytes
+    first_bad: int | None  # the first non-empty descriptor outside every span
+
+
 class Intervals:
     """An immutable, sorted set of disjoint [start, end) ranges with containment lookup."""
 
@@ -113,17 +123,35 @@ class Intervals:
         held: npt.NDArray[np.intp] = count * ((size >= 0) & (size <= room)) - 1   # count 0: -1 whatever room is
         return held
 
-    def moves(self, src: list[int], dst: list[int], sizes: list[int]) -> list[Move]:
+    def moves(self, src: list[int], dst: list[int], sizes: list[int]) -> Moves:
         """Each descriptor as a :data:`Move`: (range holding the source whole or -1, the same for the destination,
-        size, offset of the source into its range, of the destination into its; an offset is 0 where the range
-        is -1). Scalar lookups, for a few descriptors."""
-        firsts, lasts, out = self.firsts, self._last, []
+        size, offset of the source into its range, of the destination into its; an offset is -1 where the range
+        is -1), with what the checks read of them. Scalar lookups, for a few descriptors."""
+        firsts, lasts, live, bad = self.firsts, self._last, 0, None
+        out: list[Move] = []
+        si: list[int] = []
+        di: list[int] = []
+        right = bisect.bisect_right
         for a, b, n in zip(src, dst, sizes, strict=True):
-            i, j = bisect.bisect_right(firsts, a) - 1, bisect.bisect_right(firsts, b) - 1
-            i, so = (i, a - firsts[i]) if i >= 0 and 0 <= n <= lasts[i] - a else (-1, 0)
-            j, do = (j, b - firsts[j]) if j >= 0 and 0 <= n <= lasts[j] - b else (-1, 0)
+            i, j = right(firsts, a) - 1, right(firsts, b) - 1
+            if i >= 0 and 0 <= n <= lasts[i] - a:
+                so = a - firsts[i]
+            else:
+                i = so = -1
+            if j >= 0 and 0 <= n <= lasts[j] - b:
+                do = b - firsts[j]
+            else:
+                j = do = -1
+            if n > 0:
+                live += n
+                if (i < 0 or j < 0) and bad is None:
+                    bad = len(out)
+            elif n and bad is None:   # a negative size lies in no span (an empty copy touches nothing)
+                bad = len(out)
             out.append((i, j, n, so, do))
-        return out
+            si.append(i)
+            di.append(j)
+        return Moves(out, si, di, live, bad)
 
     def find_one(self, addr: int, size: int) -> int:
         """Scalar :meth:`find`."""
@@ -176,11 +204,11 @@ class CopyPlan:
     starts: I64
     # Invariant: grid views of the data of ``spans`` (shared by the plans over one snapshot; a cache only).
     grids: Grids = dataclasses.field(default_factory=dict)
-    # Invariant: for a copy of at most SMALL_BATCH descriptors, each descriptor as Python ints (source span,
-    # destination span, size, offset into the source span, offset into the destination span; an offset is 0
-    # where its span is -1), in descriptor order: what the per-descriptor path and the checks read
-    # without a numpy call; None for larger copies.
-    each: list[Move] | None = None
+    # Invariant: for a copy of at most SMALL_BATCH descriptors, its descriptors as Python ints (Intervals.moves):
+    # what the per-descriptor path and the checks read without a numpy call; None for larger copies.
+    each: Moves | None = None
+    # Invariant: data[k] is spans[k].data (the snapshot's list, shared by its plans); empty: build it.
+    data: Sequence[Bytes] = ()
 
     @functools.cached_property
     def smallest(self) -> int:
@@ -190,13 +218,13 @@ class CopyPlan:
     def live_bytes(self) -> int:
         """How many bytes the non-empty descriptors copy."""
         if self.each is not None:
-            return sum(n for _, _, n, _, _ in self.each if n > 0)
+            return self.each.live_bytes
         return int(self.sizes.sum()) if self.smallest > 0 else int(self.sizes[self.sizes > 0].sum())
 
     def first_bad(self) -> int | None:
         """The first non-empty descriptor touching memory outside every live span, or None."""
-        if self.each is not None:   # an empty copy touches nothing
-            return next((k for k, (i, j, n, _, _) in enumerate(self.each) if n and (i < 0 or j < 0)), None)
+        if self.each is not None:
+            return self.each.first_bad
         worst = np.minimum(self.si, self.di)
         if not worst.size or worst.min() >= 0:
             return None
@@ -209,9 +237,9 @@ class CopyPlan:
         Descriptor by descriptor when the copy is small or its (source span, destination span) pairs hold few
         descriptors each (EACH_MAX_PER_PAIR); else group by group (:class:`_Batch`). Both write in the same
         order, so the choice changes nothing but the speed."""
-        data = [s.data for s in self.spans]
+        data = self.data or [s.data for s in self.spans]
         if self.each is not None:
-            moves = [m for m in self.each if m[2] > 0]
+            moves = [m for m in self.each.each if m[2] > 0]
             moves.sort(key=_GROUP)   # stable: descriptor order within a group
             _move_each(data, moves)
             return
@@ -477,6 +505,8 @@ class _SpanIndex(NamedTuple):
 
     intervals: Intervals
     spans: list[Span]
+    # Invariant: data[k] is spans[k].data.
+    data: list[Bytes]
     # Invariant: the grid views the copies over these spans made of their data (CopyPlan.grids).
     grids: Grids
 
@@ -572,15 +602,15 @@ class Memory:
         each = None
         if src.size <= SMALL_BATCH:   # in Python ints, kept for the per-descriptor path
             each = index.intervals.moves(src.tolist(), dst.tolist(), sizes.tolist())
-            si = np.array([m[0] for m in each], dtype=np.intp)
-            di = np.array([m[1] for m in each], dtype=np.intp)
+            si, di = np.array(each.si, dtype=np.intp), np.array(each.di, dtype=np.intp)
         else:
             si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
         slow = self._slow if self._slow is not None else self._slow_spans()
         slow_bytes = 0
         if self._any_slow:   # else every host side lies in a span one pinned range holds whole
             slow_bytes = self._unpinned_bytes(src, sizes, slow[si]) + self._unpinned_bytes(dst, sizes, slow[di])
-        return CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts, index.grids, each), slow_bytes
+        plan = CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts, index.grids, each, index.data)
+        return plan, slow_bytes
 
     def _unpinned_bytes(self, addr: I64, sizes: I64, maybe: npt.NDArray[np.bool_]) -> int:
         """Bytes of the ranges among [addr, addr+sizes) that no pinned range holds whole, counting only those
@@ -594,7 +624,8 @@ class Memory:
     def _index(self) -> _SpanIndex:
         if self._span_index is None:
             spans = sorted(self._spans.values(), key=lambda s: s.start)
-            self._span_index = _SpanIndex(Intervals((s.start, s.end) for s in spans), spans, {})
+            self._span_index = _SpanIndex(Intervals((s.start, s.end) for s in spans), spans, [s.data for s in spans],
+                                          {})
         return self._span_index
 
     def _slow_spans(self) -> npt.NDArray[np.bool_]:
