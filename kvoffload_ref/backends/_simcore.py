@@ -408,7 +408,7 @@ class SimCore:
         if not isinstance(op, CopyOp):
             return 0.0
         n, buf = op.count, op.buf
-        op.plan, slow = self._memory.plan(buf.src[:n].copy(), buf.dst[:n].copy(), buf.sizes[:n].copy())
+        op.plan, slow = self._memory.plan(buf.src[:n], buf.dst[:n], buf.sizes[:n])   # read there: a snapshot
         if self._cost is not None:
             return self._cost.price(op, op.plan, slow, self.copy_path, self._memory.seams())
         total = op.plan.live_bytes()

@@ -56,8 +56,8 @@ from kvoffload_ref.backends.copy_paths import registration_seams
 from kvoffload_ref.errors import InvalidTransferError
 
 __all__ = [
-    "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Span", "address",
-    "host_view",
+    "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Plan", "SmallPlan",
+    "Span", "address", "host_view",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -204,9 +204,6 @@ class CopyPlan:
     starts: I64
     # Invariant: grid views of the data of ``spans`` (shared by the plans over one snapshot; a cache only).
     grids: Grids = dataclasses.field(default_factory=dict)
-    # Invariant: for a copy of at most SMALL_BATCH descriptors, its descriptors as Python ints (Intervals.moves):
-    # what the per-descriptor path and the checks read without a numpy call; None for larger copies.
-    each: Moves | None = None
     # Invariant: data[k] is spans[k].data (the snapshot's list, shared by its plans); empty: build it.
     data: Sequence[Bytes] = ()
 
@@ -217,14 +214,10 @@ class CopyPlan:
 
     def live_bytes(self) -> int:
         """How many bytes the non-empty descriptors copy."""
-        if self.each is not None:
-            return self.each.live_bytes
         return int(self.sizes.sum()) if self.smallest > 0 else int(self.sizes[self.sizes > 0].sum())
 
     def first_bad(self) -> int | None:
         """The first non-empty descriptor touching memory outside every live span, or None."""
-        if self.each is not None:
-            return self.each.first_bad
         worst = np.minimum(self.si, self.di)
         if not worst.size or worst.min() >= 0:
             return None
@@ -234,15 +227,10 @@ class CopyPlan:
     def execute(self) -> None:
         """Move the bytes (all sources are read before any destination is written). Needs first_bad() None.
 
-        Descriptor by descriptor when the copy is small or its (source span, destination span) pairs hold few
-        descriptors each (EACH_MAX_PER_PAIR); else group by group (:class:`_Batch`). Both write in the same
-        order, so the choice changes nothing but the speed."""
+        Descriptor by descriptor when its (source span, destination span) pairs hold few descriptors each
+        (EACH_MAX_PER_PAIR); else group by group (:class:`_Batch`). Both write in the same order, so the choice
+        changes nothing but the speed (a copy of at most SMALL_BATCH descriptors is a :class:`SmallPlan`)."""
         data = self.data or [s.data for s in self.spans]
-        if self.each is not None:
-            moves = [m for m in self.each.each if m[2] > 0]
-            moves.sort(key=_GROUP)   # stable: descriptor order within a group
-            _move_each(data, moves)
-            return
         key = self.si * len(self.spans) + self.di
         if self.sizes.size <= EACH_MAX_PER_PAIR * (1 + int(np.count_nonzero(key[1:] != key[:-1]))):
             _move_each(data, self._moves(key))
@@ -279,6 +267,68 @@ class CopyPlan:
 
 #: The grouped path's order of descriptors: (source span, destination span, size).
 _GROUP = operator.itemgetter(0, 1, 2)
+
+
+class SmallPlan:
+    """A copy of at most SMALL_BATCH descriptors as read when it started: its descriptors as Python ints
+    (:meth:`Intervals.moves`), moved descriptor by descriptor, and a :class:`CopyPlan`'s arrays (``src``,
+    ``dst``, ``sizes``, ``si``, ``di``) made only when something asks for them (a cost profile, a trace, a
+    pending copy's overlap check) -- most copies never need them."""
+
+    __slots__ = ("_arrays", "data", "moves", "spans", "values")
+
+    def __init__(self, values: tuple[list[int], list[int], list[int]], moves: Moves, spans: Sequence[Span],
+                 data: Sequence[Bytes]) -> None:
+        # Invariant: the descriptors' (src, dst, sizes) as read when the copy started; never changed.
+        self.values = values
+        # Invariant: the same descriptors resolved against ``spans`` (the snapshot live then; data[k] its data).
+        self.moves, self.spans, self.data = moves, spans, data
+        self._arrays: tuple[I64, I64, I64, npt.NDArray[np.intp], npt.NDArray[np.intp]] | None = None
+
+    @property
+    def src(self) -> I64:
+        return self._made()[0]
+
+    @property
+    def dst(self) -> I64:
+        return self._made()[1]
+
+    @property
+    def sizes(self) -> I64:
+        return self._made()[2]
+
+    @property
+    def si(self) -> npt.NDArray[np.intp]:
+        return self._made()[3]
+
+    @property
+    def di(self) -> npt.NDArray[np.intp]:
+        return self._made()[4]
+
+    def _made(self) -> tuple[I64, I64, I64, npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+        if self._arrays is None:
+            src, dst, sizes = (np.array(v, dtype=np.int64) for v in self.values)
+            self._arrays = src, dst, sizes, np.array(self.moves.si, dtype=np.intp), np.array(self.moves.di,
+                                                                                             dtype=np.intp)
+        return self._arrays
+
+    def live_bytes(self) -> int:
+        """How many bytes the non-empty descriptors copy."""
+        return self.moves.live_bytes
+
+    def first_bad(self) -> int | None:
+        """The first non-empty descriptor touching memory outside every live span, or None."""
+        return self.moves.first_bad
+
+    def execute(self) -> None:
+        """Move the bytes, descriptor by descriptor, in :class:`CopyPlan`'s order. Needs first_bad() None."""
+        moves = [m for m in self.moves.each if m[2] > 0]
+        moves.sort(key=_GROUP)   # stable: descriptor order within a group
+        _move_each(self.data, moves)
+
+
+#: What a copy resolved when it started.
+Plan = CopyPlan | SmallPlan
 
 
 def _move_each(data: Sequence[Bytes], moves: list[Move]) -> None:
@@ -591,25 +641,30 @@ class Memory:
         k = int(crossing.argmax())
         return k, int(index.starts[first[k]]), int(index.starts[first[k] + 1])
 
-    def plan(self, src: I64, dst: I64, sizes: I64) -> tuple[CopyPlan, int]:
-        """Resolve descriptors against the live spans.
+    def plan(self, src: I64, dst: I64, sizes: I64) -> tuple[Plan, int]:
+        """Resolve descriptors against the live spans (they are read here: the caller may pass views of a
+        descriptor buffer's rows).
 
         Returns:
-            The plan, and how many of its bytes are slow: a host side not inside one pinned range (a copy
-            between two unpinned host ranges counts its bytes twice).
+            The plan (a :class:`SmallPlan` for at most SMALL_BATCH descriptors), and how many of its bytes are
+            slow: a host side not inside one pinned range (a copy between two unpinned host ranges counts its
+            bytes twice).
         """
         index = self._index()
-        each = None
-        if src.size <= SMALL_BATCH:   # in Python ints, kept for the per-descriptor path
-            each = index.intervals.moves(src.tolist(), dst.tolist(), sizes.tolist())
-            si, di = np.array(each.si, dtype=np.intp), np.array(each.di, dtype=np.intp)
+        plan: Plan
+        if src.size <= SMALL_BATCH:   # in Python ints: the per-descriptor path
+            values = src.tolist(), dst.tolist(), sizes.tolist()
+            plan = SmallPlan(values, index.intervals.moves(*values), index.spans, index.data)
         else:
+            src, dst, sizes = src.copy(), dst.copy(), sizes.copy()
             si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
+            plan = CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts, index.grids, index.data)
         slow = self._slow if self._slow is not None else self._slow_spans()
         slow_bytes = 0
         if self._any_slow:   # else every host side lies in a span one pinned range holds whole
-            slow_bytes = self._unpinned_bytes(src, sizes, slow[si]) + self._unpinned_bytes(dst, sizes, slow[di])
-        plan = CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts, index.grids, each, index.data)
+            src, dst, sizes = plan.src, plan.dst, plan.sizes
+            slow_bytes = (self._unpinned_bytes(src, sizes, slow[plan.si]) +
+                          self._unpinned_bytes(dst, sizes, slow[plan.di]))
         return plan, slow_bytes
 
     def _unpinned_bytes(self, addr: I64, sizes: I64, maybe: npt.NDArray[np.bool_]) -> int:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends._simmem import CopyPlan
+from kvoffload_ref.backends._simmem import Plan
 from kvoffload_ref.backends.base import DescriptorBuffer, Tag
 
 __all__ = [
@@ -170,7 +170,7 @@ class CopyOp(Op):
         # Invariant: None unless a cost profile priced the op when it started (then a ``_simcost.Flow``).
         self.flow: object | None = None
         # Invariant: None until the op starts; then the descriptors as read at start, resolved to spans.
-        self.plan: CopyPlan | None = None
+        self.plan: Plan | None = None
         # Invariant: why the op must not touch memory (a range it uses was unmapped/unpinned), or None.
         self.poison: str | None = None
 
