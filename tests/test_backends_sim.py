@@ -618,6 +618,22 @@ def test_sim_copy_outside_every_live_span_is_an_illegal_address(rig: Rig) -> Non
     assert_sticky_illegal_address(be, stream)
 
 
+def test_sim_illegal_address_names_the_descriptor_as_read_when_the_copy_started(rig: Rig) -> None:
+    """The violation names the bad descriptor's source and destination as the copy read them when it started,
+    not what the buffer holds later (a small copy keeps its descriptors as Python ints and makes its arrays only
+    when asked)."""
+    be = rig.be
+    stream = be.create_stream()
+    src, dst = rig.dev_addr(1), rig.host_addr(7) + 1   # runs one byte past the host mapping
+    buf = rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0)), (src, dst)])   # starts at once: the stream is idle
+    buf.fill(np.full(2, rig.dev_addr(2), dtype=np.int64), np.full(2, rig.host_addr(2), dtype=np.int64),
+             np.full(2, 8, dtype=np.int64))   # rewritten under the copy: it must not change what was read
+    with pytest.raises(DeviceError):
+        be.synchronize(rig.end_event(stream))
+    assert [v.kind for v in be.violations] == ["illegal_address"]
+    assert f"descriptor 1 (src {src:#x}, dst {dst:#x}, {PAGE} bytes)" in be.violations[0].detail
+
+
 def test_sim_releasing_what_is_not_live_is_recorded_not_raised(rig: Rig) -> None:
     be = rig.be
     stream, event, buf = be.create_stream(), be.create_event(), be.alloc_descriptors(1)
