@@ -21,7 +21,9 @@ counted as drained and a failure abandons the rest. Proven transfers give their 
 back to the pools; failed and abandoned ones go to the *unproven* bin: never reused, released at shutdown only if
 the device-level proof succeeds (R13), else their descriptor buffers are quarantined (a copy may still read them).
 
-``drain`` is the shutdown half: head first, each wait bounded by the one shutdown deadline (R11). ``release``
+``drain`` is the shutdown half: head first, each wait bounded by the one shutdown deadline (R11), one backoff for
+the whole drain (the pause between polls carries over from head to head, as in the reference), and each poll
+proves the run of completed heads with one prefix query that stops at the first pending event. ``release``
 frees the transfer-side resources in a few batched backend calls and reports what must be quarantined; a
 BaseException arriving in the middle does not stop it (R14). The handler never holds the region (R1): it gets
 tensor geometries only.
@@ -43,7 +45,7 @@ from typing import Any, TypeVar
 
 from kvoffload_ref import lifecycle, tables
 from kvoffload_ref.backends import batched
-from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag, poll_until
+from kvoffload_ref.backends.base import Backend, Backoff, DescriptorBuffer, Event, Stream, Tag, poll_until
 from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError, detached
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
@@ -443,10 +445,10 @@ class DirectionHandler:
         try:
             if interrupted and self._queue:
                 self._stop_drain(HandlerInput.INTERRUPT, None)
-            backend = self._backend
+            backend, backoff = self._backend, Backoff()
 
-            def observe(event: Event) -> bool:
-                return poll_until(backend, lambda: backend.query(event), deadline)
+            def observe(event: Event) -> bool:  # R11; the backoff carries over from head to head (the reference's)
+                return poll_until(backend, lambda: backend.query(event), deadline, backoff)
 
             while self._queue:
                 if self._prove_prefix():

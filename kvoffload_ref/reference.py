@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 from kvoffload_ref import errors, handler_api, lifecycle, lockcheck, results, tables
-from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, poll_until, wait_polling
+from kvoffload_ref.backends.base import Backend, Backoff, DescriptorBuffer, Event, Stream, poll_until, wait_polling
 from kvoffload_ref.canonical import PageMapping
 from kvoffload_ref.canonical_plan import CanonicalLayout, check_canonical, cpu_pages
 from kvoffload_ref.facade import WorkerFacade, WorkerOptions, build_with_region, check_options
@@ -504,10 +504,12 @@ class ReferenceHandler:
         self.step(HandlerInput.BEGIN_DRAIN)  # DROP_RESULTS: nothing is reported after shutdown began (R8) ...
         self.outcomes += [JobOutcome(r, "unreaped") for r in self.ready]  # ... but the report lists them (R14)
         self.ready, self.jobs = [], set()
-        backend = self.backend
+        backend, backoff = self.backend, Backoff()
 
-        def observe(event: Event) -> bool:  # R11: a bounded poll on the backend's clock, never a blocking wait
-            return poll_until(backend, lambda: backend.query(event), deadline)
+        def observe(event: Event) -> bool:  # R11: a bounded poll on the backend's clock, never a blocking wait;
+            # one backoff for the whole drain: the pause carries over from head to head (a pending queue of
+            # thousands costs a poll per pause, not a short first sleep per transfer)
+            return poll_until(backend, lambda: backend.query(event), deadline, backoff)
 
         try:
             if interrupted and self.queue:

@@ -14,6 +14,7 @@ import numpy.typing as npt
 import pytest
 
 from kvoffload_ref import backends
+from kvoffload_ref.backends._simcore import PREFIX_FIRST_RUN
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Ledger, Stream, Tag
 from kvoffload_ref.backends.sim import SimBackend, SimHang
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError
@@ -617,6 +618,22 @@ def test_sim_copy_outside_every_live_span_is_an_illegal_address(rig: Rig) -> Non
     assert_sticky_illegal_address(be, stream)
 
 
+def test_sim_illegal_address_names_the_descriptor_as_read_when_the_copy_started(rig: Rig) -> None:
+    """The violation names the bad descriptor's source and destination as the copy read them when it started,
+    not what the buffer holds later (a small copy keeps its descriptors as Python ints and makes its arrays only
+    when asked)."""
+    be = rig.be
+    stream = be.create_stream()
+    src, dst = rig.dev_addr(1), rig.host_addr(7) + 1   # runs one byte past the host mapping
+    buf = rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0)), (src, dst)])   # starts at once: the stream is idle
+    buf.fill(np.full(2, rig.dev_addr(2), dtype=np.int64), np.full(2, rig.host_addr(2), dtype=np.int64),
+             np.full(2, 8, dtype=np.int64))   # rewritten under the copy: it must not change what was read
+    with pytest.raises(DeviceError):
+        be.synchronize(rig.end_event(stream))
+    assert [v.kind for v in be.violations] == ["illegal_address"]
+    assert f"descriptor 1 (src {src:#x}, dst {dst:#x}, {PAGE} bytes)" in be.violations[0].detail
+
+
 def test_sim_releasing_what_is_not_live_is_recorded_not_raised(rig: Rig) -> None:
     be = rig.be
     stream, event, buf = be.create_stream(), be.create_event(), be.alloc_descriptors(1)
@@ -651,6 +668,40 @@ def test_sim_query_prefix_counts_the_completed_events_from_the_first(rig: Rig) -
     assert be.query_prefix(done) == 1, "stops before a handle that is not live"
     be.on_call = lambda point, tag: None
     assert be.query_prefix([done[0]]) == 0, "an on_call hook sends every query through query()"
+    assert not be.violations
+
+
+class _Watched(Sequence[Event]):
+    """A sequence of events that notes how far into it a caller looked."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self.events, self.seen = events, 0
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __getitem__(self, where: Any) -> Any:
+        last = where.indices(len(self.events))[1] if isinstance(where, slice) else where % len(self.events) + 1
+        self.seen = max(self.seen, last)
+        return self.events[where]
+
+
+@pytest.mark.rule("R10")
+def test_sim_query_prefix_stops_at_the_first_pending_event(rig: Rig) -> None:
+    """Wherever the first pending event sits in a long run (at, before and after the bounds of the runs the sim
+    looks at), the count is exact; and a pending head costs a look at a few events, not at the whole run (a drain
+    polls a queue of thousands)."""
+    be = rig.be
+    stream = be.create_stream()
+    done = [rig.end_event(stream) for _ in range(130)]
+    rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0))])
+    pending = [rig.end_event(stream) for _ in range(1000)]   # behind a copy that has not run
+    for first in (0, 1, 15, 16, 17, 47, 48, 49, 111, 112, 113, 130):
+        assert be.query_prefix([*done[:first], *pending[:3], *done]) == first
+    assert be.query_prefix(done) == len(done)
+    watched = _Watched([*done[:3], *pending])
+    assert be.query_prefix(watched) == 3
+    assert watched.seen <= 2 * PREFIX_FIRST_RUN, "looked far past the first pending event"
     assert not be.violations
 
 

@@ -4,11 +4,14 @@ descriptor-by-descriptor reference, destinations that repeat or overlap included
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvoffload_ref.backends._simmem import _MAX_GRIDS, SMALL_BATCH, Intervals
+from kvoffload_ref.backends import _simmem
+from kvoffload_ref.backends._simmem import _MAX_GRIDS, EACH_MAX_PER_PAIR, SMALL_BATCH, Intervals
 from kvoffload_ref.backends.sim import SimBackend
 
 I64 = npt.NDArray[np.int64]
@@ -48,6 +51,16 @@ def test_intervals_find_matches_a_scalar_reference_at_every_edge(seed: int) -> N
         assert got.tolist() == expected[part]
     empty = Intervals([]).find(np.array(addr, dtype=np.int64), np.array(size, dtype=np.int64))
     assert (empty == -1).all()
+    resolved = intervals.moves(addr, addr[::-1], size)   # the per-descriptor path's lookup: both sides, offsets
+    moves, firsts = resolved.each, sorted(lo for lo, _ in ranges)
+    assert [m[0] for m in moves] == resolved.si == expected
+    assert [m[1] for m in moves] == resolved.di == find_reference(ranges, addr[::-1], size)
+    assert resolved.live_bytes == sum(n for n in size if n > 0)
+    bad = [k for k, (i, j) in enumerate(zip(resolved.si, resolved.di, strict=True)) if size[k] and min(i, j) < 0]
+    assert resolved.first_bad == (bad[0] if bad else None)
+    assert all(m[3] == (a - firsts[m[0]] if m[0] >= 0 else -1) for m, a in zip(moves, addr, strict=True))
+    assert all(m[4] == (a - firsts[m[1]] if m[1] >= 0 else -1) for m, a in zip(moves, addr[::-1], strict=True))
+    assert Intervals([]).moves(addr, addr, size).si == [-1] * len(addr)
 
 
 # -- slow bytes --------------------------------------------------------------------------------------------------
@@ -243,3 +256,57 @@ def test_sim_grid_views_stay_bounded_and_are_dropped_with_the_span_index() -> No
     assert 0 < len(grids) <= _MAX_GRIDS
     be.empty_device((1, 64))
     assert be._memory._index().grids is not grids and not be._memory._index().grids
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sim_copies_of_few_descriptors_per_span_pair_go_descriptor_by_descriptor_in_group_order(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's one-block job over many layers is one descriptor per (tensor, region) pair: such copies (and
+    every copy of at most SMALL_BATCH descriptors) move descriptor by descriptor, never through the grouped path,
+    yet write in its order -- by (source span, destination span, size), descriptor order within -- so where
+    destinations of different pairs overlap, the bytes are still the reference's. Empty descriptors outside
+    every span, spans read and written, sizes mixed."""
+    rng = np.random.default_rng(100 + seed)
+    be = SimBackend()
+    spans = [np.asarray(be.empty_device((8, 256 + 64 * k))).reshape(-1) for k in range(6)]
+    hosts = [np.zeros(8192 + 512 * k, dtype=np.uint8) for k in range(3)]
+    for host in hosts:
+        be.track_host(int(host.ctypes.data), host.nbytes)
+    spans += hosts
+    for span in spans:
+        span[...] = rng.integers(0, 256, span.size, dtype=np.uint8)
+    one_way = seed % 2 == 0
+    readable = list(range(6)) if one_way else list(range(len(spans)))
+    writable = [6, 7, 8] if one_way else list(range(len(spans)))
+    count = int(rng.choice([int(rng.integers(2, SMALL_BATCH + 1)), int(rng.integers(SMALL_BATCH + 1, 80))]))
+    flat = []
+    for _ in range(count):
+        a, b = int(rng.choice(readable)), int(rng.choice(writable))
+        size = int(rng.choice([64, 100, 256]))
+        s = int(rng.integers(0, spans[a].size - size + 1))
+        d = int(rng.integers(0, 3)) * 64 if rng.random() < 0.5 else int(rng.integers(0, spans[b].size - size + 1))
+        flat.append((int(spans[a].ctypes.data) + s, int(spans[b].ctypes.data) + d, size))   # many overlap at 0..128
+    if seed % 3 == 0:
+        flat.insert(int(rng.integers(0, len(flat) + 1)), (8, 16, 0))   # empty, outside every span
+    src, dst, sizes = ([int(x) for x in column] for column in zip(*flat, strict=True))
+    expected = {int(span.ctypes.data): span.copy() for span in spans}
+    reference_copy(expected, src, dst, sizes)
+
+    def grouped(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the grouped path ran for a copy of few descriptors per span pair")
+
+    assert len(src) <= SMALL_BATCH or pieces(be, src, dst) * EACH_MAX_PER_PAIR >= len(src)
+    monkeypatch.setattr(_simmem, "_Batch", grouped)
+    timed_copy(be, src, dst, sizes)
+    assert not be.violations
+    for span in spans:
+        np.testing.assert_array_equal(span, expected[int(span.ctypes.data)])
+
+
+def pieces(be: SimBackend, src: list[int], dst: list[int]) -> int:
+    """How many runs of one (source span, destination span) pair the descriptors come in."""
+    def span_of(addr: int) -> int:
+        span = be._memory.span_holding(addr, 0)
+        return -1 if span is None else span.start
+    keys = [(span_of(s), span_of(d)) for s, d in zip(src, dst, strict=True)]
+    return 1 + sum(a != b for a, b in itertools.pairwise(keys))

@@ -5,23 +5,25 @@ No performance assertions here (CI machines vary); docs/benchmarks.md holds the 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
 import pathlib
+import types
 
-from kvoffload_ref.bench import FIGURE_GROUPS, missed_goals, run_bench
+from kvoffload_ref.bench import FIGURE_GROUPS, Result, missed_goals, run_bench
 
 KEYS = [
     "planner_small", "planner_medium", "planner_large", "planner_scaling",
     "planner_canonical_small", "planner_canonical_medium", "planner_canonical_large",
     *(f"planner_shape_{shape}_{size}" for shape in ("8layers_bpc4", "2layers_bpc16", "64layers_bpc4", "3groups_bpc1")
       for size in ("small", "medium", "large")),
-    "datapath_4k", "datapath_64k",
+    "datapath_4k", "datapath_64k", "datapath_small_job",
     *(f"calibration_{page}_{direction}" for page in ("4k", "64k", "1024k") for direction in ("store", "load")),
     "profile_cost_4k",
     "shutdown_hung_virtual", "shutdown_hung_wall", "shutdown_hung_past_deadline",
-    "shutdown_drain_phase", "shutdown_drain_total",
+    "shutdown_drain_phase", "shutdown_drain_total", "shutdown_pending_total",
     "fuzz",
     "racecheck_4k", "racecheck_64k", "locking",
 ]
@@ -58,3 +60,21 @@ def test_quick_bench_reports_every_metric_and_writes_json(tmp_path: pathlib.Path
     table = out.getvalue()
     assert table.startswith("| metric | measured | reference (same run) | ratio | goal | met |")
     assert all(r["metric"] in table for r in results)
+
+
+def test_the_teardown_and_small_job_goals_are_checked_by_ratio() -> None:
+    """``bench --check`` fails on these lines exactly when their ratio misses the goal: the truly pending teardown
+    at <= 0.2x its submission time, the small job at <= 5x its numpy copies (the speeds live in the bench)."""
+    from kvoffload_ref.bench import datapath, shutdown
+
+    def pending(wall: float, submitted: float) -> Result:
+        run = types.SimpleNamespace(wall=wall, drain=wall, polls=1, report=types.SimpleNamespace(elapsed=0.05))
+        return shutdown.pending_result(10_000, run, submitted)  # type: ignore[arg-type]
+
+    assert shutdown.GOAL_PENDING_RATIO == 0.2 and datapath.GOAL_SMALL_JOB == 5.0
+    assert pending(0.19, 1.0).met is True and pending(0.21, 1.0).met is False
+    assert pending(0.19, 1.0).ratio == 0.19
+    assert datapath.small_job_result(90e-6, 95e-6, 20e-6).met is True   # the slower direction: 4.75x
+    assert datapath.small_job_result(90e-6, 110e-6, 20e-6).met is False   # 5.5x
+    doc = {"results": [dataclasses.asdict(pending(0.3, 1.0)), dataclasses.asdict(pending(0.1, 1.0))]}
+    assert missed_goals(doc) == ["shutdown_pending_total"]

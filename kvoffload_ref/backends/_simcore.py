@@ -16,7 +16,7 @@ import itertools
 import operator
 import threading
 from collections.abc import Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -76,6 +76,9 @@ class _ProfileValue(float):
 
 #: The sentinel default: an explicit number overrides the profile's term; this one takes it.
 PROFILE_VALUE: float = _ProfileValue("nan")
+
+#: How many events ``query_prefix`` looks at first (then twice as many each time, until one is not done).
+PREFIX_FIRST_RUN: Final = 16
 
 
 class SimCore:
@@ -441,8 +444,8 @@ class SimCore:
             return op.delay if self._cost is None else op.delay * self._cost.compute_factor()
         if not isinstance(op, CopyOp):
             return 0.0
-        n = op.count
-        op.plan, slow = self._memory.plan(op.buf.src[:n].copy(), op.buf.dst[:n].copy(), op.buf.sizes[:n].copy())
+        n, buf = op.count, op.buf
+        op.plan, slow = self._memory.plan(buf.src[:n], buf.dst[:n], buf.sizes[:n])   # read there: a snapshot
         if self._cost is not None:
             return self._cost.price(op, op.plan, slow, self.copy_path, self._memory.seams())
         total = op.plan.live_bytes()
@@ -456,9 +459,12 @@ class SimCore:
 
     def _execute_copy(self, op: CopyOp) -> None:
         del self._pending[op]
-        self._buffer_users[id(op.buf)] -= 1
-        if not self._buffer_users[id(op.buf)]:
-            del self._buffer_users[id(op.buf)]
+        users, key = self._buffer_users, id(op.buf)
+        left = users[key] - 1
+        if left:
+            users[key] = left
+        else:
+            del users[key]
         plan = op.plan
         bad = plan.first_bad() if plan is not None else None
         if plan is not None and op.poison is None and bad is None:
@@ -562,26 +568,42 @@ class SimCore:
 
     def query_prefix(self, events: Sequence[Event]) -> int:
         """How many of ``events``, from the first, completed (each observed as by ``query``). 0 when a fault
-        plan, a lost device or an ``on_call`` hook is present: then every query goes through ``query``."""
+        plan, a lost device or an ``on_call`` hook is present: then every query goes through ``query``.
+
+        Stops at the first event not done: the events are looked at in runs of PREFIX_FIRST_RUN, then twice as
+        many each time, so a poll that finds the head pending looks at a few events, not at every one asked
+        about (a drain polls a queue of thousands many times)."""
         if self.on_call is not None or self._plan is not None or self._sticky is not None:
             return 0
         with self._lock:
             self._catch_up()
-            live = list(map(self._events.get, _event_keys(events)))
-            if not all(map(operator.is_, live, events)):  # a handle that is not live: stop before it
-                live = live[:next(i for i, (a, b) in enumerate(zip(live, events, strict=True)) if a is not b)]
-            latest: list[Record | None] = list(map(_LATEST, live))
-            if None in latest:  # a never-recorded event counts as complete
-                pending = [r is not None and r.done_at is None for r in latest]
-                count = pending.index(True) if True in pending else len(pending)
-                last = next((r for r in reversed(latest[:count]) if r is not None), None)
-            else:
-                done = list(map(_DONE, latest))
-                count = len(done) if all(done) else done.index(False)
-                last = latest[count - 1] if count else None
+            count, last, size, total = 0, None, PREFIX_FIRST_RUN, len(events)
+            while count < total:
+                run = events[count:count + size]
+                done, latest = _done_prefix(self._events, run)
+                count, last = count + done, latest or last
+                if done < len(run):
+                    break
+                size *= 2
             if last is not None and self._race is not None:
                 self._race.observe(last)  # one stream's records: observing the last covers those before it
             return count
+
+
+def _done_prefix(table: dict[int, SimEvent], events: Sequence[Event]) -> tuple[int, Record | None]:
+    """How many of ``events``, from the first, are live in ``table`` and done (a never-recorded event counts as
+    done), and the latest record among those counted (None if none has one)."""
+    live = list(map(table.get, _event_keys(events)))
+    if not all(map(operator.is_, live, events)):  # a handle that is not live: stop before it
+        live = live[:next(i for i, (a, b) in enumerate(zip(live, events, strict=True)) if a is not b)]
+    latest: list[Record | None] = list(map(_LATEST, live))
+    if None in latest:  # a never-recorded event counts as complete
+        pending = [r is not None and r.done_at is None for r in latest]
+        count = pending.index(True) if True in pending else len(pending)
+        return count, next((r for r in reversed(latest[:count]) if r is not None), None)
+    done = list(map(_DONE, latest))
+    count = len(done) if all(done) else done.index(False)
+    return count, latest[count - 1] if count else None
 
 
 _LATEST = operator.attrgetter("latest")

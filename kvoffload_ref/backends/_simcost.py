@@ -35,7 +35,7 @@ from typing import Final, Literal
 
 import numpy as np
 
-from kvoffload_ref.backends._simmem import CopyPlan
+from kvoffload_ref.backends._simmem import Plan
 from kvoffload_ref.backends._simsched import CopyOp, Op
 from kvoffload_ref.backends.copy_paths import (
     DEFAULT_KERNEL_MAX_MEAN_BYTES,
@@ -194,7 +194,7 @@ class CostModel:
         # Invariant: how many kernel-path copies are in flight (either phase).
         self._kernels = 0
 
-    def price(self, op: CopyOp, plan: CopyPlan, slow: int, copy_path: CopyPath, seams: I64 | None = None) -> float:
+    def price(self, op: CopyOp, plan: Plan, slow: int, copy_path: CopyPath, seams: I64 | None = None) -> float:
         """Choose the copy's path (``copy_path``: the backend's setting), attach its :class:`Flow` and return its
         fixed phase's duration (or, for a copy that does not use the link, its whole duration). ``seams``: where
         registrations begin and end (the memcpy path's runs never cross one, R25, as on the CuPy backend)."""

@@ -9,13 +9,16 @@ giving a :class:`CopyPlan`. The sim never touches an address outside a live span
 slow (host mappings that no one pinned range holds whole) is cached too: when there is none, pricing looks at
 no descriptor's pinning.
 
-*Copies.* :meth:`CopyPlan.execute` moves the bytes, every source read before any destination is written. Small
-batches go descriptor by descriptor. Otherwise the descriptors are grouped by (source span, destination span,
-size) with one integer key per descriptor; the groups run in key order, each group's descriptors in descriptor
-order (as a sort by key would order them). A planner's output already lists each group as one contiguous
-segment, so usually no sort and no gather of the descriptors is needed: a group is a slice. What the row copies
-need is computed once per copy, vectorized over all descriptors: where each side's offsets stop advancing by
-exactly one row (run breaks), and whether they sit on one row grid. Per group then:
+*Copies.* :meth:`CopyPlan.execute` moves the bytes, every source read before any destination is written. The
+descriptors are grouped by (source span, destination span, size) with one integer key per descriptor; the groups
+run in key order, each group's descriptors in descriptor order (as a sort by key would order them), whichever way
+they are moved. Small batches, and batches whose (source span, destination span) pairs -- a worker's tensor
+pairs -- hold few descriptors each (a one-block job over many layers: one per pair), go descriptor by descriptor
+in that order: one slice assignment each, no numpy call per copy or per group. Otherwise group by group. A
+planner's output already lists each group as one contiguous segment, so usually no sort and no gather of the
+descriptors is needed: a group is a slice. What the row copies need is computed once per copy, vectorized over
+all descriptors: where each side's offsets stop advancing by exactly one row (run breaks), and whether they sit
+on one row grid. Per group then:
 
 * both sides one run of adjacent rows: one slice assignment;
 * the destination one run (the worker's stores) or long runs: each run is a contiguous block filled in one
@@ -41,6 +44,7 @@ import ctypes
 import dataclasses
 import functools
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Final, NamedTuple
 
@@ -51,7 +55,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 from kvoffload_ref.backends.copy_paths import registration_seams
 from kvoffload_ref.errors import InvalidTransferError
 
-__all__ = ["SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Span", "address", "host_view"]
+__all__ = [
+    "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Plan", "SmallPlan",
+    "Span", "address", "host_view",
+]
 
 I64 = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
@@ -60,6 +67,11 @@ Bytes = npt.NDArray[np.uint8]
 _LOOP_MIN_BYTES: Final = 32 * 1024
 #: Copies with at most this many descriptors are resolved and moved descriptor by descriptor.
 SMALL_BATCH: Final = 16
+#: Larger copies are moved descriptor by descriptor too when their (source span, destination span) pairs -- a
+#: worker's tensor pairs -- hold at most this many descriptors each on average: a one-block job over many layers
+#: is one descriptor per tensor pair, where the grouped path's per-copy and per-group numpy calls cost more than
+#: the copies themselves.
+EACH_MAX_PER_PAIR: Final = 4
 #: A side of a copy whose adjacent-row runs average at least this many rows is copied run by run, in one pass.
 _MIN_RUN_ROWS: Final = 32
 #: Bytes gathered per fancy-indexing chunk: large enough to amortize the call, small enough to stay in cache.
@@ -71,15 +83,29 @@ _MAX_GRIDS: Final = 256
 DESCRIPTOR_BLOCK_WORDS: Final = 512
 
 
+#: One descriptor, as Python ints: (source span, destination span, size, source offset, destination offset).
+Move = tuple[int, int, int, int, int]
+
+
+class Moves(NamedTuple):
+    """A few descriptors resolved in Python ints (:meth:`Intervals.moves`)."""
+
+    each: list[Move]  # in descriptor order (an offset is -1 where its span is -1: never moved)
+    si: list[int]  # each's source spans (-1: none holds it whole)
+    di: list[int]  # each's destination spans
+    live_bytes: int  # the non-empty descriptors' bytes
+    first_bad: int | None  # the first non-empty descriptor outside every span
+
+
 class Intervals:
     """An immutable, sorted set of disjoint [start, end) ranges with containment lookup."""
 
     def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
         pairs = sorted(ranges)
         # Invariant: the same sorted bounds as Python lists (scalar lookups) and int64 arrays (vectorized ones).
-        self._first = [a for a, _ in pairs]
+        self.firsts = [a for a, _ in pairs]
         self._last = [b for _, b in pairs]
-        self.starts: I64 = np.array(self._first, dtype=np.int64)
+        self.starts: I64 = np.array(self.firsts, dtype=np.int64)
         self.ends: I64 = np.array(self._last, dtype=np.int64)
         # Invariant: _end_by_count[c] == ends[c - 1] for c >= 1 (find reads it by how many ranges start at or
         # before an address); [0] is a placeholder (no range there: find answers -1 whatever it reads).
@@ -90,21 +116,51 @@ class Intervals:
         if addr.size <= SMALL_BATCH:
             found = [self.find_one(a, n) for a, n in zip(addr.tolist(), size.tolist(), strict=True)]
             return np.array(found, dtype=np.intp)
-        if not self._first:
+        if not self.firsts:
             return np.full(addr.shape, -1, dtype=np.intp)
         count = self.starts.searchsorted(addr, side="right")   # range count - 1 is the candidate, if count >= 1
         room = self._end_by_count.take(count) - addr   # no overflow where count >= 1: addr >= a start there
         held: npt.NDArray[np.intp] = count * ((size >= 0) & (size <= room)) - 1   # count 0: -1 whatever room is
         return held
 
+    def moves(self, src: list[int], dst: list[int], sizes: list[int]) -> Moves:
+        """Each descriptor as a :data:`Move`: (range holding the source whole or -1, the same for the destination,
+        size, offset of the source into its range, of the destination into its; an offset is -1 where the range
+        is -1), with what the checks read of them. Scalar lookups, for a few descriptors."""
+        firsts, lasts, live, bad = self.firsts, self._last, 0, None
+        out: list[Move] = []
+        si: list[int] = []
+        di: list[int] = []
+        right = bisect.bisect_right
+        for a, b, n in zip(src, dst, sizes, strict=True):
+            i, j = right(firsts, a) - 1, right(firsts, b) - 1
+            if i >= 0 and 0 <= n <= lasts[i] - a:
+                so = a - firsts[i]
+            else:
+                i = so = -1
+            if j >= 0 and 0 <= n <= lasts[j] - b:
+                do = b - firsts[j]
+            else:
+                j = do = -1
+            if n > 0:
+                live += n
+                if (i < 0 or j < 0) and bad is None:
+                    bad = len(out)
+            elif n and bad is None:   # a negative size lies in no span (an empty copy touches nothing)
+                bad = len(out)
+            out.append((i, j, n, so, do))
+            si.append(i)
+            di.append(j)
+        return Moves(out, si, di, live, bad)
+
     def find_one(self, addr: int, size: int) -> int:
         """Scalar :meth:`find`."""
-        i = bisect.bisect_right(self._first, addr) - 1
+        i = bisect.bisect_right(self.firsts, addr) - 1
         return i if i >= 0 and 0 <= size <= self._last[i] - addr else -1
 
     def overlapping(self, lo: int, hi: int) -> list[int]:
         """Indices of the ranges intersecting [lo, hi)."""
-        return [i for i, (a, b) in enumerate(zip(self._first, self._last, strict=True)) if a < hi and b > lo]
+        return [i for i, (a, b) in enumerate(zip(self.firsts, self._last, strict=True)) if a < hi and b > lo]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -132,9 +188,10 @@ class _Grid(NamedTuple):
 Grids = dict[tuple[int, int, int], _Grid]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class CopyPlan:
-    """A copy's descriptors as read when it started, resolved against the spans live then."""
+    """A copy's descriptors as read when it started, resolved against the spans live then (never changed after
+    it is made; not frozen only because a frozen dataclass costs a copy's start a microsecond)."""
 
     src: I64
     dst: I64
@@ -147,6 +204,8 @@ class CopyPlan:
     starts: I64
     # Invariant: grid views of the data of ``spans`` (shared by the plans over one snapshot; a cache only).
     grids: Grids = dataclasses.field(default_factory=dict)
+    # Invariant: data[k] is spans[k].data (the snapshot's list, shared by its plans); empty: build it.
+    data: Sequence[Bytes] = ()
 
     @functools.cached_property
     def smallest(self) -> int:
@@ -166,9 +225,15 @@ class CopyPlan:
         return int(bad.argmax()) if bad.any() else None
 
     def execute(self) -> None:
-        """Move the bytes (all sources are read before any destination is written). Needs first_bad() None."""
-        if self.sizes.size <= SMALL_BATCH:
-            self._execute_each()
+        """Move the bytes (all sources are read before any destination is written). Needs first_bad() None.
+
+        Descriptor by descriptor when its (source span, destination span) pairs hold few descriptors each
+        (EACH_MAX_PER_PAIR); else group by group (:class:`_Batch`). Both write in the same order, so the choice
+        changes nothing but the speed (a copy of at most SMALL_BATCH descriptors is a :class:`SmallPlan`)."""
+        data = self.data or [s.data for s in self.spans]
+        key = self.si * len(self.spans) + self.di
+        if self.sizes.size <= EACH_MAX_PER_PAIR * (1 + int(np.count_nonzero(key[1:] != key[:-1]))):
+            _move_each(data, self._moves(key))
             return
         smallest = self.smallest
         if smallest <= 0:   # some are empty: copy the others
@@ -178,7 +243,6 @@ class CopyPlan:
             return
         batch = _Batch(self.si, self.di, self.sizes, self.src - self.starts.take(self.si),
                        self.dst - self.starts.take(self.di), len(self.spans), smallest == int(self.sizes.max()))
-        data = [s.data for s in self.spans]
         if not set(batch.src).isdisjoint(batch.dst):   # a span is read and written: stage all reads
             groups = list(zip(batch.src, batch.dst, batch.size, batch.a, batch.b, strict=True))
             staged = [sliding_window_view(data[s], n)[batch.so[a:b]] for s, _, n, a, b in groups]
@@ -187,17 +251,96 @@ class CopyPlan:
             return
         batch.run(data, self.grids)
 
-    def _execute_each(self) -> None:
-        """Descriptor by descriptor, for small batches (no per-call numpy setup)."""
-        moves = [(self.spans[i], src, self.spans[j], dst, n) for i, j, src, dst, n in zip(
-            self.si.tolist(), self.di.tolist(), self.src.tolist(), self.dst.tolist(), self.sizes.tolist(),
-            strict=True) if n > 0]
-        staged = {id(m[0]) for m in moves} & {id(m[2]) for m in moves}   # read and written: copy reads first
-        reads = [a.data[src - a.start:src - a.start + n] for a, src, _, _, n in moves]
-        if staged:
-            reads = [r.copy() for r in reads]
-        for (_, _, b, dst, n), data in zip(moves, reads, strict=True):
-            b.data[dst - b.start:dst - b.start + n] = data
+    def _moves(self, key: npt.NDArray[np.intp]) -> list[Move]:
+        """The non-empty descriptors as :data:`Move` s in the grouped path's order (``key``: source span x
+        destination span, per descriptor)."""
+        si, di, sizes, so, do = self.si, self.di, self.sizes, self.src, self.dst
+        if self.smallest <= 0:
+            live = sizes > 0
+            si, di, sizes, so, do, key = si[live], di[live], sizes[live], so[live], do[live], key[live]
+        so, do = so - self.starts.take(si), do - self.starts.take(di)
+        moves = list(zip(si.tolist(), di.tolist(), sizes.tolist(), so.tolist(), do.tolist(), strict=True))
+        if not (sizes.size and bool((key[1:] >= key[:-1]).all()) and self.smallest == int(sizes.max())):
+            moves.sort(key=_GROUP)   # stable: descriptor order within a group
+        return moves
+
+
+#: The grouped path's order of descriptors: (source span, destination span, size).
+_GROUP = operator.itemgetter(0, 1, 2)
+
+
+class SmallPlan:
+    """A copy of at most SMALL_BATCH descriptors as read when it started: its descriptors as Python ints
+    (:meth:`Intervals.moves`), moved descriptor by descriptor, and a :class:`CopyPlan`'s arrays (``src``,
+    ``dst``, ``sizes``, ``si``, ``di``) made only when something asks for them (a cost profile, a trace, a
+    pending copy's overlap check) -- most copies never need them."""
+
+    __slots__ = ("_arrays", "data", "moves", "spans", "values")
+
+    def __init__(self, values: tuple[list[int], list[int], list[int]], moves: Moves, spans: Sequence[Span],
+                 data: Sequence[Bytes]) -> None:
+        # Invariant: the descriptors' (src, dst, sizes) as read when the copy started; never changed.
+        self.values = values
+        # Invariant: the same descriptors resolved against ``spans`` (the snapshot live then; data[k] its data).
+        self.moves, self.spans, self.data = moves, spans, data
+        self._arrays: tuple[I64, I64, I64, npt.NDArray[np.intp], npt.NDArray[np.intp]] | None = None
+
+    @property
+    def src(self) -> I64:
+        return self._made()[0]
+
+    @property
+    def dst(self) -> I64:
+        return self._made()[1]
+
+    @property
+    def sizes(self) -> I64:
+        return self._made()[2]
+
+    @property
+    def si(self) -> npt.NDArray[np.intp]:
+        return self._made()[3]
+
+    @property
+    def di(self) -> npt.NDArray[np.intp]:
+        return self._made()[4]
+
+    def _made(self) -> tuple[I64, I64, I64, npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+        if self._arrays is None:
+            src, dst, sizes = (np.array(v, dtype=np.int64) for v in self.values)
+            self._arrays = src, dst, sizes, np.array(self.moves.si, dtype=np.intp), np.array(self.moves.di,
+                                                                                             dtype=np.intp)
+        return self._arrays
+
+    def live_bytes(self) -> int:
+        """How many bytes the non-empty descriptors copy."""
+        return self.moves.live_bytes
+
+    def first_bad(self) -> int | None:
+        """The first non-empty descriptor touching memory outside every live span, or None."""
+        return self.moves.first_bad
+
+    def execute(self) -> None:
+        """Move the bytes, descriptor by descriptor, in :class:`CopyPlan`'s order. Needs first_bad() None."""
+        moves = [m for m in self.moves.each if m[2] > 0]
+        moves.sort(key=_GROUP)   # stable: descriptor order within a group
+        _move_each(self.data, moves)
+
+
+#: What a copy resolved when it started.
+Plan = CopyPlan | SmallPlan
+
+
+def _move_each(data: Sequence[Bytes], moves: list[Move]) -> None:
+    """Copy ``moves`` (non-empty, in order) between the spans' ``data``, every source read before any
+    destination is written (reads are staged when a span is both read and written)."""
+    if {m[0] for m in moves}.isdisjoint([m[1] for m in moves]):
+        for i, j, n, src, dst in moves:
+            data[j][dst:dst + n] = data[i][src:src + n]
+        return
+    reads = [data[i][src:src + n].copy() for i, _, n, src, _ in moves]
+    for (_, j, n, _, dst), read in zip(moves, reads, strict=True):
+        data[j][dst:dst + n] = read
 
 
 class _Side:
@@ -412,6 +555,8 @@ class _SpanIndex(NamedTuple):
 
     intervals: Intervals
     spans: list[Span]
+    # Invariant: data[k] is spans[k].data.
+    data: list[Bytes]
     # Invariant: the grid views the copies over these spans made of their data (CopyPlan.grids).
     grids: Grids
 
@@ -496,20 +641,31 @@ class Memory:
         k = int(crossing.argmax())
         return k, int(index.starts[first[k]]), int(index.starts[first[k] + 1])
 
-    def plan(self, src: I64, dst: I64, sizes: I64) -> tuple[CopyPlan, int]:
-        """Resolve descriptors against the live spans.
+    def plan(self, src: I64, dst: I64, sizes: I64) -> tuple[Plan, int]:
+        """Resolve descriptors against the live spans (they are read here: the caller may pass views of a
+        descriptor buffer's rows).
 
         Returns:
-            The plan, and how many of its bytes are slow: a host side not inside one pinned range (a copy
-            between two unpinned host ranges counts its bytes twice).
+            The plan (a :class:`SmallPlan` for at most SMALL_BATCH descriptors), and how many of its bytes are
+            slow: a host side not inside one pinned range (a copy between two unpinned host ranges counts its
+            bytes twice).
         """
         index = self._index()
-        si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
+        plan: Plan
+        if src.size <= SMALL_BATCH:   # in Python ints: the per-descriptor path
+            values = src.tolist(), dst.tolist(), sizes.tolist()
+            plan = SmallPlan(values, index.intervals.moves(*values), index.spans, index.data)
+        else:
+            src, dst, sizes = src.copy(), dst.copy(), sizes.copy()
+            si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
+            plan = CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts, index.grids, index.data)
         slow = self._slow if self._slow is not None else self._slow_spans()
         slow_bytes = 0
         if self._any_slow:   # else every host side lies in a span one pinned range holds whole
-            slow_bytes = self._unpinned_bytes(src, sizes, slow[si]) + self._unpinned_bytes(dst, sizes, slow[di])
-        return CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts, index.grids), slow_bytes
+            src, dst, sizes = plan.src, plan.dst, plan.sizes
+            slow_bytes = (self._unpinned_bytes(src, sizes, slow[plan.si]) +
+                          self._unpinned_bytes(dst, sizes, slow[plan.di]))
+        return plan, slow_bytes
 
     def _unpinned_bytes(self, addr: I64, sizes: I64, maybe: npt.NDArray[np.bool_]) -> int:
         """Bytes of the ranges among [addr, addr+sizes) that no pinned range holds whole, counting only those
@@ -523,7 +679,8 @@ class Memory:
     def _index(self) -> _SpanIndex:
         if self._span_index is None:
             spans = sorted(self._spans.values(), key=lambda s: s.start)
-            self._span_index = _SpanIndex(Intervals((s.start, s.end) for s in spans), spans, {})
+            self._span_index = _SpanIndex(Intervals((s.start, s.end) for s in spans), spans, [s.data for s in spans],
+                                          {})
         return self._span_index
 
     def _slow_spans(self) -> npt.NDArray[np.bool_]:

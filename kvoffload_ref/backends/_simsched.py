@@ -29,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends._simmem import CopyPlan
+from kvoffload_ref.backends._simmem import Plan
 from kvoffload_ref.backends.base import DescriptorBuffer, Tag
 
 __all__ = [
@@ -118,6 +118,8 @@ class Op:
     """One unit of stream work; subclasses say what it does."""
 
     __slots__ = ("seq", "stream", "submitted_at")
+    #: Whether the op takes no time (a record, a wait): the scheduler asks no duration for it.
+    instant = False
 
     def __init__(self, stream: SimStream) -> None:
         self.stream = stream
@@ -129,6 +131,7 @@ class Op:
 
 class RecordOp(Op):
     __slots__ = ("record",)
+    instant = True
 
     def __init__(self, stream: SimStream, record: Record) -> None:
         super().__init__(stream)
@@ -137,6 +140,7 @@ class RecordOp(Op):
 
 class WaitOp(Op):
     __slots__ = ("record",)
+    instant = True
 
     def __init__(self, stream: SimStream, record: Record) -> None:
         super().__init__(stream)
@@ -166,7 +170,7 @@ class CopyOp(Op):
         # Invariant: None unless a cost profile priced the op when it started (then a ``_simcost.Flow``).
         self.flow: object | None = None
         # Invariant: None until the op starts; then the descriptors as read at start, resolved to spans.
-        self.plan: CopyPlan | None = None
+        self.plan: Plan | None = None
         # Invariant: why the op must not touch memory (a range it uses was unmapped/unpinned), or None.
         self.poison: str | None = None
 
@@ -224,12 +228,13 @@ class Scheduler:
         Returns:
             True as soon as ``until()`` holds after an op (the clock then stands at that op's finish time).
         """
-        while self._heap and self._heap[0][0] <= limit and not self._halted():
-            t, _, op = heapq.heappop(self._heap)
-            if self.settle is not None and not self.settle(op, t):
+        heap, halted, settle, finish, pop = self._heap, self._halted, self.settle, self._finish, heapq.heappop
+        while heap and heap[0][0] <= limit and not halted():
+            t, _, op = pop(heap)
+            if settle is not None and not settle(op, t):
                 continue
             self.now = max(self.now, t)
-            self._finish(op, t)
+            finish(op, t)
             if until is not None and until():
                 return True
         return False
@@ -242,30 +247,35 @@ class Scheduler:
 
     def _start_head(self, stream: SimStream, t: float) -> None:
         op = stream.queue[0]
-        if isinstance(op, HangOp):
+        kind = op.__class__
+        if kind is HangOp:
             return
-        if isinstance(op, WaitOp) and op.record.done_at is None:
-            if op.record.waiters is None:
-                op.record.waiters = [stream]
+        if kind is WaitOp and op.record.done_at is None:  # type: ignore[attr-defined]  # a WaitOp's record
+            record: Record = op.record  # type: ignore[attr-defined]
+            if record.waiters is None:
+                record.waiters = [stream]
             else:
-                op.record.waiters.append(stream)
+                record.waiters.append(stream)
             return
-        start = max(t, op.submitted_at)
-        duration = self._duration(op)
+        start = t if t >= op.submitted_at else op.submitted_at
         # An instant op (a record, a wait) finishes at its start: the same float, not a new one per record.
+        duration = 0.0 if op.instant else self._duration(op)
         heapq.heappush(self._heap, (start + duration if duration else start, -op.seq, op))
 
     def _finish(self, op: Op, t: float) -> None:
         if self.trace is not None:
             self.trace(op, t)
         stream = op.stream
-        stream.queue.popleft()
-        if isinstance(op, RecordOp):
-            op.record.done_at, op.record.done = t, True
-            waiters, op.record.waiters = op.record.waiters, None
+        queue = stream.queue
+        queue.popleft()
+        kind = op.__class__
+        if kind is RecordOp:
+            record: Record = op.record  # type: ignore[attr-defined]  # a RecordOp's record
+            record.done_at, record.done = t, True
+            waiters, record.waiters = record.waiters, None
             for waiter in waiters or ():
                 self._start_head(waiter, t)
-        elif not isinstance(op, WaitOp):
+        elif kind is not WaitOp:
             self._apply(op, t)
-        if stream.queue:
+        if queue:
             self._start_head(stream, t)

@@ -28,6 +28,7 @@ __all__ = [
     "RESOURCE_KINDS",
     "CALL_POINTS",
     "Backend",
+    "Backoff",
     "CallHook",
     "DescriptorBuffer",
     "Event",
@@ -490,7 +491,28 @@ def give_up_past_horizon(horizon: float, started: float, now: float, what: str) 
         raise SimHang(f"wait() without a timeout: {what} did not complete within {horizon} s")
 
 
-def poll_until(backend: Backend, done: Callable[[], bool], deadline: float | None) -> bool:
+class Backoff:
+    """The pause before the next poll of a bounded wait: it starts at POLL_FIRST_SLEEP and doubles up to
+    POLL_MAX_SLEEP after each poll that found the work pending. One backoff may serve several waits in a row (a
+    shutdown drain's heads, R10): the pause then carries over from one awaited transfer to the next instead of
+    starting short again, so a queue of thousands of pending transfers costs a poll per pause, not several per
+    transfer."""
+
+    __slots__ = ("pause",)
+
+    def __init__(self) -> None:
+        # Invariant: POLL_FIRST_SLEEP <= pause <= POLL_MAX_SLEEP; never shrinks.
+        self.pause = POLL_FIRST_SLEEP
+
+    def sleep(self, backend: Backend, now: float, deadline: float | None) -> None:
+        """Sleep for the current pause (never past ``deadline``) on the backend's clock, then grow the pause."""
+        step = self.pause if deadline is None else min(self.pause, deadline - now)
+        backend.sleep(max(step, 0.0))
+        self.pause = min(self.pause * 2, POLL_MAX_SLEEP)
+
+
+def poll_until(backend: Backend, done: Callable[[], bool], deadline: float | None,
+               backoff: Backoff | None = None) -> bool:
     """Poll ``done()`` with the backend's clock until it returns True or ``deadline`` passes.
 
     ``done`` is polled at least once, even when the deadline has already passed, so work that is complete is
@@ -500,20 +522,20 @@ def poll_until(backend: Backend, done: Callable[[], bool], deadline: float | Non
         backend: whose clock and sleep to use.
         done: a zero-argument callable returning bool (it may raise; the error propagates).
         deadline: absolute time on ``backend.monotonic()``, or None for no bound.
+        backoff: the pause to continue from (and grow) when the caller waits for several things in a row; None: a
+            new one (the first sleep is POLL_FIRST_SLEEP).
 
     Returns:
         True if ``done()`` returned True, False if the deadline passed first.
     """
-    pause = POLL_FIRST_SLEEP
+    pause = Backoff() if backoff is None else backoff
     while True:
         now = backend.monotonic()  # before the poll: a poll that began past the deadline is the last (R11)
         if done():
             return True
         if deadline is not None and now >= deadline:
             return False
-        step = pause if deadline is None else min(pause, deadline - now)
-        backend.sleep(max(step, 0.0))
-        pause = min(pause * 2, POLL_MAX_SLEEP)
+        pause.sleep(backend, now, deadline)
 
 
 def wait_polling(backend: Backend, settled: Callable[[], bool], started: float, deadline: float | None,

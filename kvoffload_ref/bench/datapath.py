@@ -7,6 +7,14 @@ quick: 8 MiB] each way in jobs of [64 / 16] blocks (at 64 KiB pages one 64-block
 sample of the loaded rows is verified byte-exact after every repetition (outside the timing). Reference: one
 ``np.copyto`` between two preallocated contiguous arrays of the same total bytes (store + load), timed
 alternately with the round trips so that a slow spell of the machine hits both.
+
+The small job (``datapath_small_job``): one-block jobs over 32 layers with a K and a V tensor each (64 tensors of
+4 KiB pages: 64 descriptors of 4 KiB a job), each submitted, waited for and reaped alone (``submit_store``,
+``wait``, ``get_finished``; then the same for a load), the real time per job in the slower direction, best of
+[7 / quick: 2] rounds of [400 / 50] jobs. Reference: the copies such a job performs, done by numpy -- 64 slice
+assignments of one 4 KiB row each, between arrays of the same shapes -- timed in the same rounds. The ratio is
+what the worker and the sim cost around a small job's bytes (submission, the sim's scheduling and copy engine,
+the wait and the reaping).
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from typing import cast
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -37,7 +45,8 @@ from kvoffload_ref.bench.common import (
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import CPUOffloadingWorker, create_worker
 
-__all__ = ["bench_data_path", "data_path_rig", "figures", "round_trip"]
+__all__ = ["GOAL_SMALL_JOB", "bench_data_path", "bench_small_job", "data_path_rig", "figures", "round_trip",
+           "small_job_result"]
 
 
 
@@ -148,7 +157,79 @@ def bench_data_path(sizes: Sizes) -> list[Result]:
     return results
 
 
+#: The small job: one block of 4 KiB pages over 32 layers with a K and a V tensor each (issue 25).
+SMALL_JOB_TENSORS: Final = 2 * LAYERS
+SMALL_JOB_PAGE: Final = 4 * KiB
+#: Goal: a small job costs at most this many times the numpy copies it performs.
+GOAL_SMALL_JOB: Final = 5.0
+
+
+class _SmallJobs:
+    """A worker over SMALL_JOB_TENSORS tensors and the numpy arrays of the reference copies."""
+
+    def __init__(self) -> None:
+        be, page, count = SimBackend(), SMALL_JOB_PAGE, SMALL_JOB_TENSORS
+        layout = KVCacheLayout([page] * count, [[LayerRef(t, page) for t in range(count)]])
+        rng = np.random.default_rng(0)
+        self.gpu = [cast(npt.NDArray[np.uint8], be.from_host(rng.integers(0, 256, (4 * BPC, page),
+                                                                            dtype=np.uint8))) for _ in range(count)]
+        self.host = [np.zeros((4 * BPC, page), dtype=np.uint8) for _ in range(count)]
+        self.worker = create_worker(be, self.gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=4)
+        self.gpu_spec = one_group_gpu_spec(np.array([3], dtype=np.int64))
+        self.cpu_spec = CPULoadStoreSpec(np.array([1], dtype=np.int64))
+        self.next_job = 0
+
+    def jobs(self, count: int, direction: str) -> float:
+        """``count`` one-block jobs in ``direction``, each submitted, waited for and reaped alone; real seconds."""
+        w, first = self.worker, self.next_job
+        self.next_job += count
+        start = time.perf_counter()
+        for job in range(first, first + count):
+            if direction == "store":
+                w.submit_store(job, self.gpu_spec, self.cpu_spec)
+            else:
+                w.submit_load(job, self.cpu_spec, self.gpu_spec)
+            w.wait([job])
+            if not all(r.success for r in w.get_finished()):
+                raise AssertionError("a small job failed")
+        return time.perf_counter() - start
+
+    def copies(self, count: int) -> float:
+        """The numpy copies of ``count`` jobs: a 4 KiB row per tensor each (slice assignments); real seconds."""
+        pairs = list(zip(self.host, self.gpu, strict=True))
+        start = time.perf_counter()
+        for _ in range(count):
+            for host, gpu in pairs:
+                host[BPC] = gpu[3]
+        return time.perf_counter() - start
+
+
+def small_job_result(store: float, load: float, reference: float) -> Result:
+    """The ``datapath_small_job`` line from the per-job seconds of each direction and of the numpy copies."""
+    return result("datapath_small_job", f"sim small job: 1 block x {SMALL_JOB_TENSORS} tensors (32 layers, K and V) "
+                  f"of {SMALL_JOB_PAGE // KiB} KiB pages, slower direction", (max(store, load), "s"),
+                  (reference, "s", f"the job's {SMALL_JOB_TENSORS} row copies in numpy"),
+                  f"<= {GOAL_SMALL_JOB:g}x the numpy copies", [Goal("ratio", "<=", GOAL_SMALL_JOB)],
+                  note=f"per job (submit, wait, get_finished): store {store * 1e6:.1f} us, load {load * 1e6:.1f} us; "
+                       f"numpy {reference * 1e6:.1f} us")
+
+
+def bench_small_job(sizes: Sizes) -> list[Result]:
+    """One-block jobs over 64 tensors through a worker on the sim against the numpy copies they perform."""
+    rounds, count = (2, 50) if sizes.repeats < 7 else (7, 400)
+    jobs = _SmallJobs()
+    try:
+        jobs.jobs(count, "store"), jobs.jobs(count, "load")  # warm-up: pools fill
+        store = load = copies = math.inf
+        for _ in range(rounds):
+            store = min(store, jobs.jobs(count, "store") / count)
+            load = min(load, jobs.jobs(count, "load") / count)
+            copies = min(copies, jobs.copies(count) / count)
+    finally:
+        jobs.worker.shutdown()
+    return [small_job_result(store, load, copies)]
+
 
 def figures(run: BenchRun) -> list[Result]:
-    """The data-path figure group: ``datapath_4k``, ``datapath_64k``."""
-    return bench_data_path(run.sizes)
+    """The data-path figure group: ``datapath_4k``, ``datapath_64k``, ``datapath_small_job``."""
+    return [*bench_data_path(run.sizes), *bench_small_job(run.sizes)]

@@ -11,6 +11,11 @@
   begins) and the whole shutdown, both against the real time it took to submit those transfers. The whole
   shutdown is also profiled with cProfile once; the top cost centers are part of the results
   (``BenchRun.drain_profile``), and the submit rate is the fuzz figure's baseline (``BenchRun.submit_rate``).
+* **Shutdown of truly pending transfers** -- the same [10k / 1k] stores, but the clock is not advanced: when
+  ``shutdown()`` begins every copy is still queued on the sim (the virtual clock stands at 0 and each copy takes
+  at least the sim's latency), so the drain polls, the sim runs the copies as its sleeps advance the clock, and
+  the drain proves them head first as they complete. The whole shutdown against the real time it took to submit
+  them (checked: all drained, the region released, the virtual time at least the copies' latencies).
 """
 
 from __future__ import annotations
@@ -32,13 +37,18 @@ from kvoffload_ref.faults import Fault, FaultPlan
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import DEFAULT_TIMEOUT, CPUOffloadingWorker, ShutdownPolicy, ShutdownReport, create_worker
 
-__all__ = ["GOAL_DRAIN_S", "GOAL_OVERSHOOT_S", "bench_drain", "bench_hung_shutdown", "figures"]
+__all__ = [
+    "GOAL_DRAIN_S", "GOAL_OVERSHOOT_S", "GOAL_PENDING_RATIO", "bench_drain", "bench_hung_shutdown", "bench_pending",
+    "figures", "pending_result",
+]
 
 #: Goals (issue 6, item 4).
 GOAL_OVERSHOOT_S: Final = 0.020
 GOAL_DRAIN_S: Final = 0.050
 #: The whole shutdown of the drain figure, against the time it took to submit those transfers (issue 9).
 GOAL_DRAIN_RATIO: Final = 0.04
+#: The whole shutdown of transfers still queued on the device, against the time it took to submit them (issue 25).
+GOAL_PENDING_RATIO: Final = 0.2
 PROFILE_TOP: Final = 10
 
 
@@ -164,8 +174,8 @@ def bench_hung_shutdown(repeats: int) -> list[Result]:
     ]
 
 
-def _completed_transfers(count: int) -> tuple[_WatchedSim, CPUOffloadingWorker, float]:
-    """A worker with ``count`` one-block stores submitted and completed (clock advanced, nothing observed yet).
+def _submitted_transfers(count: int) -> tuple[_WatchedSim, CPUOffloadingWorker, float]:
+    """A worker with ``count`` one-block stores submitted, the clock not advanced: every copy still queued.
 
     Returns:
         The backend, the worker and the real time the submissions took.
@@ -175,7 +185,16 @@ def _completed_transfers(count: int) -> tuple[_WatchedSim, CPUOffloadingWorker, 
     start = time.perf_counter()
     for job in range(count):
         w.submit_store(job, *_one_block(job))
-    submitted = time.perf_counter() - start
+    return be, w, time.perf_counter() - start
+
+
+def _completed_transfers(count: int) -> tuple[_WatchedSim, CPUOffloadingWorker, float]:
+    """A worker with ``count`` one-block stores submitted and completed (clock advanced, nothing observed yet).
+
+    Returns:
+        The backend, the worker and the real time the submissions took.
+    """
+    be, w, submitted = _submitted_transfers(count)
     be.sleep(1.0 + count * 1e-4)  # each takes ~10 virtual us
     return be, w, submitted
 
@@ -237,11 +256,42 @@ def bench_drain(sizes: Sizes) -> tuple[list[Result], float, list[dict[str, objec
     ]
     return results, count / submitted, _profile(count)
 
+def _pending_shutdown(count: int) -> tuple[_Shutdown, float]:
+    """Shut down a worker with ``count`` stores still queued on the sim; returns the timed shutdown and the submit
+    time."""
+    be, w, submitted = _submitted_transfers(count)
+    begun = be.monotonic()
+    run = _timed_shutdown(be, w, DEFAULT_TIMEOUT)
+    report = run.report
+    if report.store.drained != count or report.region != "released" or be.ledger.live():
+        raise AssertionError(f"pending shutdown: unexpected report {report}")
+    if begun != 0.0 or be.monotonic() - begun < count * be.profile.call_cost:
+        raise AssertionError("pending shutdown: the copies were not all still queued when shutdown began")
+    return run, submitted
+
+
+def pending_result(count: int, run: _Shutdown, submitted: float) -> Result:
+    """The ``shutdown_pending_total`` line of one timed shutdown of ``count`` truly pending transfers that took
+    ``submitted`` seconds to submit (goal: GOAL_PENDING_RATIO)."""
+    return result("shutdown_pending_total", f"shutdown of {label(count)} truly pending transfers, whole",
+                  (run.wall, "s"), (submitted, "s", f"submitting the {label(count)} transfers"),
+                  f"<= {GOAL_PENDING_RATIO}x the submission time", [Goal("ratio", "<=", GOAL_PENDING_RATIO)],
+                  note=f"every copy still queued on the sim when shutdown began; drain phase "
+                       f"{run.drain * 1e3:.1f} ms, {run.polls} polls over {run.report.elapsed * 1e3:.1f} virtual ms")
+
+
+def bench_pending(sizes: Sizes) -> list[Result]:
+    """Shutdown of many transfers still queued on the sim, against submitting them (the best shutdown of
+    ``drain_runs`` against the best submission time)."""
+    count = sizes.drain_transfers
+    runs = [_pending_shutdown(count) for _ in range(sizes.drain_runs)]
+    best, _ = min(runs, key=lambda r: r[0].wall)
+    return [pending_result(count, best, min(s for _, s in runs))]  # as the drain figure: each at its best
 
 
 def figures(run: BenchRun) -> list[Result]:
-    """The shutdown figure group: ``shutdown_hung_*`` and ``shutdown_drain_*``; sets ``run.submit_rate`` and
-    ``run.drain_profile``."""
+    """The shutdown figure group: ``shutdown_hung_*``, ``shutdown_drain_*`` and ``shutdown_pending_total``; sets
+    ``run.submit_rate`` and ``run.drain_profile``."""
     results = bench_hung_shutdown(run.sizes.repeats)
     drain, run.submit_rate, run.drain_profile = bench_drain(run.sizes)
-    return [*results, *drain]
+    return [*results, *drain, *bench_pending(run.sizes)]
