@@ -613,9 +613,10 @@ def _touches(covered: set[int], addr: int) -> bool:
     return addr - 1 in covered
 
 
-def test_fake_kernel_compile_failure_falls_back_to_memcpy(caplog: pytest.LogCaptureFixture) -> None:
-    backend = cb.CupyBackend(copy_path="kernel", _cupy_module=fake_cupy(compiles=False))
-    assert "copy kernel unavailable" in caplog.text
+@contextlib.contextmanager
+def _two_rows_to_registered_host(backend: cb.CupyBackend) -> Iterator[tuple[npt.NDArray[np.uint8], Any, int]]:
+    """Descriptors copying device rows 3 and 1 (filled with 5) to rows 0 and 2 of a registered host array (R11: a
+    copy never touches pageable memory); freed, unregistered and untracked afterwards."""
     dev = backend.from_host(np.full((4, 256), 5, np.uint8))
     g = backend.array_info(dev)
     host = np.zeros((4, 256), np.uint8)
@@ -624,14 +625,21 @@ def test_fake_kernel_compile_failure_falls_back_to_memcpy(caplog: pytest.LogCapt
     buf, count = descriptors(backend, [g.ptr + i * 256 for i in (3, 1)],
                              [host.ctypes.data + i * 256 for i in (0, 2)], [256, 256])
     try:
-        backend.copy_batch(backend.current_stream(), buf, count)
-        assert backend.copy_path_counts() == {"kernel": 0, "memcpy": 1}
-        assert (host[[0, 2]] == 5).all()
-        assert backend.warm_up() is False
+        yield host, buf, count
     finally:
         backend.free_descriptors(buf)
         backend.host_unregister(host.ctypes.data)
         backend.untrack_host(host.ctypes.data)
+
+
+def test_fake_kernel_compile_failure_falls_back_to_memcpy(caplog: pytest.LogCaptureFixture) -> None:
+    backend = cb.CupyBackend(copy_path="kernel", _cupy_module=fake_cupy(compiles=False))
+    assert "copy kernel unavailable" in caplog.text
+    with _two_rows_to_registered_host(backend) as (host, buf, count):
+        backend.copy_batch(backend.current_stream(), buf, count)
+        assert backend.copy_path_counts() == {"kernel": 0, "memcpy": 1}
+        assert (host[[0, 2]] == 5).all()
+        assert backend.warm_up() is False
 
 
 @pytest.mark.rule("R11")
@@ -644,23 +652,12 @@ def test_fake_kernel_path_only_after_warm_up(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(module, "RawModule", lambda code: compiled.append(code) or FakeRawModule(code))
     backend = cb.CupyBackend(copy_path="memcpy", _cupy_module=module)
     backend.copy_path = "kernel"
-    dev = backend.from_host(np.full((4, 256), 5, np.uint8))
-    g = backend.array_info(dev)
-    host = np.zeros((4, 256), np.uint8)
-    backend.track_host(host.ctypes.data, host.nbytes)
-    backend.host_register(host.ctypes.data, host.nbytes)
-    buf, count = descriptors(backend, [g.ptr + i * 256 for i in (3, 1)],
-                             [host.ctypes.data + i * 256 for i in (0, 2)], [256, 256])
-    try:
+    with _two_rows_to_registered_host(backend) as (host, buf, count):
         backend.copy_batch(backend.current_stream(), buf, count)
         assert backend.copy_path_counts() == {"kernel": 0, "memcpy": 1} and compiled == []
         assert backend.warm_up() is True and len(compiled) == 1
         backend.copy_batch(backend.current_stream(), buf, count)
         assert backend.copy_path_counts() == {"kernel": 1, "memcpy": 1} and (host[[0, 2]] == 5).all()
-    finally:
-        backend.free_descriptors(buf)
-        backend.host_unregister(host.ctypes.data)
-        backend.untrack_host(host.ctypes.data)
 
 
 def test_fake_copy_batch_validates_before_device_work(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
