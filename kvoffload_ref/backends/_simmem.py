@@ -235,7 +235,7 @@ class CopyPlan:
         data = self.data or [s.data for s in self.spans]
         key = self.si * len(self.spans) + self.di
         if self.sizes.size <= EACH_MAX_PER_PAIR * (1 + int(np.count_nonzero(key[1:] != key[:-1]))):
-            _move_each(data, self.views or byte_views(data), self._moves(key))
+            self._move_each(data, key)
             return
         smallest = self.smallest
         if smallest <= 0:   # some are empty: copy the others
@@ -253,18 +253,19 @@ class CopyPlan:
             return
         batch.run(data, self.grids)
 
-    def _moves(self, key: npt.NDArray[np.intp]) -> list[Move]:
-        """The non-empty descriptors as :data:`Move` s in the grouped path's order (``key``: source span x
+    def _move_each(self, data: Sequence[Bytes], key: npt.NDArray[np.intp]) -> None:
+        """Move the non-empty descriptors one by one, in the grouped path's order (``key``: source span x
         destination span, per descriptor)."""
         si, di, sizes, so, do = self.si, self.di, self.sizes, self.src, self.dst
         if self.smallest <= 0:
             live = sizes > 0
             si, di, sizes, so, do, key = si[live], di[live], sizes[live], so[live], do[live], key[live]
         so, do = so - self.starts.take(si), do - self.starts.take(di)
-        moves = list(zip(si.tolist(), di.tolist(), sizes.tolist(), so.tolist(), do.tolist(), strict=True))
+        sources, destinations = si.tolist(), di.tolist()
+        moves: Iterable[Move] = zip(sources, destinations, sizes.tolist(), so.tolist(), do.tolist(), strict=True)
         if not (sizes.size and bool((key[1:] >= key[:-1]).all()) and self.smallest == int(sizes.max())):
-            moves.sort(key=_GROUP)   # stable: descriptor order within a group
-        return moves
+            moves = sorted(moves, key=_GROUP)   # stable: descriptor order within a group
+        _move_each(data, self.views or byte_views(data), moves, set(sources).isdisjoint(destinations))
 
 
 #: The grouped path's order of descriptors: (source span, destination span, size).
@@ -327,7 +328,7 @@ class SmallPlan:
         """Move the bytes, descriptor by descriptor, in :class:`CopyPlan`'s order. Needs first_bad() None."""
         moves = [m for m in self.moves.each if m[2] > 0]
         moves.sort(key=_GROUP)   # stable: descriptor order within a group
-        _move_each(self.data, self.views, moves)
+        _move_each(self.data, self.views, moves, {m[0] for m in moves}.isdisjoint([m[1] for m in moves]))
 
 
 #: What a copy resolved when it started.
@@ -337,19 +338,20 @@ Plan = CopyPlan | SmallPlan
 def byte_views(data: Sequence[Bytes]) -> list[memoryview]:
     """A byte memoryview of each span's data (what :func:`_move_each` slices: a memoryview slice and its
     assignment cost about half a numpy one's, for the same bytes)."""
-    return [memoryview(d).cast("B") for d in data]
+    return [d.data.cast("B") for d in data]
 
 
-def _move_each(data: Sequence[Bytes], views: Sequence[memoryview], moves: list[Move]) -> None:
+def _move_each(data: Sequence[Bytes], views: Sequence[memoryview], moves: Iterable[Move], disjoint: bool) -> None:
     """Copy ``moves`` (non-empty, in order) between the spans' ``data`` (``views``: the same bytes as
-    memoryviews), every source read before any destination is written (reads are staged when a span is both
-    read and written)."""
-    if {m[0] for m in moves}.isdisjoint([m[1] for m in moves]):
+    memoryviews), every source read before any destination is written (reads are staged unless ``disjoint``: no
+    span among the moves' sources is among their destinations)."""
+    if disjoint:
         for i, j, n, src, dst in moves:   # distinct spans: no byte is both read and written
             views[j][dst:dst + n] = views[i][src:src + n]
         return
-    reads = [data[i][src:src + n].copy() for i, _, n, src, _ in moves]
-    for (_, j, n, _, dst), read in zip(moves, reads, strict=True):
+    staged = list(moves)
+    reads = [data[i][src:src + n].copy() for i, _, n, src, _ in staged]
+    for (_, j, n, _, dst), read in zip(staged, reads, strict=True):
         data[j][dst:dst + n] = read
 
 
