@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -207,7 +207,7 @@ def check_job_ids(job_ids: object) -> set[int]:
                                                 not isinstance(job_ids, Iterable)):
         raise InvalidTransferError(f"job_ids must be an iterable of job ids (e.g. {{{_show(job_ids)}}}), "
                                    f"got {type(job_ids).__name__}")
-    return {check_int("job_id", job) for job in job_ids}
+    return {check_int("job_id", job) for job in cast(Iterable[object], job_ids)}
 
 
 def check_timeout(timeout: object) -> float | None:

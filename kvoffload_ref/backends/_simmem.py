@@ -42,7 +42,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import dataclasses
-import functools
 import itertools
 import operator
 from collections.abc import Iterable, Sequence
@@ -208,11 +207,15 @@ class CopyPlan:
     data: Sequence[Bytes] = ()
     # Invariant: views[k] is a byte memoryview of spans[k].data (the snapshot's list); empty: build it.
     views: Sequence[memoryview] = ()
+    # Invariant: None until ``smallest`` is first read, then its value (a cache; not copied by replace()).
+    _smallest: int | None = dataclasses.field(default=None, init=False, repr=False)
 
-    @functools.cached_property
+    @property
     def smallest(self) -> int:
         """The smallest size (0 when there is no descriptor)."""
-        return int(self.sizes.min()) if self.sizes.size else 0
+        if self._smallest is None:   # a plain cache: a cached_property's lookup costs a copy's start more
+            self._smallest = int(self.sizes.min()) if self.sizes.size else 0
+        return self._smallest
 
     def live_bytes(self) -> int:
         """How many bytes the non-empty descriptors copy."""
@@ -234,8 +237,9 @@ class CopyPlan:
         changes nothing but the speed (a copy of at most SMALL_BATCH descriptors is a :class:`SmallPlan`)."""
         data = self.data or [s.data for s in self.spans]
         key = self.si * len(self.spans) + self.di
-        if self.sizes.size <= EACH_MAX_PER_PAIR * (1 + int(np.count_nonzero(key[1:] != key[:-1]))):
-            self._move_each(data, key)
+        steps = np.diff(key)   # where the (source span, destination span) pair changes, and which way
+        if self.sizes.size <= EACH_MAX_PER_PAIR * (1 + int(np.count_nonzero(steps))):
+            self._move_each(data, key, steps)
             return
         smallest = self.smallest
         if smallest <= 0:   # some are empty: copy the others
@@ -253,17 +257,18 @@ class CopyPlan:
             return
         batch.run(data, self.grids)
 
-    def _move_each(self, data: Sequence[Bytes], key: npt.NDArray[np.intp]) -> None:
+    def _move_each(self, data: Sequence[Bytes], key: npt.NDArray[np.intp], steps: npt.NDArray[np.intp]) -> None:
         """Move the non-empty descriptors one by one, in the grouped path's order (``key``: source span x
-        destination span, per descriptor)."""
+        destination span, per descriptor; ``steps``: its differences)."""
         si, di, sizes, so, do = self.si, self.di, self.sizes, self.src, self.dst
         if self.smallest <= 0:
             live = sizes > 0
             si, di, sizes, so, do, key = si[live], di[live], sizes[live], so[live], do[live], key[live]
+            steps = np.diff(key)
         so, do = so - self.starts.take(si), do - self.starts.take(di)
         sources, destinations = si.tolist(), di.tolist()
         moves: Iterable[Move] = zip(sources, destinations, sizes.tolist(), so.tolist(), do.tolist(), strict=True)
-        if not (sizes.size and bool((key[1:] >= key[:-1]).all()) and self.smallest == int(sizes.max())):
+        if not (sizes.size and int(steps.min(initial=0)) >= 0 and self.smallest == int(sizes.max())):
             moves = sorted(moves, key=_GROUP)   # stable: descriptor order within a group
         _move_each(data, self.views or byte_views(data), moves, set(sources).isdisjoint(destinations))
 
