@@ -319,9 +319,14 @@ class DirectionHandler:
         return mark.resolved
 
     def _reap(self, mark: _Transfer | None = None) -> None:
-        """Observe heads without blocking (up to ``mark``, if given) until one is still pending."""
+        """Observe heads without blocking (up to ``mark``, if given) until one is still pending: runs of completed
+        heads with one prefix query, and ``mark`` itself, once it is the head, with one ``query`` (a prefix query
+        of one event would say no more, and a pending head would then be queried twice)."""
         while self._queue and (mark is None or not mark.resolved):
-            if not self._prove_prefix(mark) and not self._observe_head(self._backend.query):
+            if mark is self._queue[0]:   # a wait's own job at the head: its one query settles it (no prefix)
+                if not self._observe_head(self._backend.query):
+                    return
+            elif not self._prove_prefix(mark) and not self._observe_head(self._backend.query):
                 return
 
     def _prove_prefix(self, mark: _Transfer | None = None) -> int:

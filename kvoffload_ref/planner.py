@@ -203,7 +203,7 @@ def _check_ids_in_range(side: _Side, ids: Int64Array, offset: int, least_rows: i
                         group: int) -> None:
     """Raise InvalidTransferError unless every id is a row of every tensor the group's refs use (all of them
     have at least ``least_rows`` rows)."""
-    if ids.size == 0 or int(ids.max()) < least_rows:
+    if ids.size == 0 or int(ids[0] if ids.size == 1 else ids.max()) < least_rows:   # one id: no reduction
         return
     rows = side.rows[refs.tensors]
     pos = int(np.flatnonzero(ids >= least_rows)[0])

@@ -671,6 +671,31 @@ def test_sim_query_prefix_counts_the_completed_events_from_the_first(rig: Rig) -
     assert not be.violations
 
 
+@pytest.mark.rule("R10")
+def test_sim_query_prefix_of_one_event_answers_as_query(rig: Rig) -> None:
+    """One event alone (a wait's own job at the head of its queue): counted exactly when ``query`` would say
+    done -- pending is 0, never recorded is 1, destroyed is 0 -- and an observed one orders later work (the race
+    detector sees the host observe it, as through ``query``)."""
+    be = rig.be
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(0), rig.host_addr(0))])
+    end = rig.end_event(stream)
+    assert be.query_prefix([end]) == 0 and not be.query(end), "its copy has not run"
+    assert be.query_prefix([be.create_event()]) == 1, "never recorded: complete, as in query()"
+    be.sleep(1.0)
+    assert be.query_prefix([end]) == 1 and be.query(end)
+    gone = rig.end_event(stream)
+    be.destroy_event(gone)
+    assert be.query_prefix([gone]) == 0, "not live: stop before it (query() would raise)"
+    rig.copy(stream, [(rig.dev_addr(1), rig.host_addr(1))])   # reads device row 1
+    last = rig.end_event(stream)
+    be.sleep(1.0)
+    assert be.query_prefix([last]) == 1
+    be.enqueue_compute_write(rig.dev, [1], 7, 0.0)   # ordered after the observed copy: no race
+    be.sleep(1.0)
+    assert not be.violations
+
+
 class _Watched(Sequence[Event]):
     """A sequence of events that notes how far into it a caller looked."""
 

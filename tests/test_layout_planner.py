@@ -175,6 +175,25 @@ def test_layout_planner_long_transfers_are_checked_too(direction: Direction) -> 
         plan_copies(layout, direction, *args, gpu, cpu, 1)  # type: ignore[arg-type]
 
 
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("side", ["gpu", "cpu"])
+def test_layout_planner_a_one_block_transfer_checks_its_one_id_range(direction: Direction, side: str) -> None:
+    """A one-block transfer (one id a side: the planner reads it without a reduction) is refused when its id is
+    past the tensors' rows, on either side, and accepted at the last row."""
+    layout, gpu, cpu = _rig([[0, 1]], 2)
+    for gpu_id, cpu_id, ok in ((ROWS - 1, ROWS - 1, True), (ROWS if side == "gpu" else 0,
+                                                           ROWS if side == "cpu" else 0, False)):
+        gpu_spec, cpu_spec = GPULoadStoreSpec(np.array([gpu_id]), (1,), (1,)), CPULoadStoreSpec(np.array([cpu_id]))
+        if ok:
+            assert _both(layout, gpu, cpu, 2, direction, gpu_spec, cpu_spec).num_ops == 2
+            continue
+        name = "GPU" if side == "gpu" else "CPU"
+        spec = "GPULoadStoreSpec" if side == "gpu" else "CPULoadStoreSpec"
+        _refused(layout, gpu, cpu, 2, direction, gpu_spec, cpu_spec,
+                 rf"^{name} block id {ROWS} \({spec}\.block_ids\[0\]\) is out of range")
+
+
 # -------------------------------------------------------------------------------------- through the worker
 
 

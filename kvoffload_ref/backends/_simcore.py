@@ -593,6 +593,8 @@ class SimCore:
 def _done_prefix(table: dict[int, SimEvent], events: Sequence[Event]) -> tuple[int, Record | None]:
     """How many of ``events``, from the first, are live in ``table`` and done (a never-recorded event counts as
     done), and the latest record among those counted (None if none has one)."""
+    if len(events) == 1:   # a wait's own job at the head: the same answer without the list machinery
+        return _done_one(table, events[0])
     live = list(map(table.get, _event_keys(events)))
     if not all(map(operator.is_, live, events)):  # a handle that is not live: stop before it
         live = live[:next(i for i, (a, b) in enumerate(zip(live, events, strict=True)) if a is not b)]
@@ -604,6 +606,16 @@ def _done_prefix(table: dict[int, SimEvent], events: Sequence[Event]) -> tuple[i
     done = list(map(_DONE, latest))
     count = len(done) if all(done) else done.index(False)
     return count, latest[count - 1] if count else None
+
+
+def _done_one(table: dict[int, SimEvent], event: Event) -> tuple[int, Record | None]:
+    """:func:`_done_prefix` of one event."""
+    if table.get(id(event)) is not event:   # not live: stop before it
+        return 0, None
+    latest = cast(SimEvent, event).latest
+    if latest is None:   # never recorded: complete
+        return 1, None
+    return (1, latest) if latest.done else (0, None)
 
 
 _LATEST = operator.attrgetter("latest")

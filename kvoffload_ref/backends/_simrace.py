@@ -351,11 +351,9 @@ def copy_access(buf: DescriptorBuffer, count: int) -> Access:
     else:
         live = sizes > 0
         src, dst, sizes = buf.src[:count][live], buf.dst[:count][live], sizes[live]
-    n = int(sizes.shape[0])
-    ranges = np.empty((2, 2 * n), dtype=np.int64)
-    ranges[0, :n], ranges[0, n:] = src, dst
-    np.add(ranges[0].reshape(2, n), sizes, out=ranges[1].reshape(2, n))
-    return Access(ranges, n)
+    # The words of the (2, 2n) array Access packs: the starts (sources, then destinations), then the ends.
+    ranges: I64 = np.concatenate((src, dst, src + sizes, dst + sizes))
+    return Access(ranges, int(sizes.shape[0]))
 
 
 def rows_access(target: npt.NDArray[np.uint8], rows: I64) -> Access:
