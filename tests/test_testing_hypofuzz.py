@@ -104,12 +104,17 @@ def _fuzz(tmp_path: Path, test_file: str, seconds: int, *, stop_at_failure: bool
 
 def test_testing_hypofuzz_fuzzes_the_project_machines_and_finds_nothing(tmp_path: Path) -> None:
     """docs/conformance.md's command on tests/test_testing_machine.py: both machines collected, examples fuzzed (in
-    the database's reports), no failure and no fatal error; stopped by the time bound (exit 124). A HypoFuzz
-    process runs 100 inputs of one test before it picks again, so within the bound the two processes may both
-    have picked the same machine, or one may have started just before the stop: at least one ran examples."""
+    the database's reports), no failure and no fatal error; stopped by the time bound (exit 124, or killed after
+    the grace period). A HypoFuzz process runs 100 inputs of one test before it picks again, so within the bound
+    the two processes may both have picked the same machine, or one may have started just before the stop: at
+    least one ran examples."""
     returncode, output = _fuzz(tmp_path, "tests/test_testing_machine.py", PASSING_SECONDS)
     assert "using 2 processes to fuzz 2 tests" in output, output[-3000:]
-    assert returncode == 124, output[-3000:]  # stopped by the bound, not by a crash or a finding
+    # Stopped by the bound (SIGINT: 124), not by a crash or a finding. HypoFuzz itself sometimes does not exit after
+    # the SIGINT (seen once in about 20 runs, with its file watcher warning "Callback with id ... already exists for
+    # watch"): ``timeout`` then kills the group after KILL_AFTER_SECONDS (-9: timeout killed itself with it). That is
+    # the bound too; the database below still says whether anything failed.
+    assert returncode in (124, -signal.SIGKILL), output[-3000:]
     targets = _read(tmp_path / "examples")
     print({nodeid: t.valid for nodeid, t in targets.items()})
     machines = {f"tests/test_testing_machine.py::TestReferenceWorker{policy}Policy::runTest"
