@@ -110,10 +110,10 @@ def test_testing_hypofuzz_fuzzes_the_project_machines_and_finds_nothing(tmp_path
     least one ran examples."""
     returncode, output = _fuzz(tmp_path, "tests/test_testing_machine.py", PASSING_SECONDS)
     assert "using 2 processes to fuzz 2 tests" in output, output[-3000:]
-    # Stopped by the bound (SIGINT: 124), not by a crash or a finding. HypoFuzz itself sometimes does not exit after
-    # the SIGINT (seen twice in 16 runs here, once with its file watcher warning "Callback with id ... already exists for
-    # watch"): ``timeout`` then kills the group after KILL_AFTER_SECONDS (-9: timeout killed itself with it). That is
-    # the bound too; the database below still says whether anything failed.
+    # Stopped by the bound (SIGINT: 124), not by a crash or a finding. HypoFuzz itself sometimes does not exit
+    # after the SIGINT (seen twice in 16 runs here, once with its file watcher's warning "Callback with id ...
+    # already exists for watch"): ``timeout`` then kills the group after KILL_AFTER_SECONDS (-9: it killed itself
+    # with it). That is the bound too; the database below still says whether anything failed.
     assert returncode in (124, -signal.SIGKILL), output[-3000:]
     targets = _read(tmp_path / "examples")
     print({nodeid: t.valid for nodeid, t in targets.items()})
