@@ -266,11 +266,19 @@ class CopyPlan:
             si, di, sizes, so, do, key = si[live], di[live], sizes[live], so[live], do[live], key[live]
             steps = np.diff(key)
         so, do = so - self.starts.take(si), do - self.starts.take(di)
+        views = self.views or byte_views(data)
+        if sizes.size and self.smallest == int(sizes.max()):   # one size: the group order is the key's order
+            if int(steps.min()) < 0:   # out of group order: the columns permuted by a stable argsort, in C
+                order = key.argsort(kind="stable")   # stable: descriptor order within a group
+                si, di, so, do = si.take(order), di.take(order), so.take(order), do.take(order)
+            sources, destinations = si.tolist(), di.tolist()
+            _move_sized(views, zip(sources, destinations, so.tolist(), do.tolist(), strict=True), int(sizes[0]),
+                        set(sources).isdisjoint(destinations), data)
+            return
         sources, destinations = si.tolist(), di.tolist()
-        moves: Iterable[Move] = zip(sources, destinations, sizes.tolist(), so.tolist(), do.tolist(), strict=True)
-        if not (sizes.size and int(steps.min(initial=0)) >= 0 and self.smallest == int(sizes.max())):
-            moves = sorted(moves, key=_GROUP)   # stable: descriptor order within a group
-        _move_each(data, self.views or byte_views(data), moves, set(sources).isdisjoint(destinations))
+        moves = sorted(zip(sources, destinations, sizes.tolist(), so.tolist(), do.tolist(), strict=True),
+                       key=_GROUP)   # stable: descriptor order within a group
+        _move_each(data, views, moves, set(sources).isdisjoint(destinations))
 
 
 #: The grouped path's order of descriptors: (source span, destination span, size).
@@ -357,6 +365,20 @@ def _move_each(data: Sequence[Bytes], views: Sequence[memoryview], moves: Iterab
     staged = list(moves)
     reads = [data[i][src:src + n].copy() for i, _, n, src, _ in staged]
     for (_, j, n, _, dst), read in zip(staged, reads, strict=True):
+        data[j][dst:dst + n] = read
+
+
+def _move_sized(views: Sequence[memoryview], moves: Iterable[tuple[int, int, int, int]], n: int, disjoint: bool,
+                data: Sequence[Bytes]) -> None:
+    """:func:`_move_each` of moves that all copy ``n`` bytes, given as (source span, destination span, source
+    offset, destination offset): the same writes in the same order, with no size per move."""
+    if disjoint:
+        for i, j, src, dst in moves:   # distinct spans: no byte is both read and written
+            views[j][dst:dst + n] = views[i][src:src + n]
+        return
+    staged = list(moves)
+    reads = [data[i][src:src + n].copy() for i, _, src, _ in staged]
+    for (_, j, _, dst), read in zip(staged, reads, strict=True):
         data[j][dst:dst + n] = read
 
 
