@@ -237,7 +237,8 @@ class CopyPlan:
         changes nothing but the speed (a copy of at most SMALL_BATCH descriptors is a :class:`SmallPlan`)."""
         data = self.data or [s.data for s in self.spans]
         key = self.si * len(self.spans) + self.di
-        steps = np.diff(key)   # where the (source span, destination span) pair changes, and which way
+        steps = key[1:] - key[:-1]   # where the (source span, destination span) pair changes, and which way (np.diff
+        # costs a microsecond more)
         if self.sizes.size <= EACH_MAX_PER_PAIR * (1 + int(np.count_nonzero(steps))):
             self._move_each(data, key, steps)
             return
@@ -264,7 +265,7 @@ class CopyPlan:
         if self.smallest <= 0:
             live = sizes > 0
             si, di, sizes, so, do, key = si[live], di[live], sizes[live], so[live], do[live], key[live]
-            steps = np.diff(key)
+            steps = key[1:] - key[:-1]
         so, do = so - self.starts.take(si), do - self.starts.take(di)
         views = self.views or byte_views(data)
         if sizes.size and self.smallest == int(sizes.max()):   # one size: the group order is the key's order
