@@ -138,6 +138,22 @@ def test_sim_prices_the_unpinned_host_bytes_of_large_batches_as_each_descriptor_
     assert not [v for v in be.violations if v.kind != "crosses_registration"]
 
 
+@pytest.mark.parametrize("sizes", [[PAGE] * 20, [PAGE] * 19 + [100], [0] + [PAGE] * 19, [100] + [PAGE] * 19])
+def test_sim_prices_every_live_byte_of_a_large_batch(sizes: list[int]) -> None:
+    """A copy of more than SMALL_BATCH descriptors takes latency + its live bytes / bandwidth: of one size (its
+    bytes counted as size x count), of mixed sizes, with an empty descriptor (never counted)."""
+    assert len(sizes) > SMALL_BATCH
+    be = SimBackend(latency=1e-6, pinned_bandwidth=PINNED_BW, pageable_bandwidth=PAGEABLE_BW)
+    dev = np.asarray(be.empty_device((len(sizes), PAGE)))
+    host = np.zeros(len(sizes) * PAGE, dtype=np.uint8)
+    be.track_host(int(host.ctypes.data), host.nbytes)
+    be.host_register(int(host.ctypes.data), host.nbytes)
+    rows = [int(dev.ctypes.data) + k * PAGE for k in range(len(sizes))]
+    chunks = [int(host.ctypes.data) + k * PAGE for k in range(len(sizes))]
+    assert timed_copy(be, rows, chunks, sizes) == pytest.approx(1e-6 + sum(sizes) / PINNED_BW, rel=1e-12)
+    assert not be.violations
+
+
 # -- row-copy paths ----------------------------------------------------------------------------------------------
 
 

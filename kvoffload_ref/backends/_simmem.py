@@ -209,6 +209,8 @@ class CopyPlan:
     views: Sequence[memoryview] = ()
     # Invariant: None until ``smallest`` is first read, then its value (a cache; not copied by replace()).
     _smallest: int | None = dataclasses.field(default=None, init=False, repr=False)
+    # Invariant: None until ``largest`` is first read, then its value (the same kind of cache).
+    _largest: int | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def smallest(self) -> int:
@@ -217,9 +219,19 @@ class CopyPlan:
             self._smallest = int(self.sizes.min()) if self.sizes.size else 0
         return self._smallest
 
+    @property
+    def largest(self) -> int:
+        """The largest size (0 when there is no descriptor)."""
+        if self._largest is None:
+            self._largest = int(self.sizes.max()) if self.sizes.size else 0
+        return self._largest
+
     def live_bytes(self) -> int:
         """How many bytes the non-empty descriptors copy."""
-        return int(self.sizes.sum()) if self.smallest > 0 else int(self.sizes[self.sizes > 0].sum())
+        smallest = self.smallest
+        if smallest > 0:   # one size: no sum (the largest is read again when the bytes move)
+            return smallest * int(self.sizes.size) if smallest == self.largest else int(self.sizes.sum())
+        return int(self.sizes[self.sizes > 0].sum())
 
     def first_bad(self) -> int | None:
         """The first non-empty descriptor touching memory outside every live span, or None."""
@@ -249,7 +261,7 @@ class CopyPlan:
                                 si=self.si[live], di=self.di[live]).execute()
             return
         batch = _Batch(self.si, self.di, self.sizes, self.src - self.starts.take(self.si),
-                       self.dst - self.starts.take(self.di), len(self.spans), smallest == int(self.sizes.max()))
+                       self.dst - self.starts.take(self.di), len(self.spans), smallest == self.largest)
         if not set(batch.src).isdisjoint(batch.dst):   # a span is read and written: stage all reads
             groups = list(zip(batch.src, batch.dst, batch.size, batch.a, batch.b, strict=True))
             staged = [sliding_window_view(data[s], n)[batch.so[a:b]] for s, _, n, a, b in groups]
@@ -268,7 +280,7 @@ class CopyPlan:
             steps = key[1:] - key[:-1]
         so, do = so - self.starts.take(si), do - self.starts.take(di)
         views = self.views or byte_views(data)
-        if sizes.size and self.smallest == int(sizes.max()):   # one size: the group order is the key's order
+        if sizes.size and self.smallest == self.largest:   # one size: the group order is the key's order
             if int(steps.min()) < 0:   # out of group order: the columns permuted by a stable argsort, in C
                 order = key.argsort(kind="stable")   # stable: descriptor order within a group
                 si, di, so, do = si.take(order), di.take(order), so.take(order), do.take(order)
