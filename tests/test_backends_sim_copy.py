@@ -138,6 +138,22 @@ def test_sim_prices_the_unpinned_host_bytes_of_large_batches_as_each_descriptor_
     assert not [v for v in be.violations if v.kind != "crosses_registration"]
 
 
+@pytest.mark.parametrize("sizes", [[PAGE] * 20, [PAGE] * 19 + [100], [0] + [PAGE] * 19, [100] + [PAGE] * 19])
+def test_sim_prices_every_live_byte_of_a_large_batch(sizes: list[int]) -> None:
+    """A copy of more than SMALL_BATCH descriptors takes latency + its live bytes / bandwidth: of one size (its
+    bytes counted as size x count), of mixed sizes, with an empty descriptor (never counted)."""
+    assert len(sizes) > SMALL_BATCH
+    be = SimBackend(latency=1e-6, pinned_bandwidth=PINNED_BW, pageable_bandwidth=PAGEABLE_BW)
+    dev = np.asarray(be.empty_device((len(sizes), PAGE)))
+    host = np.zeros(len(sizes) * PAGE, dtype=np.uint8)
+    be.track_host(int(host.ctypes.data), host.nbytes)
+    be.host_register(int(host.ctypes.data), host.nbytes)
+    rows = [int(dev.ctypes.data) + k * PAGE for k in range(len(sizes))]
+    chunks = [int(host.ctypes.data) + k * PAGE for k in range(len(sizes))]
+    assert timed_copy(be, rows, chunks, sizes) == pytest.approx(1e-6 + sum(sizes) / PINNED_BW, rel=1e-12)
+    assert not be.violations
+
+
 # -- row-copy paths ----------------------------------------------------------------------------------------------
 
 
@@ -258,14 +274,16 @@ def test_sim_grid_views_stay_bounded_and_are_dropped_with_the_span_index() -> No
     assert be._memory._index().grids is not grids and not be._memory._index().grids
 
 
+@pytest.mark.parametrize("one_size", [False, True])
 @pytest.mark.parametrize("seed", range(12))
 def test_sim_copies_of_few_descriptors_per_span_pair_go_descriptor_by_descriptor_in_group_order(
-        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        seed: int, one_size: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker's one-block job over many layers is one descriptor per (tensor, region) pair: such copies (and
     every copy of at most SMALL_BATCH descriptors) move descriptor by descriptor, never through the grouped path,
     yet write in its order -- by (source span, destination span, size), descriptor order within -- so where
     destinations of different pairs overlap, the bytes are still the reference's. Empty descriptors outside
-    every span, spans read and written, sizes mixed."""
+    every span, spans read and written, sizes mixed; or (``one_size``) more than SMALL_BATCH descriptors of one
+    size, out of group order, which move by their offsets alone (``_move_sized``)."""
     rng = np.random.default_rng(100 + seed)
     be = SimBackend()
     spans = [np.asarray(be.empty_device((8, 256 + 64 * k))).reshape(-1) for k in range(6)]
@@ -279,14 +297,16 @@ def test_sim_copies_of_few_descriptors_per_span_pair_go_descriptor_by_descriptor
     readable = list(range(6)) if one_way else list(range(len(spans)))
     writable = [6, 7, 8] if one_way else list(range(len(spans)))
     count = int(rng.choice([int(rng.integers(2, SMALL_BATCH + 1)), int(rng.integers(SMALL_BATCH + 1, 80))]))
+    if one_size:
+        count = int(rng.integers(SMALL_BATCH + 1, 80))
     flat = []
     for _ in range(count):
         a, b = int(rng.choice(readable)), int(rng.choice(writable))
-        size = int(rng.choice([64, 100, 256]))
+        size = 100 if one_size else int(rng.choice([64, 100, 256]))
         s = int(rng.integers(0, spans[a].size - size + 1))
         d = int(rng.integers(0, 3)) * 64 if rng.random() < 0.5 else int(rng.integers(0, spans[b].size - size + 1))
         flat.append((int(spans[a].ctypes.data) + s, int(spans[b].ctypes.data) + d, size))   # many overlap at 0..128
-    if seed % 3 == 0:
+    if seed % 3 == 0 and not one_size:
         flat.insert(int(rng.integers(0, len(flat) + 1)), (8, 16, 0))   # empty, outside every span
     src, dst, sizes = ([int(x) for x in column] for column in zip(*flat, strict=True))
     expected = {int(span.ctypes.data): span.copy() for span in spans}
@@ -294,6 +314,11 @@ def test_sim_copies_of_few_descriptors_per_span_pair_go_descriptor_by_descriptor
 
     def grouped(*args: object, **kwargs: object) -> None:
         raise AssertionError("the grouped path ran for a copy of few descriptors per span pair")
+
+    if one_size:   # out of group order, and the sized moves must carry the copy
+        keys = [(span_start(be, a), span_start(be, b)) for a, b in zip(src, dst, strict=True)]
+        assert keys != sorted(keys)
+        monkeypatch.setattr(_simmem, "_move_each", grouped)
 
     assert len(src) <= SMALL_BATCH or pieces(be, src, dst) * EACH_MAX_PER_PAIR >= len(src)
     monkeypatch.setattr(_simmem, "_Batch", grouped)
@@ -303,10 +328,13 @@ def test_sim_copies_of_few_descriptors_per_span_pair_go_descriptor_by_descriptor
         np.testing.assert_array_equal(span, expected[int(span.ctypes.data)])
 
 
+def span_start(be: SimBackend, addr: int) -> int:
+    """The start of the live span holding ``addr`` (-1: none)."""
+    span = be._memory.span_holding(addr, 0)
+    return -1 if span is None else span.start
+
+
 def pieces(be: SimBackend, src: list[int], dst: list[int]) -> int:
     """How many runs of one (source span, destination span) pair the descriptors come in."""
-    def span_of(addr: int) -> int:
-        span = be._memory.span_holding(addr, 0)
-        return -1 if span is None else span.start
-    keys = [(span_of(s), span_of(d)) for s, d in zip(src, dst, strict=True)]
+    keys = [(span_start(be, s), span_start(be, d)) for s, d in zip(src, dst, strict=True)]
     return 1 + sum(a != b for a, b in itertools.pairwise(keys))

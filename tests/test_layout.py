@@ -240,15 +240,16 @@ def _geometries(draw: st.DrawFn, row_bytes: list[int], rows: list[int], start: i
 
 
 @st.composite
-def scenarios(draw: st.DrawFn, unique_ids: bool = False) -> Scenario:
-    """A random layout, geometry and valid pair of specs (group sizes may be 0; skips at first and last chunk)."""
+def scenarios(draw: st.DrawFn, unique_ids: bool = False, one_block: bool = False) -> Scenario:
+    """A random layout, geometry and valid pair of specs (group sizes may be 0; skips at first and last chunk;
+    ``one_block``: every group's size is 0 or 1)."""
     num_tensors = draw(st.integers(1, 4))
     pages = draw(st.lists(st.integers(1, 48), min_size=num_tensors, max_size=num_tensors))
     groups = draw(st.lists(st.lists(st.integers(0, num_tensors - 1), min_size=1, max_size=3), min_size=1,
                            max_size=3))
     refs = [[LayerRef(t, draw(st.integers(1, pages[t]))) for t in group] for group in groups]
     bpc = draw(st.integers(1, 4))
-    sizes = draw(st.lists(st.integers(0, 6), min_size=len(groups), max_size=len(groups)))
+    sizes = draw(st.lists(st.integers(0, 1 if one_block else 6), min_size=len(groups), max_size=len(groups)))
     indices = [draw(st.integers(0, bpc - 1)) for _ in groups]
     counts = [math.ceil((n + i) / bpc) if n else 0 for n, i in zip(sizes, indices, strict=True)]
     gpu_least, cpu_least = (max(1, sum(sizes)), max(1, sum(counts))) if unique_ids else (1, 1)
@@ -278,6 +279,22 @@ def test_layout_plan_matches_naive_planner(sc: Scenario, direction: str) -> None
     expected = naive_plan(sc.layout, direction, src, dst, gpu=sc.gpu, cpu=sc.cpu, bpc=sc.bpc)
     assert triples(plan) == expected
     assert plan.num_ops == len(expected) and plan.nbytes == sum(n for _, _, n in expected)
+
+
+@settings(derandomize=True)
+@given(scenarios(one_block=True), st.sampled_from(["store", "load"]))
+def test_layout_one_block_slices_are_written_as_the_naive_planner_says(sc: Scenario, direction: str) -> None:
+    """Groups of one block are written from their two ids as scalars (``_write_one``): the same descriptors, in
+    the same order, as the placement rule, at every skip and page size; also through a reused buffer's rows."""
+    src, dst = sc.args(direction)
+    if naive_writes_twice(sc.layout, direction, sc.gpu_spec, sc.cpu_spec, sc.bpc):
+        return   # refused (R7): test_layout_plan_matches_naive_planner covers it
+    expected = naive_plan(sc.layout, direction, src, dst, gpu=sc.gpu, cpu=sc.cpu, bpc=sc.bpc)
+    prepared = Planner(sc.layout, sc.gpu, sc.cpu, sc.bpc).prepare(direction, src, dst)  # type: ignore[arg-type]
+    rows = np.full((3, len(expected) + 2), -7, dtype=np.int64)
+    assert prepared.write(rows[0], rows[1], rows[2]) == len(expected)
+    assert list(zip(*rows[:, :len(expected)].tolist(), strict=True)) == expected
+    assert (rows[:, len(expected):] == -7).all()   # the entries after num_ops are left alone
 
 
 @settings(derandomize=True)
