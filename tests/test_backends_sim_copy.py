@@ -203,6 +203,20 @@ def reference_copy(memory: dict[int, npt.NDArray[np.uint8]], src: list[int], dst
 KINDS = ["run", "runs", "grid", "bytes"]
 
 
+def random_spans(be: SimBackend, rng: np.random.Generator, devices: list[tuple[int, int]],
+                 hosts: list[int]) -> list[npt.NDArray[np.uint8]]:
+    """Flat byte views of new device arrays (shapes ``devices``) then of tracked host arrays (sizes ``hosts``), all
+    filled with random bytes: the spans a test's copies address."""
+    spans = [np.asarray(be.empty_device(shape)).reshape(-1) for shape in devices]
+    for size in hosts:
+        host = np.zeros(size, dtype=np.uint8)
+        be.track_host(int(host.ctypes.data), host.nbytes)
+        spans.append(host)
+    for span in spans:
+        span[...] = rng.integers(0, 256, span.size, dtype=np.uint8)
+    return spans
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_sim_copy_paths_match_the_descriptor_reference_with_repeated_destinations(seed: int) -> None:
     """Random batches of groups (any source and destination pattern, sizes on and off powers of two, large rows),
@@ -210,13 +224,7 @@ def test_sim_copy_paths_match_the_descriptor_reference_with_repeated_destination
     whatever path each group takes, the bytes are the reference's."""
     rng = np.random.default_rng(seed)
     be = SimBackend()
-    spans = [np.asarray(be.empty_device((48, 4096 + 64 * k))).reshape(-1) for k in range(2)]
-    hosts = [np.zeros(400_000 + 4096 * k, dtype=np.uint8) for k in range(2)]
-    for host in hosts:
-        be.track_host(int(host.ctypes.data), host.nbytes)
-    spans += hosts
-    for span in spans:
-        span[...] = rng.integers(0, 256, span.size, dtype=np.uint8)
+    spans = random_spans(be, rng, [(48, 4096 + 64 * k) for k in range(2)], [400_000 + 4096 * k for k in range(2)])
     one_way = seed % 3 != 0
     readable = [0, 2] if one_way else [0, 1, 2, 3]
     writable = [1, 3] if one_way else [0, 1, 2, 3]
@@ -286,13 +294,7 @@ def test_sim_copies_of_few_descriptors_per_span_pair_go_descriptor_by_descriptor
     size, out of group order, which move by their offsets alone (``_move_sized``)."""
     rng = np.random.default_rng(100 + seed)
     be = SimBackend()
-    spans = [np.asarray(be.empty_device((8, 256 + 64 * k))).reshape(-1) for k in range(6)]
-    hosts = [np.zeros(8192 + 512 * k, dtype=np.uint8) for k in range(3)]
-    for host in hosts:
-        be.track_host(int(host.ctypes.data), host.nbytes)
-    spans += hosts
-    for span in spans:
-        span[...] = rng.integers(0, 256, span.size, dtype=np.uint8)
+    spans = random_spans(be, rng, [(8, 256 + 64 * k) for k in range(6)], [8192 + 512 * k for k in range(3)])
     one_way = seed % 2 == 0
     readable = list(range(6)) if one_way else list(range(len(spans)))
     writable = [6, 7, 8] if one_way else list(range(len(spans)))
