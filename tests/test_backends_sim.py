@@ -14,7 +14,7 @@ import numpy.typing as npt
 import pytest
 
 from kvoffload_ref import backends
-from kvoffload_ref.backends._simcore import PREFIX_FIRST_RUN
+from kvoffload_ref.backends._simbatch import PREFIX_FIRST_RUN
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Ledger, Stream, Tag
 from kvoffload_ref.backends.sim import SimBackend, SimHang
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError

@@ -1,6 +1,6 @@
-"""The sim's copy engine (``backends/_simmem.py``): span lookup, the slow (unpinned) bytes a copy is priced by, and
-every row-copy path (slice, gather from a grid, whole-row scatter onto a grid, runs, windows, loops) against a
-descriptor-by-descriptor reference, destinations that repeat or overlap included."""
+"""The sim's copy engine (``backends/_simmem.py``, ``backends/_simcopy.py``): span lookup, the slow (unpinned)
+bytes a copy is priced by, and every row-copy path (slice, gather from a grid, whole-row scatter onto a grid, runs,
+windows, loops) against a descriptor-by-descriptor reference, destinations that repeat or overlap included."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvoffload_ref.backends import _simmem
-from kvoffload_ref.backends._simmem import _MAX_GRIDS, EACH_MAX_PER_PAIR, SMALL_BATCH, Intervals
+from kvoffload_ref.backends import _simcopy
+from kvoffload_ref.backends._simcopy import _MAX_GRIDS
+from kvoffload_ref.backends._simmem import EACH_MAX_PER_PAIR, SMALL_BATCH, Intervals
 from kvoffload_ref.backends.sim import SimBackend
 
 I64 = npt.NDArray[np.int64]
@@ -320,10 +321,10 @@ def test_sim_copies_of_few_descriptors_per_span_pair_go_descriptor_by_descriptor
     if one_size:   # out of group order, and the sized moves must carry the copy
         keys = [(span_start(be, a), span_start(be, b)) for a, b in zip(src, dst, strict=True)]
         assert keys != sorted(keys)
-        monkeypatch.setattr(_simmem, "_move_each", grouped)
+        monkeypatch.setattr(_simcopy, "_move_each", grouped)
 
     assert len(src) <= SMALL_BATCH or pieces(be, src, dst) * EACH_MAX_PER_PAIR >= len(src)
-    monkeypatch.setattr(_simmem, "_Batch", grouped)
+    monkeypatch.setattr(_simcopy, "_Batch", grouped)
     timed_copy(be, src, dst, sizes)
     assert not be.violations
     for span in spans:

@@ -1,5 +1,5 @@
 """The simulated device's state, its host-memory calls and its internal mechanics; ``sim.py`` builds the rest
-of the public facade on it.
+of the public facade on it (with the memory calls of ``_simarrays.py`` and the batched calls of ``_simbatch.py``).
 
 :class:`SimCore` holds what a :class:`~kvoffload_ref.backends.sim.SimBackend` knows (the address map, the
 scheduler, live handles, pending copies, violations, the race detector) and the steps its public calls share:
@@ -13,10 +13,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import operator
 import threading
 from collections.abc import Sequence
-from typing import Any, Final, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -76,9 +75,6 @@ class _ProfileValue(float):
 
 #: The sentinel default: an explicit number overrides the profile's term; this one takes it.
 PROFILE_VALUE: float = _ProfileValue("nan")
-
-#: How many events ``query_prefix`` looks at first (then twice as many each time, until one is not done).
-PREFIX_FIRST_RUN: Final = 16
 
 
 class SimCore:
@@ -501,133 +497,6 @@ class SimCore:
 
     def _device_view(self, array: object) -> npt.NDArray[np.uint8]:
         return self._geometry(array)[1]
-
-    # -- batched calls (the SimBackend facade's; here for the facade's size) ---------------------------------
-
-    def free_descriptors_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
-        """Free several descriptor buffers in one call, with ``free_descriptors``'s checks; one ``free`` fault
-        point per buffer.
-
-        Raises:
-            DeviceError: an injected ``free`` fault, once every other buffer was freed (that one stays live).
-        """
-        if self.on_call is not None:
-            self.on_call("free_descriptors", None)
-        with self._lock:
-            bufs, failed = self._release_checks("free", bufs)
-            self._free_many(bufs)
-        if failed is not None:
-            raise failed
-
-    def _free_many(self, bufs: Sequence[DescriptorBuffer]) -> None:
-        """free_descriptors_many's work (the lock held)."""
-        self._catch_up()
-        keys = list(map(id, bufs))
-        freed = self._pop_live(self._buffers, keys, bufs, "free_descriptors", "buffer")
-        users = self._buffer_users
-        if users and any(map(users.get, freed)):
-            released = set(freed)
-            for buf in bufs:
-                if id(buf) in released and users.get(id(buf)):
-                    self._violate("descriptor_freed_under_dma",
-                                  f"{buf!r} freed while {users[id(buf)]} pending copies read it")
-        self._ledger.release_many("descriptor", freed)
-
-    def destroy_events(self, events: Sequence[Event]) -> None:
-        """Destroy several events in one call, with ``destroy_event``'s checks; one ``destroy`` fault point per
-        event.
-
-        Raises:
-            DeviceError: an injected ``destroy`` fault, once every other event was destroyed (that one stays live).
-        """
-        if self.on_call is not None:
-            self.on_call("destroy_event", None)
-        with self._lock:
-            events, failed = self._release_checks("destroy", events)
-            keys = _event_keys(events)
-            self._ledger.release_many("event", self._pop_live(self._events, keys, events, "destroy_event", "event"))
-        if failed is not None:
-            raise failed
-
-    def _pop_live(self, live: dict[int, Any], keys: list[int], handles: Sequence[object], call: str,
-                  what: str) -> list[int]:
-        """Remove ``handles`` (keys ``keys``) from the ``live`` table; returns the keys removed. A handle that is
-        not live there (or named twice) is recorded as ``invalid_release`` and left as it was."""
-        popped = list(map(live.pop, keys, itertools.repeat(None)))
-        if all(map(operator.is_, popped, handles)):
-            return keys
-        removed = []  # misuse: put back what was popped by mistake, record each handle that was not live
-        for key, handle, found in zip(keys, handles, popped, strict=True):
-            if found is handle:
-                removed.append(key)
-                continue
-            if found is not None:
-                live[key] = found
-            self._violate("invalid_release", f"{call}({handle!r}): not a live {what} of this device")
-        return removed
-
-    def query_prefix(self, events: Sequence[Event]) -> int:
-        """How many of ``events``, from the first, completed (each observed as by ``query``). 0 when a fault
-        plan, a lost device or an ``on_call`` hook is present: then every query goes through ``query``.
-
-        Stops at the first event not done: the events are looked at in runs of PREFIX_FIRST_RUN, then twice as
-        many each time, so a poll that finds the head pending looks at a few events, not at every one asked
-        about (a drain polls a queue of thousands many times)."""
-        if self.on_call is not None or self._plan is not None or self._sticky is not None:
-            return 0
-        with self._lock:
-            self._catch_up()
-            count, last, size, total = 0, None, PREFIX_FIRST_RUN, len(events)
-            while count < total:
-                run = events[count:count + size]
-                done, latest = _done_prefix(self._events, run)
-                count, last = count + done, latest or last
-                if done < len(run):
-                    break
-                size *= 2
-            if last is not None and self._race is not None:
-                self._race.observe(last)  # one stream's records: observing the last covers those before it
-            return count
-
-
-def _done_prefix(table: dict[int, SimEvent], events: Sequence[Event]) -> tuple[int, Record | None]:
-    """How many of ``events``, from the first, are live in ``table`` and done (a never-recorded event counts as
-    done), and the latest record among those counted (None if none has one)."""
-    if len(events) == 1:   # a wait's own job at the head: the same answer without the list machinery
-        return _done_one(table, events[0])
-    live = list(map(table.get, _event_keys(events)))
-    if not all(map(operator.is_, live, events)):  # a handle that is not live: stop before it
-        live = live[:next(i for i, (a, b) in enumerate(zip(live, events, strict=True)) if a is not b)]
-    latest: list[Record | None] = list(map(_LATEST, live))
-    if None in latest:  # a never-recorded event counts as complete
-        pending = [r is not None and r.done_at is None for r in latest]
-        count = pending.index(True) if True in pending else len(pending)
-        return count, next((r for r in reversed(latest[:count]) if r is not None), None)
-    done = list(map(_DONE, latest))
-    count = len(done) if all(done) else done.index(False)
-    return count, latest[count - 1] if count else None
-
-
-def _done_one(table: dict[int, SimEvent], event: Event) -> tuple[int, Record | None]:
-    """:func:`_done_prefix` of one event."""
-    if table.get(id(event)) is not event:   # not live: stop before it
-        return 0, None
-    latest = cast(SimEvent, event).latest
-    if latest is None:   # never recorded: complete
-        return 1, None
-    return (1, latest) if latest.done else (0, None)
-
-
-_LATEST = operator.attrgetter("latest")
-_DONE = operator.attrgetter("done")
-_KEY = operator.attrgetter("key")
-
-
-def _event_keys(events: Sequence[Event]) -> list[int]:
-    """``id()`` of each handle: the ``key`` a SimEvent holds when all are SimEvents (no new int per event)."""
-    if all(map(isinstance, events, itertools.repeat(SimEvent))):
-        return list(map(_KEY, events))
-    return list(map(id, events))
 
 
 def tag_of(event: Event) -> Tag | None:

@@ -35,7 +35,7 @@ from typing import Final, Literal
 
 import numpy as np
 
-from kvoffload_ref.backends._simmem import Plan
+from kvoffload_ref.backends._simcopy import Plan
 from kvoffload_ref.backends._simsched import CopyOp, Op
 from kvoffload_ref.backends.copy_paths import (
     DEFAULT_KERNEL_MAX_MEAN_BYTES,
