@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
-from kvoffload_ref.faults import TRANSFER_HANG_POINTS
+from kvoffload_ref.fault_plan import TRANSFER_HANG_POINTS
 from kvoffload_ref.testing.adapter import (
     initial_gpu_bytes,
 )
