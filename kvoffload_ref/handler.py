@@ -28,29 +28,27 @@ frees the transfer-side resources in a few batched backend calls and reports wha
 BaseException arriving in the middle does not stop it (R14). The handler never holds the region (R1): it gets
 tensor geometries only.
 
-The handler is not thread-safe by itself: the worker serialises every call into it (R19).
+The handler is not thread-safe by itself: the worker serialises every call into it (R19). The transfer record,
+what a submission took and the batched release of the pools live in :mod:`kvoffload_ref.handler_pools`.
 """
 
 from __future__ import annotations
 
 import array
 import collections
-import dataclasses
 import functools
 import itertools
 import logging
-import operator
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
 
 from kvoffload_ref import lifecycle, tables
 from kvoffload_ref.backends import batched
 from kvoffload_ref.backends.base import Backend, Backoff, DescriptorBuffer, Event, Stream, Tag, poll_until
 from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError, detached
+from kvoffload_ref.handler_pools import DESCRIPTORS, END, EVENTS, JOB_ID, NBYTES, Taken, Transfer, release_pools
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
 from kvoffload_ref.planner import Planner, PreparedPlan
-from kvoffload_ref.quarantine import keeper
 from kvoffload_ref.results import (
     TRANSFER_TYPE,
     HandlerReport,
@@ -69,58 +67,9 @@ __all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "JobOutcome", "T
 
 logger = logging.getLogger("kvoffload_ref.handler")
 
-_T = TypeVar("_T")
-
 #: The most end events one ``query_prefix`` call is asked about: few enough that a window's transfers, events and
 #: records are still in cache when the proven heads are booked (a drain of thousands runs window by window).
 PREFIX_WINDOW = 512
-
-
-class _Taken:
-    """What one submission took so far (from a pool or newly created), to give back if it fails."""
-
-    def __init__(self) -> None:
-        # Invariant: (pool the item belongs to, item, created by this submission), in taking order.
-        self.items: list[tuple[list[Any], Any, bool]] = []
-        # Invariant: True once copy_batch accepted the copy (the device may read the descriptors from then on).
-        self.copy_queued = False
-        # Invariant: the transfer being built and its marker event, once its events are taken.
-        self.transfer: Any = None
-        self.marker: Any = None
-        # Invariant: True from just before the copy is queued (its end event is recorded after it).
-        self.end_pending = False
-
-    def take(self, pool: list[_T], create: Callable[[], _T]) -> _T:
-        """Pop an idle item from the pool, or create one."""
-        item, created = (pool.pop(), False) if pool else (create(), True)
-        self.items.append((pool, item, created))
-        return item
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Transfer:
-    """One queued transfer (slotted, its two events held directly: a drain of thousands frees fewer objects)."""
-
-    job_id: int
-    start: Event
-    end: Event
-    descriptors: DescriptorBuffer | None  # None for a zero-op transfer
-    nbytes: int
-    dst_blocks: Int64Array  # R22: the destination's block ids (GPU blocks of a load, CPU chunks of a store)
-    tag: Tag  # (direction, job_id): the one tuple every record of the transfer is tagged with
-    # Invariant: True once the transfer left the queue (proven, failed or abandoned) if it was a mark (see
-    # DirectionHandler._marks) when it left; a transfer no caller waits on is never marked resolved.
-    resolved: bool = False
-    # Invariant: why its end event could not be recorded after the device took its copy (it can never be proven
-    # by that event, so it fails when it reaches the head); None normally.
-    broken: DeviceError | None = None
-
-
-_EVENTS = operator.attrgetter("start", "end")
-_JOB_ID = operator.attrgetter("job_id")
-_NBYTES = operator.attrgetter("nbytes")
-_DESCRIPTORS = operator.attrgetter("descriptors")
-_END = operator.attrgetter("end")
 
 
 class DirectionHandler:
@@ -151,16 +100,16 @@ class DirectionHandler:
         # Invariant: the stream R4's wait is recorded on; fixed for the handler's life.
         self._compute = compute_stream if compute_stream is not None else backend.current_stream()
         # Invariant: submission order, all on self._stream; none is proven yet.
-        self._queue: collections.deque[_Transfer] = collections.deque()
+        self._queue: collections.deque[Transfer] = collections.deque()
         # Invariant: completion known (proven or failed), not yet reported; in resolution (= submission) order.
         self._resolved: list[TransferResult] = []
         # Invariant: job ids in _queue or _resolved (the ids "in flight" for R7's duplicate check).
         self._jobs: set[int] = set()
         # Invariant: the marks last_of handed out that are still queued: when one leaves the queue it is marked
         # resolved (and dropped from here), so that no other transfer is written to on its way out.
-        self._marks: set[_Transfer] = set()
+        self._marks: set[Transfer] = set()
         # Invariant: transfers whose completion is unknown; their resources are never reused.
-        self._unproven: list[_Transfer] = []
+        self._unproven: list[Transfer] = []
         # Invariant: pooled objects are idle (their last use was proven complete); LIFO.
         self._events: list[Event] = []
         self._descriptors: list[DescriptorBuffer] = []
@@ -209,12 +158,13 @@ class DirectionHandler:
         if self._step(HandlerInput.SUBMIT) is not Action.ENQUEUE:  # every other pair is refused
             return
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
-        taken, shield = _Taken(), Shield()
+        taken, shield = Taken(), Shield()
         try:
             transfer = self._enqueue(job_id, plan, taken, dst.block_ids)  # type: ignore[attr-defined]
         except BaseException as exc:
             if not taken.copy_queued:
-                self._undo(taken)  # R14: no copy on the device: no trace, the id stays free
+                # R14: no copy on the device: no trace, the id stays free
+                taken.undo(self._backend, self._events, self.leaks, self.direction)
                 raise
             transfer, shield.interrupt = taken.transfer, exc  # raised once the job is queued
         # R14: the device took the copy (or there is none): the job is queued, whatever is raised from here on.
@@ -226,7 +176,7 @@ class DirectionHandler:
         self._counts["submitted"] += 1
         shield.reraise()
 
-    def _enqueue(self, job_id: int, plan: PreparedPlan, taken: _Taken, dst_blocks: Int64Array) -> _Transfer:
+    def _enqueue(self, job_id: int, plan: PreparedPlan, taken: Taken, dst_blocks: Int64Array) -> Transfer:
         backend, tag, stream = self._backend, (self.direction, job_id), self._stream
         assert stream is not None  # Invariant: an accepting handler has its stream
         descriptors = None
@@ -237,7 +187,7 @@ class DirectionHandler:
         backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
         backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
-        transfer = taken.transfer = _Transfer(job_id, start, end, descriptors, plan.nbytes, dst_blocks, tag)
+        transfer = taken.transfer = Transfer(job_id, start, end, descriptors, plan.nbytes, dst_blocks, tag)
         taken.marker = marker
         if descriptors is None:
             backend.record(end, stream, tag=tag)  # no copy: until this returns, an interrupt leaves no trace
@@ -247,7 +197,7 @@ class DirectionHandler:
         taken.copy_queued = True  # the device took the copy: the submission carries through (R14)
         return transfer
 
-    def _record_end(self, transfer: _Transfer, shield: Shield) -> None:
+    def _record_end(self, transfer: Transfer, shield: Shield) -> None:
         """Record the end event of a transfer whose copy the device already took, retried through interrupts;
         if it cannot be recorded, the transfer can never be proven by it and fails at the head (R5)."""
         try:
@@ -260,23 +210,11 @@ class DirectionHandler:
                                           f"{transfer.job_id}")
         self._broken = self._broken or transfer.broken is not None
 
-    def _take_descriptors(self, count: int, tag: Tag, taken: _Taken) -> DescriptorBuffer:
+    def _take_descriptors(self, count: int, tag: Tag, taken: Taken) -> DescriptorBuffer:
         while self._descriptors and self._descriptors[-1].capacity < count:
             self.leaks.release(self._backend.free_descriptors, "descriptor", self._descriptors.pop(),  # idle but too
                                f"free a {self.direction} descriptor buffer too small to reuse")  # small, as upstream
         return taken.take(self._descriptors, lambda: self._backend.alloc_descriptors(count, tag=tag))
-
-    def _undo(self, taken: _Taken) -> None:
-        """Give back what a submission took before its copy was queued (newest first); a second interrupt meanwhile
-        does not stop it (R14: the first one propagates once everything is back)."""
-        shield = Shield()
-        for pool, item, created in reversed(taken.items):
-            if not created:
-                pool.append(item)
-                continue
-            release = self._backend.destroy_event if pool is self._events else self._backend.free_descriptors
-            kind, what = "event" if pool is self._events else "descriptor", f"release a {self.direction} {item!r}"
-            finish_all([(what, functools.partial(self.leaks.release, release, kind, item, what))], shield)  # R16
 
     # -- completion -----------------------------------------------------------------------------------------------
     def knows(self, job_id: int) -> bool:
@@ -304,7 +242,7 @@ class DirectionHandler:
         self._jobs.difference_update([r.job_id for r in results])
         return results
 
-    def last_of(self, job_ids: set[int]) -> _Transfer | None:
+    def last_of(self, job_ids: set[int]) -> Transfer | None:
         """The last queued transfer among ``job_ids`` (None if none is queued): in FIFO order, once it is
         resolved, every listed job here is (R6)."""
         mark = next((t for t in reversed(self._queue) if t.job_id in job_ids), None)
@@ -314,11 +252,11 @@ class DirectionHandler:
 
     def settle(self, mark: object) -> bool:
         """Observe the queue's heads without blocking, up to ``mark``; whether ``mark`` is resolved now."""
-        assert isinstance(mark, _Transfer)  # Invariant: the worker passes what last_of returned
+        assert isinstance(mark, Transfer)  # Invariant: the worker passes what last_of returned
         self._reap(mark)
         return mark.resolved
 
-    def _reap(self, mark: _Transfer | None = None) -> None:
+    def _reap(self, mark: Transfer | None = None) -> None:
         """Observe heads without blocking (up to ``mark``, if given) until one is still pending: runs of completed
         heads with one prefix query, and ``mark`` itself, once it is the head, with one ``query`` (a prefix query
         of one event would say no more, and a pending head would then be queried twice)."""
@@ -329,14 +267,14 @@ class DirectionHandler:
             elif not self._prove_prefix(mark) and not self._observe_head(self._backend.query):
                 return
 
-    def _prove_prefix(self, mark: _Transfer | None = None) -> int:
+    def _prove_prefix(self, mark: Transfer | None = None) -> int:
         """Prove, with one backend call, the run of heads whose own end events are done (R5, R10); the head that
         is not done, fails, or is instrumented is left for ``_observe_head``. Returns how many were proven."""
-        window: Iterable[_Transfer] = itertools.islice(self._queue, PREFIX_WINDOW)
+        window: Iterable[Transfer] = itertools.islice(self._queue, PREFIX_WINDOW)
         if self._broken:
             window = itertools.takewhile(lambda t: t.broken is None, window)
         if mark is None:
-            ends = list(map(_END, window))
+            ends = list(map(END, window))
         else:
             ends = []
             for transfer in window:
@@ -390,19 +328,19 @@ class DirectionHandler:
         action = self._step(HandlerInput.HEAD_PROVEN)
         queue, kind = self._queue, self._kind
         whole = count == len(queue)
-        run: Sequence[_Transfer] = queue if whole else list(itertools.islice(queue, count))
+        run: Sequence[Transfer] = queue if whole else list(itertools.islice(queue, count))
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
         if action is Action.REPORT:
             self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h), transfer_type=kind)
                                for h in run]
-        self._events += itertools.chain.from_iterable(map(_EVENTS, run))
-        self._descriptors += filter(None, map(_DESCRIPTORS, run))  # None: no copy
+        self._events += itertools.chain.from_iterable(map(EVENTS, run))
+        self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
         # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its outcome
         # is built when a report is read, so a teardown of thousands allocates nothing per job.
         if action is Action.COUNT_DRAINED:
-            self._drained_ids.extend(map(_JOB_ID, run))
-            self._drained_bytes.extend(map(_NBYTES, run))
+            self._drained_ids.extend(map(JOB_ID, run))
+            self._drained_bytes.extend(map(NBYTES, run))
             self._counts["drained"] += count
         self._leave(run)
         if whole:
@@ -411,7 +349,7 @@ class DirectionHandler:
             collections.deque(itertools.starmap(queue.popleft, itertools.repeat((), count)), maxlen=0)
         self._counts["completed"] += count
 
-    def _leave(self, run: Iterable[_Transfer]) -> None:
+    def _leave(self, run: Iterable[Transfer]) -> None:
         """``run`` (heads of the queue) is leaving it: the marks among them are resolved."""
         marks = self._marks
         if marks:
@@ -420,7 +358,7 @@ class DirectionHandler:
                     transfer.resolved = True
                     marks.discard(transfer)
 
-    def _seconds(self, transfer: _Transfer) -> float | None:
+    def _seconds(self, transfer: Transfer) -> float | None:
         try:
             return self._backend.elapsed(transfer.start, transfer.end)
         except DeviceError:
@@ -442,7 +380,7 @@ class DirectionHandler:
         self._counts["failed"] += len(failed)
         self._resolved += failed_in_order(self.direction, [(t.job_id, t.dst_blocks) for t in failed], exc)  # R22
 
-    def _take_queue(self) -> list[_Transfer]:
+    def _take_queue(self) -> list[Transfer]:
         """Empty the queue into the unproven bin; returns what was queued."""
         taken = list(self._queue)
         self._leave(taken)
@@ -549,35 +487,11 @@ class DirectionHandler:
         """
         if self._step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
             return 0, []
-        backend = self._backend
-        # The pools' own lists are taken over, extended only by the unproven (a copy of thousands would touch each).
-        events, freed, stream = self._events, self._descriptors, self._stream
-        events += itertools.chain.from_iterable(map(_EVENTS, self._unproven))
-        unproven = [t.descriptors for t in self._unproven if t.descriptors is not None]
+        # The pools' own lists are taken over (a copy of thousands would touch each); the handler holds none after.
+        stream, events, freed, unproven = self._stream, self._events, self._descriptors, self._unproven
         self._stream, self._events, self._descriptors, self._unproven = None, [], [], []
-        kept = [] if fate is Fate.RELEASE else unproven
-        if fate is Fate.RELEASE:
-            freed += unproven
-        streams = [] if stream is None else [stream]
-        steps: list[tuple[str, Callable[[], object]]] = [  # a failed release is leaked, the rest go on (R16)
-            (f"destroy the {self.direction} stream",
-             lambda: each(backend.destroy_stream, streams, self.leaks.of("stream"))),
-            (f"destroy {len(events)} {self.direction} events",
-             lambda: self._release_many(batched.destroy_events, "event", events)),
-            (f"free {len(freed)} {self.direction} descriptor buffers",
-             lambda: self._release_many(batched.free_descriptors_many, "descriptor", freed)),
-            ("quarantine descriptor buffers", keeper(backend.ledger.quarantine, "descriptor", kept, reason)),  # R12
-        ]
-        failed, _ = finish_all(steps, shield)
-        return len(kept), failed
-
-    def _release_many(self, release: Callable[[Backend, list[Any]], None], kind: str, items: list[Any]) -> None:
-        """One batched release call; if it raises, what it could not release is leaked (R16) and it propagates."""
-        try:
-            release(self._backend, items)
-        except Exception:
-            self.leaks.live_ones(kind, items)
-            raise
+        return release_pools(self._backend, self.direction, self.leaks, stream, events, freed, unproven, fate, shield,
+                             reason)
 
     def discard(self) -> None:
         """Construction rollback (R2): destroy what the constructor created; nothing was ever submitted. An
