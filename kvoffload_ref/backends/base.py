@@ -7,6 +7,9 @@ implement it; ``faults.FaultyBackend`` wraps any of them to inject failures.
 Handles (streams, events) are opaque: only the backend that made one may use it. Every call that acts for one
 transfer takes ``tag=(direction, job_id)`` so faults can select a transfer and error messages can name it.
 
+The polling helpers (``Backoff``, ``poll_until``, ``wait_polling``, ``record_and_poll``, the ``POLL_*`` pauses) live
+in ``polling.py`` and are re-exported here.
+
 Nothing here knows about handlers, regions or workers.
 """
 
@@ -20,11 +23,20 @@ from typing import Final, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.errors import DeadlineExceeded, LifecycleError, SimHang
-from kvoffload_ref.shield import Shield
+from kvoffload_ref.backends.polling import (
+    POLL_FIRST_SLEEP,
+    POLL_MAX_SLEEP,
+    Backoff,
+    poll_until,
+    record_and_poll,
+    wait_polling,
+)
+from kvoffload_ref.errors import LifecycleError, SimHang
 from kvoffload_ref.specs import TensorGeometry
 
 __all__ = [
+    "POLL_FIRST_SLEEP",
+    "POLL_MAX_SLEEP",
     "RESOURCE_KINDS",
     "CALL_POINTS",
     "Backend",
@@ -81,11 +93,6 @@ ResourceKind = Literal["stream", "event", "descriptor", "pinned", "mapping", "sh
 RESOURCE_KINDS: Final[tuple[ResourceKind, ...]] = (
     "stream", "event", "descriptor", "pinned", "mapping", "shm_file",
 )
-
-# Poll back-off for bounded waits: start short so completed work is seen at once, grow so a long wait
-# costs little CPU; the cap bounds how far past a deadline a wait can overshoot.
-POLL_FIRST_SLEEP: Final = 20e-6
-POLL_MAX_SLEEP: Final = 1e-3
 
 
 class Stream(Protocol):
@@ -489,129 +496,3 @@ def give_up_past_horizon(horizon: float, started: float, now: float, what: str) 
     a wait without a timeout, begun at ``started``, is still not done ``horizon`` seconds later."""
     if now - started >= horizon:
         raise SimHang(f"wait() without a timeout: {what} did not complete within {horizon} s")
-
-
-class Backoff:
-    """The pause before the next poll of a bounded wait: it starts at POLL_FIRST_SLEEP and doubles up to
-    POLL_MAX_SLEEP after each poll that found the work pending. One backoff may serve several waits in a row (a
-    shutdown drain's heads, R10): the pause then carries over from one awaited transfer to the next instead of
-    starting short again, so a queue of thousands of pending transfers costs a poll per pause, not several per
-    transfer."""
-
-    __slots__ = ("pause",)
-
-    def __init__(self) -> None:
-        # Invariant: POLL_FIRST_SLEEP <= pause <= POLL_MAX_SLEEP; never shrinks.
-        self.pause = POLL_FIRST_SLEEP
-
-    def sleep(self, backend: Backend, now: float, deadline: float | None) -> None:
-        """Sleep for the current pause (never past ``deadline``) on the backend's clock, then grow the pause."""
-        step = self.pause if deadline is None else min(self.pause, deadline - now)
-        backend.sleep(max(step, 0.0))
-        self.pause = min(self.pause * 2, POLL_MAX_SLEEP)
-
-
-def poll_until(backend: Backend, done: Callable[[], bool], deadline: float | None,
-               backoff: Backoff | None = None) -> bool:
-    """Poll ``done()`` with the backend's clock until it returns True or ``deadline`` passes.
-
-    ``done`` is polled at least once, even when the deadline has already passed, so work that is complete is
-    still seen. Sleeps between polls grow from POLL_FIRST_SLEEP to POLL_MAX_SLEEP and never past the deadline.
-
-    Args:
-        backend: whose clock and sleep to use.
-        done: a zero-argument callable returning bool (it may raise; the error propagates).
-        deadline: absolute time on ``backend.monotonic()``, or None for no bound.
-        backoff: the pause to continue from (and grow) when the caller waits for several things in a row; None: a
-            new one (the first sleep is POLL_FIRST_SLEEP).
-
-    Returns:
-        True if ``done()`` returned True, False if the deadline passed first.
-    """
-    pause = Backoff() if backoff is None else backoff
-    while True:
-        now = backend.monotonic()  # before the poll: a poll that began past the deadline is the last (R11)
-        if done():
-            return True
-        if deadline is not None and now >= deadline:
-            return False
-        pause.sleep(backend, now, deadline)
-
-
-def wait_polling(backend: Backend, settled: Callable[[], bool], started: float, deadline: float | None,
-                 what: str) -> None:
-    """Poll ``settled()`` until it returns True, sleeping between polls on the backend's clock (``wait``, R6).
-
-    ``settled`` takes the worker's lock for one non-blocking poll; the sleeps run without it (R19). It is polled at
-    least once. A simulated clock (one with a ``hang_horizon``) sleeps for free, so without a deadline the backoff
-    grows without a cap and an unbounded wait reaches the horizon in a few dozen polls; a real clock polls at least
-    every POLL_MAX_SLEEP.
-
-    Args:
-        backend: whose clock and sleep to use. settled: one poll. started: when the wait began (backend clock).
-        deadline: absolute backend time, or None for no bound. what: the awaited job, for messages.
-
-    Raises:
-        DeadlineExceeded: the deadline passed first (R6).
-        SimHang: no deadline, and the backend's hung work outlived its ``hang_horizon`` (``check_unbounded_wait``;
-            a real device never raises it).
-    """
-    horizon = backend.hang_horizon if deadline is None else None
-    longest = POLL_MAX_SLEEP if horizon is None else max(POLL_MAX_SLEEP, horizon / 64)
-    pause = POLL_FIRST_SLEEP
-    while True:
-        # R19: the clock is read before the poll, so time that passed after it (another thread's shutdown that
-        # completed meanwhile) is never held against it: a wait gives up only after a poll begun past its deadline.
-        now = backend.monotonic()
-        if settled():
-            return
-        if deadline is not None and now >= deadline:
-            raise DeadlineExceeded(f"{what} not proven complete by the deadline")
-        if horizon is not None:
-            backend.check_unbounded_wait(started, now, what)
-        backend.sleep(pause if deadline is None else max(min(pause, deadline - now), 0.0))
-        pause = min(pause * 2, longest)
-
-
-def record_and_poll(backend: Backend, streams: Sequence[Stream], deadline: float, *,
-                    destroy: Callable[[Event], object] | None = None) -> bool:
-    """The generic device-level proof: record a fresh event on each of ``streams`` (only those), then poll all
-    of them until the deadline. Backends use it to implement ``prove_idle``.
-
-    The events are created and destroyed here (so they pass through the ledger), with ``destroy`` (default
-    ``backend.destroy_event``): a backend with release fault points passes one that skips them -- the proof's own
-    events are not a release step of the library's (R16's report could not list them).
-    """
-    targets = list(streams)
-    events: list[Event] = []
-    try:
-        for stream in targets:
-            event = backend.create_event()
-            events.append(event)
-            backend.record(event, stream)
-        pending = list(events)
-
-        def all_done() -> bool:
-            pending[:] = [e for e in pending if not backend.query(e)]
-            return not pending
-
-        done = poll_until(backend, all_done, deadline)
-    except BaseException:
-        _destroy_all(destroy or backend.destroy_event, events)  # an interrupt meanwhile is dropped: the one in
-        # flight propagates
-        raise
-    _destroy_all(destroy or backend.destroy_event, events).reraise()
-    return done
-
-
-def _destroy_all(destroy: Callable[[Event], object], events: list[Event]) -> Shield:
-    """Destroy the proof's events, every one whatever interrupts arrive meanwhile (R14: none stays live).
-
-    Returns:
-        The shield holding the interrupt that arrived meanwhile, for the caller to re-raise.
-    """
-    shield = Shield()
-    while events:
-        shield.run(lambda: destroy(events[-1]))
-        events.pop()
-    return shield

@@ -1,0 +1,207 @@
+"""The polling helpers of bounded waits: the back-off between polls (``Backoff``), ``poll_until``, ``wait_polling``
+(a worker's ``wait``, R6/R19) and ``record_and_poll`` (the generic device-level proof, R13).
+
+They ask of a backend only the calls they make (the protocols below, which every
+:class:`~kvoffload_ref.backends.base.Backend` satisfies), so this module does not import ``base``; ``base``
+re-exports its names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Final, Protocol, TypeVar
+
+from kvoffload_ref.errors import DeadlineExceeded
+from kvoffload_ref.shield import Shield
+
+__all__ = [
+    "POLL_FIRST_SLEEP",
+    "POLL_MAX_SLEEP",
+    "Backoff",
+    "Clock",
+    "ProvingDevice",
+    "WaitClock",
+    "poll_until",
+    "record_and_poll",
+    "wait_polling",
+]
+
+# Poll back-off for bounded waits: start short so completed work is seen at once, grow so a long wait
+# costs little CPU; the cap bounds how far past a deadline a wait can overshoot.
+POLL_FIRST_SLEEP: Final = 20e-6
+POLL_MAX_SLEEP: Final = 1e-3
+
+_S = TypeVar("_S")  # a backend's stream handle
+_S_contra = TypeVar("_S_contra", contravariant=True)
+_E = TypeVar("_E")  # a backend's event handle
+
+
+class Clock(Protocol):
+    """What a poll asks of a backend: its clock and its sleep (``Backend.monotonic``, ``Backend.sleep``)."""
+
+    def monotonic(self) -> float:
+        """The backend's clock in seconds."""
+        ...
+
+    def sleep(self, seconds: float) -> None:
+        """Let the clock advance by ``seconds``."""
+        ...
+
+
+class WaitClock(Clock, Protocol):
+    """What ``wait_polling`` asks of a backend besides its clock: the hang bound of an unbounded wait."""
+
+    @property
+    def hang_horizon(self) -> float | None:
+        """``Backend.hang_horizon``."""
+        ...
+
+    def check_unbounded_wait(self, started: float, now: float, what: str) -> None:
+        """``Backend.check_unbounded_wait``."""
+        ...
+
+
+class ProvingDevice(Clock, Protocol[_S_contra, _E]):
+    """What ``record_and_poll`` asks of a backend besides its clock: events on its streams."""
+
+    def create_event(self) -> _E:
+        """``Backend.create_event``."""
+        ...
+
+    def record(self, event: _E, stream: _S_contra) -> None:
+        """``Backend.record``."""
+        ...
+
+    def query(self, event: _E) -> bool:
+        """``Backend.query``."""
+        ...
+
+    def destroy_event(self, event: _E) -> None:
+        """``Backend.destroy_event``."""
+        ...
+
+
+class Backoff:
+    """The pause before the next poll of a bounded wait: it starts at POLL_FIRST_SLEEP and doubles up to
+    POLL_MAX_SLEEP after each poll that found the work pending. One backoff may serve several waits in a row (a
+    shutdown drain's heads, R10): the pause then carries over from one awaited transfer to the next instead of
+    starting short again, so a queue of thousands of pending transfers costs a poll per pause, not several per
+    transfer."""
+
+    __slots__ = ("pause",)
+
+    def __init__(self) -> None:
+        # Invariant: POLL_FIRST_SLEEP <= pause <= POLL_MAX_SLEEP; never shrinks.
+        self.pause = POLL_FIRST_SLEEP
+
+    def sleep(self, backend: Clock, now: float, deadline: float | None) -> None:
+        """Sleep for the current pause (never past ``deadline``) on the backend's clock, then grow the pause."""
+        step = self.pause if deadline is None else min(self.pause, deadline - now)
+        backend.sleep(max(step, 0.0))
+        self.pause = min(self.pause * 2, POLL_MAX_SLEEP)
+
+
+def poll_until(backend: Clock, done: Callable[[], bool], deadline: float | None,
+               backoff: Backoff | None = None) -> bool:
+    """Poll ``done()`` with the backend's clock until it returns True or ``deadline`` passes.
+
+    ``done`` is polled at least once, even when the deadline has already passed, so work that is complete is
+    still seen. Sleeps between polls grow from POLL_FIRST_SLEEP to POLL_MAX_SLEEP and never past the deadline.
+
+    Args:
+        backend: whose clock and sleep to use.
+        done: a zero-argument callable returning bool (it may raise; the error propagates).
+        deadline: absolute time on ``backend.monotonic()``, or None for no bound.
+        backoff: the pause to continue from (and grow) when the caller waits for several things in a row; None: a
+            new one (the first sleep is POLL_FIRST_SLEEP).
+
+    Returns:
+        True if ``done()`` returned True, False if the deadline passed first.
+    """
+    pause = Backoff() if backoff is None else backoff
+    while True:
+        now = backend.monotonic()  # before the poll: a poll that began past the deadline is the last (R11)
+        if done():
+            return True
+        if deadline is not None and now >= deadline:
+            return False
+        pause.sleep(backend, now, deadline)
+
+
+def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float, deadline: float | None,
+                 what: str) -> None:
+    """Poll ``settled()`` until it returns True, sleeping between polls on the backend's clock (``wait``, R6).
+
+    ``settled`` takes the worker's lock for one non-blocking poll; the sleeps run without it (R19). It is polled at
+    least once. A simulated clock (one with a ``hang_horizon``) sleeps for free, so without a deadline the backoff
+    grows without a cap and an unbounded wait reaches the horizon in a few dozen polls; a real clock polls at least
+    every POLL_MAX_SLEEP.
+
+    Args:
+        backend: whose clock and sleep to use. settled: one poll. started: when the wait began (backend clock).
+        deadline: absolute backend time, or None for no bound. what: the awaited job, for messages.
+
+    Raises:
+        DeadlineExceeded: the deadline passed first (R6).
+        SimHang: no deadline, and the backend's hung work outlived its ``hang_horizon`` (``check_unbounded_wait``;
+            a real device never raises it).
+    """
+    horizon = backend.hang_horizon if deadline is None else None
+    longest = POLL_MAX_SLEEP if horizon is None else max(POLL_MAX_SLEEP, horizon / 64)
+    pause = POLL_FIRST_SLEEP
+    while True:
+        # R19: the clock is read before the poll, so time that passed after it (another thread's shutdown that
+        # completed meanwhile) is never held against it: a wait gives up only after a poll begun past its deadline.
+        now = backend.monotonic()
+        if settled():
+            return
+        if deadline is not None and now >= deadline:
+            raise DeadlineExceeded(f"{what} not proven complete by the deadline")
+        if horizon is not None:
+            backend.check_unbounded_wait(started, now, what)
+        backend.sleep(pause if deadline is None else max(min(pause, deadline - now), 0.0))
+        pause = min(pause * 2, longest)
+
+
+def record_and_poll(backend: ProvingDevice[_S, _E], streams: Sequence[_S], deadline: float, *,
+                    destroy: Callable[[_E], object] | None = None) -> bool:
+    """The generic device-level proof: record a fresh event on each of ``streams`` (only those), then poll all
+    of them until the deadline. Backends use it to implement ``prove_idle``.
+
+    The events are created and destroyed here (so they pass through the ledger), with ``destroy`` (default
+    ``backend.destroy_event``): a backend with release fault points passes one that skips them -- the proof's own
+    events are not a release step of the library's (R16's report could not list them).
+    """
+    targets = list(streams)
+    events: list[_E] = []
+    try:
+        for stream in targets:
+            event = backend.create_event()
+            events.append(event)
+            backend.record(event, stream)
+        pending = list(events)
+
+        def all_done() -> bool:
+            pending[:] = [e for e in pending if not backend.query(e)]
+            return not pending
+
+        done = poll_until(backend, all_done, deadline)
+    except BaseException:
+        _destroy_all(destroy or backend.destroy_event, events)  # an interrupt meanwhile is dropped: the one in
+        # flight propagates
+        raise
+    _destroy_all(destroy or backend.destroy_event, events).reraise()
+    return done
+
+
+def _destroy_all(destroy: Callable[[_E], object], events: list[_E]) -> Shield:
+    """Destroy the proof's events, every one whatever interrupts arrive meanwhile (R14: none stays live).
+
+    Returns:
+        The shield holding the interrupt that arrived meanwhile, for the caller to re-raise.
+    """
+    shield = Shield()
+    while events:
+        shield.run(lambda: destroy(events[-1]))
+        events.pop()
+    return shield
