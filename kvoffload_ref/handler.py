@@ -301,26 +301,7 @@ class DirectionHandler:
         return done
 
     def _head_proven(self) -> None:
-        """The head alone was proven by its own end event: :meth:`_heads_proven` of one, without building a run."""
-        action = self._step(HandlerInput.HEAD_PROVEN)
-        queue = self._queue
-        head = queue[0]
-        # R14: the timing (a backend call, where an interrupt may land) is read before anything changes.
-        if action is Action.REPORT:
-            self._resolved.append(TransferResult(head.job_id, True, head.nbytes, self._seconds(head),
-                                                 transfer_type=self._kind))
-        self._events += (head.start, head.end)
-        if head.descriptors is not None:   # None: no copy
-            self._descriptors.append(head.descriptors)
-        if action is Action.COUNT_DRAINED:
-            self._drained_ids.append(head.job_id)
-            self._drained_bytes.append(head.nbytes)
-            self._counts["drained"] += 1
-        if self._marks and head in self._marks:   # a mark leaves the queue: resolved (as _leave does)
-            head.resolved = True
-            self._marks.discard(head)
-        queue.popleft()
-        self._counts["completed"] += 1
+        self._heads_proven(1)
 
     def _heads_proven(self, count: int) -> None:
         """The ``count`` oldest transfers were proven by their own end events. HEAD_PROVEN is a self-loop in every
@@ -336,8 +317,8 @@ class DirectionHandler:
                                for h in run]
         self._events += itertools.chain.from_iterable(map(EVENTS, run))
         self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
-        # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its outcome
-        # is built when a report is read, so a teardown of thousands allocates nothing per job.
+        # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its
+        # outcome is built when a report is read, so a teardown of thousands allocates nothing per job.
         if action is Action.COUNT_DRAINED:
             self._drained_ids.extend(map(JOB_ID, run))
             self._drained_bytes.extend(map(NBYTES, run))

@@ -131,22 +131,13 @@ class _GroupColumns:
     cpu_rows: int  # Invariant: the same for the CPU views.
     cpu_subs: Int64Array  # Invariant: cpu_subs[r, j] = j * tensor_page_bytes[tensor of ref r].
     page_sizes: Int64Array
-    # Invariant: the same factors as flat per-ref rows, for a slice of one block (``_write_one``): gpu_ptr,
-    # gpu_stride, cpu_stride and page_sizes raveled, and cpu_subbase[j, r] = cpu_ptr[r] + cpu_subs[r, j].
-    flat_gpu_ptr: Int64Array
-    flat_gpu_stride: Int64Array
-    flat_cpu_stride: Int64Array
-    flat_page_sizes: Int64Array
-    cpu_subbase: Int64Array
 
     @classmethod
     def of(cls, refs: GroupRefs, gpu: _Side, cpu: _Side, pages: Int64Array, bpc: int) -> _GroupColumns:
         t = refs.tensors
-        subs = pages[t][:, None] * np.arange(bpc, dtype=np.int64)[None, :]
         return cls(refs, gpu.ptr[t][:, None], gpu.stride[t][:, None], int(gpu.rows[t].min()),
-                   cpu.ptr[t][:, None], cpu.stride[t][:, None], int(cpu.rows[t].min()), subs,
-                   refs.page_sizes[:, None], gpu.ptr[t].copy(), gpu.stride[t].copy(), cpu.stride[t].copy(),
-                   refs.page_sizes.copy(), np.ascontiguousarray((cpu.ptr[t][:, None] + subs).T))
+                   cpu.ptr[t][:, None], cpu.stride[t][:, None], int(cpu.rows[t].min()),
+                   pages[t][:, None] * np.arange(bpc, dtype=np.int64)[None, :], refs.page_sizes[:, None])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,17 +260,6 @@ def _fill_cpu(out: Int64Array, cols: _GroupColumns, chunks: Int64Array, skip: in
         np.add(rows[:, first + whole:first + whole + 1], subs[:, :tail], out=out[:, size - tail:])
 
 
-def _write_one(gpu: Int64Array, cpu: Int64Array, sizes: Int64Array, cols: _GroupColumns, block: int, chunk: int,
-               skip: int) -> None:
-    """One block's descriptors (one per ref, in ref order): the same values as :func:`_fill_gpu` and
-    :func:`_fill_cpu` write for a slice of one block, in five numpy calls on flat rows."""
-    np.multiply(cols.flat_gpu_stride, block, out=gpu)
-    gpu += cols.flat_gpu_ptr
-    np.multiply(cols.flat_cpu_stride, chunk, out=cpu)
-    cpu += cols.cpu_subbase[skip]
-    sizes[...] = cols.flat_page_sizes
-
-
 class PreparedPlan:
     """One transfer, validated (R7) but not yet written out: how many descriptors and bytes it has, and
     :meth:`write` to lay them out into caller-provided arrays (or :meth:`to_plan` into new ones).
@@ -350,11 +330,6 @@ class PreparedPlan:
             cols = columns[s.group]
             refs = len(cols.refs.tensors)
             end = pos + s.size * refs
-            if s.size == 1:   # one block: one descriptor per ref, from the two ids as scalars
-                _write_one(gpu_out[pos:end], cpu_out[pos:end], sizes[pos:end], cols, int(self._gpu_ids[s.gpu_off]),
-                           int(self._cpu_ids[s.cpu_off]), s.skip)
-                pos = end
-                continue
             shape = (refs, s.size)
             _fill_gpu(gpu_out[pos:end].reshape(shape), cols.gpu_ptr, cols.gpu_stride,
                       self._gpu_ids[s.gpu_off:s.gpu_off + s.size])

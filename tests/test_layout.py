@@ -284,8 +284,8 @@ def test_layout_plan_matches_naive_planner(sc: Scenario, direction: str) -> None
 @settings(derandomize=True)
 @given(scenarios(one_block=True), st.sampled_from(["store", "load"]))
 def test_layout_one_block_slices_are_written_as_the_naive_planner_says(sc: Scenario, direction: str) -> None:
-    """Groups of one block are written from their two ids as scalars (``_write_one``): the same descriptors, in
-    the same order, as the placement rule, at every skip and page size; also through a reused buffer's rows."""
+    """Groups of one block: the same descriptors, in the same order, as the placement rule, at every skip and page
+    size; also through a reused buffer's rows (and nothing written past the last descriptor)."""
     src, dst = sc.args(direction)
     if naive_writes_twice(sc.layout, direction, sc.gpu_spec, sc.cpu_spec, sc.bpc):
         return   # refused (R7): test_layout_plan_matches_naive_planner covers it
