@@ -45,7 +45,7 @@ import numpy.typing as npt
 from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import InvalidTransferError, OwnershipError
 from kvoffload_ref.lifecycle import RegionState
-from kvoffload_ref.region import DEFAULT_MAX_REGISTER_BYTES, PAGE, HostRegion, check_sizes
+from kvoffload_ref.region import DEFAULT_MAX_REGISTER_BYTES, PAGE, HostRegion
 from kvoffload_ref.shared_file import (
     HEADER_BYTES,
     MAX_WORLD_SIZE,
@@ -56,7 +56,7 @@ from kvoffload_ref.shared_file import (
     pack_header,
 )
 from kvoffload_ref.specs import KVCacheLayout
-from kvoffload_ref.validate import INT64_MAX, check_int, check_seconds
+from kvoffload_ref.validate import INT64_MAX, check_int, check_seconds, check_sizes
 
 __all__ = [
     "DEFAULT_DIRECTORY",

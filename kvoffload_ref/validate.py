@@ -14,6 +14,9 @@ overflows) *before* any arithmetic, and returns a Python float. Their messages n
 specs' block ids, the sim's descriptor ids): no negative id, no bool (``[True, 5]`` is refused even though numpy
 would silently make it ``[1, 5]``), returned as a read-only int64 copy.
 
+:func:`check_sizes` and :func:`check_views` check a host region's sizes and the CPU tensors it is asked to
+lay out (every view inside the mapping) before anything is mapped.
+
 :mod:`kvoffload_ref.specs` re-exports the public validators, so ``from kvoffload_ref.specs import check_int``
 keeps working.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Final, cast
 
 import numpy as np
@@ -40,7 +43,9 @@ __all__ = [
     "check_job_ids",
     "check_positive",
     "check_seconds",
+    "check_sizes",
     "check_timeout",
+    "check_views",
     "readonly",
 ]
 
@@ -291,3 +296,62 @@ def check_id_array(name: str, values: object, *, noun: str = "ids") -> Int64Arra
         pos = int(np.flatnonzero(ids < 0)[0])
         raise InvalidTransferError(f"{name}[{pos}] = {int(ids[pos])} is negative: expected >= 0")
     return readonly(ids)
+
+
+def check_sizes(blocks_per_chunk: object, num_cpu_chunks: object) -> tuple[int, int]:
+    """Refuse non-int or non-positive region sizes (R7); numpy integers are ints here, as everywhere.
+
+    Returns:
+        ``(blocks_per_chunk, num_cpu_chunks)`` as Python ints.
+
+    Raises:
+        InvalidTransferError: ``blocks_per_chunk`` or ``num_cpu_chunks`` is not an int in [1, 2**63 - 1] (see
+            ``check_int``).
+    """
+    return (check_int("blocks_per_chunk", blocks_per_chunk, minimum=1, maximum=INT64_MAX),
+            check_int("num_cpu_chunks", num_cpu_chunks, minimum=1, maximum=INT64_MAX))
+
+
+def _int_list(name: str, values: object, minimum: int) -> list[int]:
+    """``values`` as a list of ints in [``minimum``, 2**63 - 1] (R7)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise InvalidTransferError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    return [check_int(f"{name}[{i}]", v, minimum=minimum, maximum=INT64_MAX) for i, v in enumerate(values)]
+
+
+def check_views(nbytes: int, offsets: object, row_bytes: object, num_cpu_chunks: object,
+                row_strides: object) -> tuple[list[int], list[int], int, list[int]]:
+    """Check that the CPU tensors a region is asked to make lie inside its mapping of ``nbytes`` bytes (R7).
+
+    A view that ran past the mapping would be a window onto memory the region does not own, so this runs before
+    any view is made.
+
+    Args:
+        nbytes: the mapping's size.
+        offsets: per tensor, the byte offset of row 0 (ints >= 0).
+        row_bytes: per tensor, the bytes of one row (ints >= 1).
+        num_cpu_chunks: rows per tensor (an int >= 1).
+        row_strides: per tensor, the bytes between rows (ints >= that tensor's row bytes), or None (contiguous).
+
+    Returns:
+        ``(offsets, row_bytes, num_cpu_chunks, row_strides)`` as Python ints.
+
+    Raises:
+        InvalidTransferError: a value that is not an int in range, lists of different lengths, a stride smaller
+            than its row, or a tensor whose last row ends beyond the mapping.
+    """
+    rows = check_int("num_cpu_chunks", num_cpu_chunks, minimum=1, maximum=INT64_MAX)
+    offs = _int_list("offsets", offsets, 0)
+    sizes = _int_list("row_bytes", row_bytes, 1)
+    strides = list(sizes) if row_strides is None else _int_list("row_strides", row_strides, 1)
+    if not len(offs) == len(sizes) == len(strides):
+        raise InvalidTransferError(f"offsets, row_bytes and row_strides must be as long as one another (one entry "
+                                   f"per tensor), got {len(offs)}, {len(sizes)} and {len(strides)}")
+    for t, (off, size, stride) in enumerate(zip(offs, sizes, strides, strict=True)):
+        if stride < size:
+            raise InvalidTransferError(f"row_strides[{t}] = {stride} is smaller than its row: expected >= "
+                                       f"row_bytes[{t}] = {size}")
+        end = off + (rows - 1) * stride + size
+        if end > nbytes:
+            raise InvalidTransferError(f"tensor {t} ends at byte {end}, beyond the mapping of {nbytes} bytes")
+    return offs, sizes, rows, strides
