@@ -54,6 +54,7 @@ def _hoisted(method: Callable[..., Any], count: int) -> Callable[..., Any]:
     return planted
 
 
+@pytest.mark.rule("R19")
 def test_lockcheck_is_on_in_the_tests_and_guards_both_workers() -> None:
     """The kit (imported by conftest) switches the check on; a worker binds its fields and its handlers'."""
     assert lockcheck.enabled()
@@ -100,6 +101,7 @@ def test_lockcheck_a_violation_a_caller_swallows_is_still_seen(monkeypatch: pyte
     worker.shutdown()
 
 
+@pytest.mark.rule("R19")
 def test_lockcheck_suspended_switches_it_off_for_a_block_only() -> None:
     _, worker, core = _worker("reference")
     with lockcheck.suspended():
@@ -181,6 +183,7 @@ def test_lockcheck_may_write_is_the_lock_or_the_shutdown_thread_while_shutting_d
         assert lockcheck.may_write(worker)
 
 
+@pytest.mark.rule("R19")
 def test_lockcheck_off_installs_nothing_and_on_again_guards_existing_workers() -> None:
     """Off, a guarded write is a plain store (no descriptor on the class: nothing to pay); switching on again guards
     the workers built meanwhile; the values are kept across both switches."""
@@ -201,6 +204,7 @@ def test_lockcheck_off_installs_nothing_and_on_again_guards_existing_workers() -
     other.shutdown()
 
 
+@pytest.mark.rule("R19")
 def test_lockcheck_before_binding_writes_are_free_and_a_class_attribute_is_refused() -> None:
     class Built:
         state = "class attribute"

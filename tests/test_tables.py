@@ -34,6 +34,7 @@ def test_tables_allows_exactly_the_pairs_the_table_maps_to_a_transition(name: st
     assert kinds == {Transition, Refusal}, name  # each table has both kinds: the check above can tell them apart
 
 
+@pytest.mark.rule("R8")
 def test_tables_allows_is_false_for_a_pair_missing_from_the_table() -> None:
     class S(enum.Enum):
         A = "a"

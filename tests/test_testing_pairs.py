@@ -172,6 +172,7 @@ def test_pairs_catch_a_call_blocked_behind_a_running_shutdown(worker: str, monke
 
 
 # -- the seam and the command -----------------------------------------------------------------------------------
+@pytest.mark.rule("R19")
 def test_pairs_watch_the_lock_of_a_core_worker_only() -> None:
     setup = CONFIGS["clean"]
     device = SimDevice(setup)
@@ -187,6 +188,7 @@ class _NoWatcher:
     def woken(self) -> None: ...
 
 
+@pytest.mark.rule("R19")
 def test_pairs_watched_lock_is_the_lock_it_wraps() -> None:
     """The watched lock excludes as the worker's own (reentrant, owned per thread) and a condition over it works."""
     setup = CONFIGS["clean"]
@@ -205,6 +207,7 @@ def test_pairs_watched_lock_is_the_lock_it_wraps() -> None:
     worker.shutdown()
 
 
+@pytest.mark.rule("R19")
 def test_pairs_cli_prints_its_counts_and_exits_by_what_it_found(capsys: pytest.CaptureFixture[str],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     assert PAIR_METHODS == METHODS
@@ -222,6 +225,7 @@ def test_pairs_cli_prints_its_counts_and_exits_by_what_it_found(capsys: pytest.C
                  "--config", "clean", "--method", "wait"]) == 2
 
 
+@pytest.mark.rule("R19")
 def test_pairs_refuse_what_they_do_not_know() -> None:
     with pytest.raises(ValueError, match="unknown"):
         explore_pairs(firsts=["construct"])
