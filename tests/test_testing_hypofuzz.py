@@ -121,9 +121,17 @@ def test_testing_hypofuzz_fuzzes_the_project_machines_and_finds_nothing(tmp_path
                 for policy in ("Quarantine", "Release")}
     assert targets and set(targets) <= machines, targets
     for target in targets.values():
-        assert target.fatal is None, target.fatal
+        assert target.fatal is None or _stopped_by_the_bound(target.fatal), target.fatal
         assert not target.failures, target.failures[0]
     assert any(target.valid > 0 for target in targets.values()), targets
+
+
+def _stopped_by_the_bound(fatal: str) -> bool:
+    """Whether a fatal error HypoFuzz saved is its own reaction to the bound's SIGINT: the KeyboardInterrupt landed
+    inside Hypothesis's drawing, and Hypothesis then failed to close its spans ("During handling of the above
+    exception ... IndexError: pop from empty list", seen once in CI). Only the bound sends SIGINT, so a fatal error
+    that arose while handling a KeyboardInterrupt is the stop, not a finding; any other fatal error still fails."""
+    return "KeyboardInterrupt" in fatal and "During handling of the above exception" in fatal
 
 
 @pytest.mark.rule("R5")
