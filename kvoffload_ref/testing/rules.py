@@ -320,6 +320,8 @@ class TransferRules(MachineBase):
         page = self.current_setup.layout.tensor_page_bytes[tensor]
         if not self._ordered(lambda: self.current_race.partners_of_compute(tensor, rows, page, stream)):
             return
+        if self.current_device.lost():  # the wait that ordered it met a sticky fault (e.g. at a release call)
+            return
         named = "" if stream is None else f", stream={stream!r}"
         self._say(f"dev.compute_write({tensor}, {rows!r}, {value}, {delay!r}{named})")
         self.current_model.compute_write(tensor, rows, value, delay, self.current_device.clock(), stream)
