@@ -273,9 +273,9 @@ class Retired(Generic[T]):
                     self._holds.end(self._direction, head)
                     free(head)
                 head.resolved = True
-            if not queue and lane in self.lanes:
+            if not queue and lane in self.lanes:  # proven idle: destroyed, then forgotten (an interrupt in the
+                self._destroy(lane.stream)  # destroy leaves it listed: the next poll, or shutdown, releases it, R14)
                 self.lanes.remove(lane)
-                self._destroy(lane.stream)
 
     def cancel(self, job_ids: set[int], now: float) -> list[list[T]]:
         """R26: on each retired stream, the first listed live job and the live ones behind it become late (held);

@@ -521,5 +521,6 @@ def test_faults_select_job_ids_beyond_int64_like_any_other(factory: Factory, job
     w.submit_store(job + 1, kv.GPULoadStoreSpec([2], (1,), (0,)), kv.CPULoadStoreSpec([2]))
     with pytest.raises(kv.DeadlineExceeded, match=f"store job {job + 1} "):
         w.wait({job + 1}, timeout=1.0)
-    assert plan.fired == [fail, hang]
+    assert plan.fired[0] == fail and hang in plan.fired  # job's failed copy is asked again while held (R27)
+    assert set(plan.fired) == {fail, hang}
     assert w.shutdown().device_sync == "timeout"
