@@ -1380,6 +1380,52 @@ def test_gpu_worker_shutdown_is_bounded_while_the_compute_stream_hangs() -> None
     assert backend.ledger.live() == {}, "only quarantined resources may remain"
 
 
+@pytest.mark.gpu
+@pytest.mark.rule("R26")
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R28")
+@pytest.mark.parametrize("create", ["create_worker", "create_reference_worker"])
+def test_gpu_cancel_retires_a_stuck_stream_and_new_work_runs_on_a_fresh_one(create: str) -> None:
+    """A spin kernel wedges the store direction's stream (as a hung copy would): the store behind it is cancelled,
+    its blocks are held, a new store runs on a fresh stream with the right bytes, and once the spin ends the late
+    copy is observed done and its hold handed out once (scripts/gpu_check.sh runs it)."""
+    backend = cb.CupyBackend(0)
+    assert backend.kernel_unavailable is None, backend.kernel_unavailable
+    spin.warm_spin(backend)
+    kv, layout, data, gpu = _worker_setup(backend)
+    w = getattr(kv, create)(backend, gpu, layout, blocks_per_chunk=2, num_cpu_chunks=16,
+                            policy=kv.ShutdownPolicy(timeout=5.0, on_unproven="quarantine"))
+    handler = w._core.store
+    stuck = getattr(handler, "stream", None) or handler._stream  # the direction's current stream (test only)
+    spin_done = backend.create_event()
+    with spin_flag(backend, spin_done) as flag:
+        spin.enqueue_spin(backend, stuck, flag, timeout=20.0)
+        backend.record(spin_done, stuck)
+        w.submit_store(1, kv.GPULoadStoreSpec([5, 9], group_sizes=(2,), block_indices=(0,)), kv.CPULoadStoreSpec([3]))
+        w.cancel([1])
+        (late,) = w.get_finished()
+        assert isinstance(late.error, kv.TransferExpired) and late.error.reason == "cancel"
+        assert w.held().cpu_chunks == (3,)
+        with pytest.raises(kv.BlocksHeldError):
+            w.submit_store(2, kv.GPULoadStoreSpec([1, 2], (2,), (0,)), kv.CPULoadStoreSpec([3]))
+        w.submit_store(2, kv.GPULoadStoreSpec([1, 2], (2,), (0,)), kv.CPULoadStoreSpec([4]))
+        w.wait({2}, timeout=DEADLINE)  # a fresh stream: not behind the spin
+        (ok,) = w.get_finished()
+        assert ok.success
+        snap = w.cpu_snapshot()
+        assert all(np.array_equal(snap[t][4], data[t][[1, 2]].reshape(-1)) for t in range(2))
+        assert w.take_released() == []
+    assert poll_until(backend, lambda: backend.query(spin_done), backend.monotonic() + DEADLINE)
+    assert poll_until(backend, lambda: bool(w.get_finished() or True) and not w.held().cpu_chunks,
+                      backend.monotonic() + DEADLINE)
+    assert [(r.job_id, r.cpu_chunks) for r in w.take_released()] == [(1, (3,))]
+    report = w.shutdown()
+    assert (report.region, report.store.retired_streams) == ("released", 0)
+    backend.destroy_event(spin_done)
+    assert backend.ledger.live() == {}
+    backend.release_cached_memory()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # R25: the memcpy path never merges a run across a registration seam (appended with issue 19, part 5)
 # ---------------------------------------------------------------------------------------------------------------
