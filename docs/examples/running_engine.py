@@ -23,14 +23,16 @@ loads into them. Every figure is the simulated device's virtual clock; the scrip
 
 Usage::
 
-    python docs/examples/running_engine.py
+    python docs/examples/running_engine.py              # the engine (kv.create_worker)
+    python docs/examples/running_engine.py --reference  # the same on the normative reference worker
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,6 +48,8 @@ BLOCKS = 4  # blocks of each request's offloaded prefix
 FIRST_FREE = 16  # GPU blocks 0..15 hold the prefixes that were offloaded; the engine allocates from 16 up
 RECOMPUTED = 0x5A  # the byte the simulated prefill writes when it recomputes a request's KV
 STEP = 1e-3  # virtual seconds of one forward pass
+Worker = kv.CPUOffloadingWorker | kv.ReferenceWorker
+Create = Callable[..., Worker]  # kv.create_worker (the engine) or kv.create_reference_worker
 
 
 def prefix(request: int) -> list[int]:
@@ -75,7 +79,7 @@ class Engine:
         step_seconds: virtual seconds one forward pass takes. deadline: seconds a load may run on the device.
     """
 
-    def __init__(self, backend: SimBackend, gpu: list[Any], worker: kv.CPUOffloadingWorker, *,
+    def __init__(self, backend: SimBackend, gpu: list[Any], worker: Worker, *,
                  step_seconds: float, deadline: float) -> None:
         self.backend, self.gpu, self.worker = backend, gpu, worker
         self.step_seconds, self.deadline = step_seconds, deadline
@@ -154,16 +158,18 @@ class Engine:
         self.log.append(f"step {self.steps:2d} (t={elapsed:5.2f} ms): {name} (job {job}) {text}")
 
 
-def sim_worker(backend: SimBackend) -> tuple[list[Any], kv.CPUOffloadingWorker, list[np.ndarray]]:
-    """Random KV in GPU blocks 0..15, a worker over it, and the four prefixes offloaded (CPU chunks 0..15)."""
+def sim_worker(backend: SimBackend, create: Create = kv.create_worker
+               ) -> tuple[list[Any], Worker, list[np.ndarray]]:
+    """Random KV in GPU blocks 0..15, a worker over it (``create``: ``kv.create_worker``, the engine, or
+    ``kv.create_reference_worker``, the normative reference) and the four prefixes offloaded (CPU chunks 0..15)."""
     rng = np.random.default_rng(0)
     gpu = [backend.from_host(rng.integers(0, 256, (GPU_BLOCKS, PAGE), dtype=np.uint8)) for _ in range(2)]
-    worker = kv.create_worker(backend, gpu, LAYOUT, blocks_per_chunk=1, num_cpu_chunks=CPU_CHUNKS,
+    worker = create(backend, gpu, LAYOUT, blocks_per_chunk=1, num_cpu_chunks=CPU_CHUNKS,
                               compute_stream="model", policy=kv.ShutdownPolicy(timeout=0.05))
     for request in range(4):
         worker.submit_store(request, gspec(prefix(request)), kv.CPULoadStoreSpec(prefix(request)))
     worker.wait(range(4))
-    assert all(r.success for r in worker.get_finished())
+    expect(all(r.success for r in worker.get_finished()), "the prefixes offloaded")
     return gpu, worker, [backend.to_host(t) for t in gpu]
 
 
@@ -193,10 +199,10 @@ class Outcome:
 HUNG_JOB = 11  # request "b"'s load
 
 
-def hung_load() -> Outcome:
+def hung_load(create: Create = kv.create_worker) -> Outcome:
     """Part 1: request b's load hangs on the device for good."""
     backend = SimBackend(kv.FaultPlan([kv.Fault("copy", "hang", direction="load", job_id=HUNG_JOB)]))
-    gpu, worker, origin = sim_worker(backend)
+    gpu, worker, origin = sim_worker(backend, create)
     engine = Engine(backend, gpu, worker, step_seconds=STEP, deadline=4.5e-3)
     for name, request in (("a", 0), ("b", 1), ("c", 2)):  # jobs 10, 11 (hangs), 12 (queued behind it)
         engine.load(name, request)
@@ -216,10 +222,10 @@ def hung_load() -> Outcome:
                    tuple(f"{v.kind}: {v.detail}" for v in backend.violations))
 
 
-def slow_copy() -> Outcome:
+def slow_copy(create: Create = kv.create_worker) -> Outcome:
     """Part 2: a slow link; request a's load outlives its deadline, lands later, and its blocks are reused."""
     backend = SimBackend(latency=1e-5, pinned_bandwidth=1e6)  # 4 KiB per load: about 4.1 ms of virtual time
-    gpu, worker, origin = sim_worker(backend)
+    gpu, worker, origin = sim_worker(backend, create)
     engine = Engine(backend, gpu, worker, step_seconds=STEP, deadline=1.5e-3)
     engine.load("a", 0)  # a 1.5 ms deadline for a 4 ms copy: it expires while the copy runs on
     engine.run_until(["a"])
@@ -232,7 +238,6 @@ def slow_copy() -> Outcome:
     report = worker.shutdown()
     return Outcome(tuple(engine.events), tuple(engine.log), held, "", correct, report,
                    tuple(f"{v.kind}: {v.detail}" for v in backend.violations))
-
 
 
 def _ids(first: int) -> tuple[int, ...]:
@@ -280,9 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
         AssertionError: the worker did not do what this example documents.
     """
-    del argv  # no options
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reference", action="store_true", help="run on the normative reference worker")
+    create = kv.create_reference_worker if parser.parse_args(argv).reference else kv.create_worker
     print(f"part 1: request b's load hangs on the device ({STEP * 1e3:g} ms steps, virtual clock)")
-    one = hung_load()
+    one = hung_load(create)
     for line in one.log:
         print(f"  {line}")
     print(f"  held: {describe(one.held)}")
@@ -299,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            "the hung copy's memory and stream kept at shutdown")
 
     print(f"part 2: a slow link (1 MB/s: a load takes about 4.1 ms), {STEP * 1e3:g} ms steps")
-    two = slow_copy()
+    two = slow_copy(create)
     for line in two.log:
         print(f"  {line}")
     print(f"  held after the expiry: {describe(two.held)}")
