@@ -91,6 +91,17 @@ def test_examples_running_engine_reuses_a_late_copys_blocks_once_it_lands(kind: 
     assert two.events == example.SLOW_EVENTS
 
 
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R20")
+def test_examples_running_engine_recomputing_into_held_blocks_is_flagged_by_the_race_detector() -> None:
+    example = _load("running_engine")
+    wrong = example.slow_copy(kv.create_worker, in_place=True)
+    # the late copy of job 10 lands after the recompute wrote its blocks: the request's KV is the late copy's
+    assert not wrong.correct
+    assert wrong.violations and all(v.startswith("dma_race") and "load job 10" in v for v in wrong.violations)
+    assert example.main(["--in-place"]) == 0  # exits 0 when the race detector caught it
+
+
 @pytest.mark.rule("R26")
 @pytest.mark.rule("R27")
 def test_examples_running_engine_prints_what_it_checks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,6 +25,7 @@ Usage::
 
     python docs/examples/running_engine.py              # the engine (kv.create_worker)
     python docs/examples/running_engine.py --reference  # the same on the normative reference worker
+    python docs/examples/running_engine.py --in-place   # recompute into held blocks: the race detector flags it
 """
 
 from __future__ import annotations
@@ -77,12 +78,14 @@ class Engine:
     Args:
         backend: the simulated device. gpu: its KV tensors. worker: the offloading worker over them.
         step_seconds: virtual seconds one forward pass takes. deadline: seconds a load may run on the device.
+        in_place: recompute a failed load's request into the very blocks the late copy may still write (the
+            hazard R27 guards against: the race detector flags it) instead of into fresh ones.
     """
 
     def __init__(self, backend: SimBackend, gpu: list[Any], worker: Worker, *,
-                 step_seconds: float, deadline: float) -> None:
+                 step_seconds: float, deadline: float, in_place: bool = False) -> None:
         self.backend, self.gpu, self.worker = backend, gpu, worker
-        self.step_seconds, self.deadline = step_seconds, deadline
+        self.step_seconds, self.deadline, self.in_place = step_seconds, deadline, in_place
         self.free = list(range(FIRST_FREE, GPU_BLOCKS))  # the pool, allocated from the front
         self.parked: set[int] = set()  # poisoned blocks a late copy may still write: never handed out
         self.ready: dict[str, list[int]] = {}  # request -> the GPU blocks holding its KV
@@ -112,8 +115,14 @@ class Engine:
                 self.say("loaded", load.name, result.job_id, load.blocks, f"loaded into GPU {load.blocks}")
                 continue
             poisoned = kv.poisoned_gpu_blocks([result])  # R22: what the load was to write
-            self.parked |= set(poisoned)  # R27: held while its copy may still run: never hand them out
             error = result.error
+            if self.in_place and not (isinstance(error, kv.TransferExpired) and error.reason == "behind"):
+                self.ready[load.name] = self.recompute(load.blocks)  # WRONG: the late copy may still write them
+                self.recomputed.append(load.name)
+                self.say("in place", load.name, result.job_id, poisoned, f"failed: recompute in place, GPU "
+                         f"{list(poisoned)} (a race with the late copy)")
+                continue
+            self.parked |= set(poisoned)  # R27: held while its copy may still run: never hand them out
             if isinstance(error, kv.TransferExpired) and error.reason == "behind":  # it never ran: load it again
                 self.say("behind", load.name, result.job_id, poisoned,
                          f"failed, behind job {error.ahead}: GPU {list(poisoned)} parked; load it again")
@@ -125,7 +134,7 @@ class Engine:
                 self.say(why, load.name, result.job_id, poisoned,
                          f"failed ({why}): GPU {list(poisoned)} parked; recompute into GPU {self.ready[load.name]}")
         for hold in self.worker.take_released():  # R27: each ended hold once: its blocks may be used again
-            if hold.direction == "load":  # (a store's hold frees CPU chunks: the CPU allocator's business)
+            if hold.direction == "load" and self.parked:  # (a store's hold frees CPU chunks: the CPU allocator's)
                 self.parked -= set(hold.gpu_blocks)
                 self.free[:0] = list(hold.gpu_blocks)  # first in line
                 self.say("released", str(hold.tag), hold.job_id, hold.gpu_blocks,
@@ -136,9 +145,10 @@ class Engine:
         blocks, self.free = self.free[:BLOCKS], self.free[BLOCKS:]
         return blocks
 
-    def recompute(self) -> list[int]:
-        """The simulated prefill: a kernel on the model's stream writes the request's KV into fresh blocks."""
-        blocks = self.allocate()
+    def recompute(self, blocks: list[int] | None = None) -> list[int]:
+        """The simulated prefill: a kernel on the model's stream writes the request's KV into ``blocks`` (None:
+        fresh ones); returns them."""
+        blocks = self.allocate() if blocks is None else blocks
         for tensor in self.gpu:
             self.backend.enqueue_compute_write(tensor, blocks, value=RECOMPUTED, delay=self.step_seconds / 4,
                                                stream="model")
@@ -222,11 +232,12 @@ def hung_load(create: Create = kv.create_worker) -> Outcome:
                    tuple(f"{v.kind}: {v.detail}" for v in backend.violations))
 
 
-def slow_copy(create: Create = kv.create_worker) -> Outcome:
-    """Part 2: a slow link; request a's load outlives its deadline, lands later, and its blocks are reused."""
+def slow_copy(create: Create = kv.create_worker, *, in_place: bool = False) -> Outcome:
+    """Part 2: a slow link; request a's load outlives its deadline, lands later, and its blocks are reused
+    (``in_place``: the engine recomputes a's KV into the blocks the late copy still writes, the wrong way)."""
     backend = SimBackend(latency=1e-5, pinned_bandwidth=1e6)  # 4 KiB per load: about 4.1 ms of virtual time
     gpu, worker, origin = sim_worker(backend, create)
-    engine = Engine(backend, gpu, worker, step_seconds=STEP, deadline=1.5e-3)
+    engine = Engine(backend, gpu, worker, step_seconds=STEP, deadline=1.5e-3, in_place=in_place)
     engine.load("a", 0)  # a 1.5 ms deadline for a 4 ms copy: it expires while the copy runs on
     engine.run_until(["a"])
     held = worker.held()
@@ -273,6 +284,21 @@ def describe(held: kv.HeldBlocks) -> str:
     return "; ".join(parts) or "nothing"
 
 
+def _in_place(create: Create) -> int:
+    """Part 2 done wrong: the race detector names the recompute and the late copy (exit 0 when it does)."""
+    print("part 2, recomputing in place: a slow link (1 MB/s: a load takes about 4.1 ms), "
+          f"{STEP * 1e3:g} ms steps")
+    wrong = slow_copy(create, in_place=True)
+    for line in wrong.log:
+        print(f"  {line}")
+    print(f"  every ready request holds its KV: {wrong.correct}")
+    print(f"  race detector: {len(wrong.violations)} violation(s)")
+    for line in wrong.violations[:2]:
+        print(f"    {line}")
+    expect(not wrong.correct and len(wrong.violations) > 0, "the late copy to overwrite the recompute, flagged")
+    return 0
+
+
 def expect(condition: bool, what: str) -> None:
     """The example checks what it prints (``assert`` would vanish under ``python -O``)."""
     if not condition:
@@ -287,7 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reference", action="store_true", help="run on the normative reference worker")
-    create = kv.create_reference_worker if parser.parse_args(argv).reference else kv.create_worker
+    parser.add_argument("--in-place", action="store_true",
+                        help="part 2 only, recomputing into the blocks the late copy still writes (the race)")
+    args = parser.parse_args(argv)
+    create = kv.create_reference_worker if args.reference else kv.create_worker
+    if args.in_place:
+        return _in_place(create)
     print(f"part 1: request b's load hangs on the device ({STEP * 1e3:g} ms steps, virtual clock)")
     one = hung_load(create)
     for line in one.log:
