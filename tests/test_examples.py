@@ -111,7 +111,8 @@ def test_examples_running_engine_prints_what_it_checks(capsys: pytest.CaptureFix
     assert "b (job 11) failed (deadline): GPU [20, 21, 22, 23] parked" in out
     assert "a (job 10) hold released (its late copy landed): GPU [16, 17, 18, 19] free again" in out
     assert "shutdown: region quarantined" in out and "shutdown: region released" in out
-    shown = (EXAMPLES.parent / "results-and-ordering.md").read_text().split("$ python docs/examples/running_engine.py\n")
+    doc = (EXAMPLES.parent / "results-and-ordering.md").read_text()
+    shown = doc.split("$ python docs/examples/running_engine.py\n")
     assert len(shown) == 2 and shown[1].startswith(out), "docs/results-and-ordering.md shows another output"
     assert example.main(["--reference"]) == 0
     assert capsys.readouterr().out == out  # the normative reference worker does the same, step for step
