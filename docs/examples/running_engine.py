@@ -134,11 +134,13 @@ class Engine:
                 self.say(why, load.name, result.job_id, poisoned,
                          f"failed ({why}): GPU {list(poisoned)} parked; recompute into GPU {self.ready[load.name]}")
         for hold in self.worker.take_released():  # R27: each ended hold once: its blocks may be used again
-            if hold.direction == "load" and self.parked:  # (a store's hold frees CPU chunks: the CPU allocator's)
-                self.parked -= set(hold.gpu_blocks)
-                self.free[:0] = list(hold.gpu_blocks)  # first in line
-                self.say("released", str(hold.tag), hold.job_id, hold.gpu_blocks,
-                         f"hold released (its late copy landed): GPU {list(hold.gpu_blocks)} free again")
+            if hold.direction != "load":  # a store's hold frees CPU chunks: the CPU allocator's business
+                continue
+            if back := [b for b in hold.gpu_blocks if b in self.parked]:
+                self.parked -= set(back)
+                self.free[:0] = back  # first in line
+                self.say("released", str(hold.tag), hold.job_id, back,
+                         f"hold released (its late copy landed): GPU {back} free again")
 
     def allocate(self) -> list[int]:
         """``BLOCKS`` blocks from the front of the pool."""
