@@ -188,7 +188,7 @@ def test_running_held_blocks_refused_until_the_late_copy_lands(kind: str) -> Non
     w.wait({3})
     assert w.get_finished()[0].success
     assert all(np.array_equal(a, b) for a, b in zip([s[5] for s in w.cpu_snapshot()],
-                                                    chunk_bytes(be, gpu, [9, 10, 11])))
+                                                    chunk_bytes(be, gpu, [9, 10, 11]), strict=True))
     w.shutdown()
     assert be.violations == []  # a correct caller's schedule: no R20 violation
 
@@ -235,7 +235,7 @@ def test_running_hung_load_expires_and_the_direction_serves_new_loads_on_a_fresh
     (ok,) = w.get_finished()
     assert ok.success and ok.job_id == 13
     loaded = [be.to_host(g)[[50, 51, 52]].reshape(-1) for g in gpu]
-    assert all(np.array_equal(a, b) for a, b in zip(loaded, chunk_bytes(be, gpu, [3, 4, 5])))
+    assert all(np.array_equal(a, b) for a, b in zip(loaded, chunk_bytes(be, gpu, [3, 4, 5]), strict=True))
     assert w.stats().load.unproven == 2  # the late copies: held, never freed while they may run
     report = w.shutdown()
     assert report.region == "quarantined"  # the hung copy may still run: what it touches is kept
