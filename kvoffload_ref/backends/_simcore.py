@@ -424,7 +424,7 @@ class SimCore:
         return ended
 
     def _submit_record(self, stream: SimStream) -> Record:
-        record = Record()
+        record = Record(stream)
         self._sched.submit(RecordOp(stream, record))
         if self._race is not None:
             self._race.on_record(stream, record)

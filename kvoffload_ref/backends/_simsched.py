@@ -51,9 +51,11 @@ _EMPTY: Clock = {}
 class Record:
     """One generation of an event: completes when its record op runs."""
 
-    __slots__ = ("clock", "done", "done_at", "waiters")
+    __slots__ = ("clock", "done", "done_at", "stream", "waiters")
 
-    def __init__(self) -> None:
+    def __init__(self, stream: SimStream | None = None) -> None:
+        # Invariant: the stream it was recorded on (a batched query observes the latest done record per stream).
+        self.stream = stream
         # Invariant: what the record's stream had been ordered after when it was recorded (the race detector's
         # snapshot; never mutated, may be shared with the stream).
         self.clock: Clock = _EMPTY
