@@ -109,7 +109,7 @@ class SimBatchCalls(SimCore):
                 done, counted = _done_prefix(self._events, run)
                 count += done
                 if counted:
-                    lasts.update(zip(map(_STREAM, counted), counted))
+                    lasts.update(zip(map(_STREAM, counted), counted, strict=True))
                 if done < len(run):
                     break
                 size *= 2
