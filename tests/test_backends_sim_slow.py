@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 import pytest
+from _interleave import Pause, run_in_thread
+from _support import cspec, gspec, make_worker
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.base import Event, Stream, Tag
@@ -257,3 +259,22 @@ def test_sim_end_hangs_runs_nothing_on_a_lost_device() -> None:
     assert be.end_hangs() == 1
     be.sleep(1.0)
     assert rig.page(0) == 0
+
+
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R19")
+def test_sim_end_hangs_from_another_thread_lets_a_waiting_worker_finish() -> None:
+    be = SimBackend(FaultPlan([Fault("copy", "hang", direction="store", job_id=1)]))
+    _, w, _ = make_worker(be)
+    w.submit_store(1, gspec([1, 2]), cspec([0]))
+    with Pause(be, "sleep") as pause:                  # the waiting thread, between two polls
+        waiter = run_in_thread(lambda: w.wait({1}, timeout=60.0))
+        assert pause.reached.wait(timeout=10)
+        assert be.end_hangs(direction="store") == 1    # from this thread, while the other waits
+        pause.release()
+        assert waiter.join(10)
+    assert be.end_hangs() == 0
+    finished = w.get_finished()
+    assert [(r.job_id, r.success) for r in finished] == [(1, True)]
+    w.shutdown()
+    assert be.violations == []
