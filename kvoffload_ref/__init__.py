@@ -12,6 +12,7 @@ from kvoffload_ref.backends import get_backend
 from kvoffload_ref.backends.base import Backend, Ledger
 from kvoffload_ref.backends.sim import SimBackend, Violation
 from kvoffload_ref.errors import (
+    BlocksHeldError,
     DeadlineExceeded,
     DeviceError,
     InvalidTransferError,
@@ -20,13 +21,21 @@ from kvoffload_ref.errors import (
     OwnershipError,
     ShutdownDeferred,
     SimHang,
+    TransferExpired,
     WorkerClosedError,
 )
 from kvoffload_ref.faults import Fault, FaultPlan, FaultyBackend
 from kvoffload_ref.quarantine import QuarantinedItem, quarantined
 from kvoffload_ref.reference import ReferenceWorker, create_reference_worker
 from kvoffload_ref.region import HostRegion
-from kvoffload_ref.results import JobOutcome, TransferResult, poisoned_cpu_chunks, poisoned_gpu_blocks
+from kvoffload_ref.results import (
+    HeldBlocks,
+    JobOutcome,
+    ReleasedHold,
+    TransferResult,
+    poisoned_cpu_chunks,
+    poisoned_gpu_blocks,
+)
 from kvoffload_ref.shared_region import SharedRegion
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import (
@@ -40,6 +49,7 @@ from kvoffload_ref.worker import (
 
 __all__ = [
     "Backend",
+    "BlocksHeldError",
     "CPULoadStoreSpec",
     "CPUOffloadingWorker",
     "DeadlineExceeded",
@@ -49,6 +59,7 @@ __all__ = [
     "FaultyBackend",
     "GPULoadStoreSpec",
     "HandlerReport",
+    "HeldBlocks",
     "HostRegion",
     "InvalidTransferError",
     "JobOutcome",
@@ -60,12 +71,14 @@ __all__ = [
     "OwnershipError",
     "QuarantinedItem",
     "ReferenceWorker",
+    "ReleasedHold",
     "SharedRegion",
     "SimBackend",
     "ShutdownDeferred",
     "SimHang",
     "ShutdownPolicy",
     "ShutdownReport",
+    "TransferExpired",
     "TransferResult",
     "Violation",
     "WorkerClosedError",

@@ -6,6 +6,10 @@
 * :class:`OwnershipError` -- a region was used by someone who does not own it (also a :class:`RuntimeError`).
 * :class:`DeviceError` -- the device (or its driver) failed; ``.status`` carries a CUDA-style code and the
   backend's own exception, if any, is the ``__cause__``.
+* :class:`TransferExpired` -- a :class:`DeviceError`: a transfer passed its deadline, was cancelled, or was queued
+  behind one that did (R26); ``.reason`` says which.
+* :class:`BlocksHeldError` -- an :class:`InvalidTransferError`: a submission touches blocks a late copy may still
+  write or read (R27).
 * :class:`DeadlineExceeded` -- a bounded wait ran out of time (also a :class:`TimeoutError`).
 * :class:`LifecycleError` -- the library itself asked the lifecycle table for a transition it does not allow: a
   bug in kvoffload_ref, never the caller's fault.
@@ -24,6 +28,7 @@ from __future__ import annotations
 from typing import Final, TypeVar
 
 __all__ = [
+    "BlocksHeldError",
     "DeadlineExceeded",
     "DeviceError",
     "InvalidTransferError",
@@ -32,6 +37,7 @@ __all__ = [
     "OwnershipError",
     "ShutdownDeferred",
     "SimHang",
+    "TransferExpired",
     "WorkerClosedError",
     "detached",
 ]
@@ -44,6 +50,7 @@ CUDA_ERROR_INSUFFICIENT_DRIVER: Final = 35
 CUDA_ERROR_NO_DEVICE: Final = 100
 CUDA_ERROR_INVALID_RESOURCE_HANDLE: Final = 400
 CUDA_ERROR_NOT_READY: Final = 600
+CUDA_ERROR_TIMEOUT: Final = 909
 CUDA_ERROR_ILLEGAL_ADDRESS: Final = 700
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: Final = 712
 CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: Final = 713
@@ -118,6 +125,34 @@ class DeviceError(OffloadError, RuntimeError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.status))
+
+
+class TransferExpired(DeviceError):
+    """A transfer ended without proof of completion because of R26: its deadline passed, it was cancelled, or it was
+    queued behind one of those on the same stream. Its copy may still run: its blocks are held until it is observed
+    done (R27).
+
+    Attributes:
+        reason: ``"deadline"``, ``"cancel"`` or ``"behind"``.
+        job_id: the job this error ended.
+        ahead: for ``"behind"``, the job ahead of it whose deadline or cancel ended it; else None.
+    """
+
+    reason: str
+    job_id: int
+    ahead: int | None
+
+    def __init__(self, message: str, reason: str = "deadline", job_id: int = -1, ahead: int | None = None) -> None:
+        super().__init__(message, CUDA_ERROR_TIMEOUT)
+        self.reason, self.job_id, self.ahead = reason, job_id, ahead
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.reason, self.job_id, self.ahead))
+
+
+class BlocksHeldError(InvalidTransferError):
+    """A submission would touch blocks that a late copy may still write (any access) or read (writes) (R27);
+    nothing changed, and the job id stays free. ``worker.held()`` lists the held blocks."""
 
 
 E = TypeVar("E", bound=BaseException)

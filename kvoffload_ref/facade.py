@@ -22,9 +22,9 @@ from kvoffload_ref.canonical_plan import CanonicalLayout, as_canonical
 from kvoffload_ref.errors import InvalidTransferError
 from kvoffload_ref.lifecycle import WorkerState
 from kvoffload_ref.region import HostRegion
-from kvoffload_ref.results import ShutdownPolicy, ShutdownReport, TransferResult, WorkerStats
+from kvoffload_ref.results import HeldBlocks, ReleasedHold, ShutdownPolicy, ShutdownReport, TransferResult, WorkerStats
 from kvoffload_ref.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, KVCacheLayout
-from kvoffload_ref.validate import check_int
+from kvoffload_ref.validate import check_int, check_positive
 
 __all__ = ["CoreAPI", "WorkerFacade", "WorkerOptions", "build_with_region", "check_options"]
 
@@ -39,7 +39,11 @@ class CoreAPI(Protocol):
     region: HostRegion
     state: WorkerState
 
-    def submit(self, direction: Direction, job_id: int, src: object, dst: object) -> bool: ...
+    def submit(self, direction: Direction, job_id: int, src: object, dst: object, deadline: object = None,
+               tag: object = None) -> bool: ...
+    def cancel(self, job_ids: Iterable[int]) -> None: ...
+    def held(self) -> HeldBlocks: ...
+    def take_released(self) -> list[ReleasedHold]: ...
     def get_finished(self) -> list[TransferResult]: ...
     def wait(self, job_ids: Iterable[int], timeout: float | None) -> None: ...
     def order_after(self, job_ids: Iterable[int], stream: object | None) -> None: ...
@@ -74,6 +78,8 @@ class WorkerFacade:
         canonical: canonical mode (R24, docs/canonical.md): a ``canonical_plan.CanonicalLayout`` (or a sequence
             of ``canonical.PageMapping``), this rank's mapping of each layout tensor; the region's CPU rows must
             then be ``canonical page * blocks_per_chunk`` (``create_*`` build it so). None: plain mode.
+        stall_warning: None (off), or seconds: a transfer unproven that long after its start on the device is
+            logged once as a warning naming the job, its direction and its age (R30).
 
     Raises:
         InvalidTransferError: tensors, region, compute stream or options do not fit (R7); in canonical mode also a
@@ -89,23 +95,59 @@ class WorkerFacade:
         self._core = core
         self._finalizer = weakref.finalize(self, core.finalize)  # R15: it references the core, never the facade
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec) -> bool:
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec, *,
+                     deadline: float | None = None, tag: object = None) -> bool:
         """Queue a GPU -> CPU copy; see :meth:`submit_load` for the rules."""
-        return self._core.submit("store", job_id, src_spec, dst_spec)
+        return self._core.submit("store", job_id, src_spec, dst_spec, deadline, tag)
 
-    def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec, *,
+                    deadline: float | None = None, tag: object = None) -> bool:
         """Queue a CPU -> GPU copy. It runs after this direction's previous transfer and the compute work queued so
         far (R4); it is not ordered against stores. Racing ``shutdown()`` in another thread, it is either queued
         completely before the shutdown begins (and drained) or refused (R19).
+
+        Args:
+            deadline: None, or seconds of the backend clock (a finite number > 0) counted from the transfer's start
+                on the device (R26): unproven past it, the job is reported failed (``TransferExpired``, reason
+                "deadline"), the jobs behind it on its stream too ("behind"), and their blocks are held until their
+                copies are observed done (R27, :meth:`held`, :meth:`take_released`).
+            tag: any object, returned as given on the job's result and report entry (``TransferResult.tag``).
 
         Returns:
             True: the transfer is queued.
 
         Raises:
-            InvalidTransferError: bad input; nothing changed (R7). WorkerClosedError: shutdown began (R8), or this is
-                a forked child (R21). DeviceError: a device call failed before the copy was queued; nothing was.
+            InvalidTransferError: bad input; nothing changed (R7). BlocksHeldError: (an InvalidTransferError) it
+                would touch blocks a late copy holds (R27); nothing changed. WorkerClosedError: shutdown began (R8),
+                or this is a forked child (R21). DeviceError: a device call failed before the copy was queued;
+                nothing was.
         """
-        return self._core.submit("load", job_id, src_spec, dst_spec)
+        return self._core.submit("load", job_id, src_spec, dst_spec, deadline, tag)
+
+    def cancel(self, job_ids: Iterable[int]) -> None:
+        """End the listed jobs now (R26). Each is first looked at without waiting: a job already proven complete is
+        reported as it is. Every other listed job still queued is reported once by ``get_finished()`` as failed
+        (``TransferExpired``, reason "cancel", with its ``invalid_blocks``), the jobs queued behind it on its stream
+        likewise (reason "behind"), and their blocks are held until their copies are observed done (R27). The
+        direction goes on on a fresh stream (R28). Unknown or already reported ids are ignored; after shutdown began
+        it does nothing. Never blocks on the device; any thread, a signal handler included (inside another call of
+        this worker on the same thread it is carried out as that call returns).
+
+        Raises:
+            InvalidTransferError: job_ids is not an iterable of ints; nothing was cancelled (R7).
+            WorkerClosedError: a forked child (R21).
+        """
+        self._core.cancel(job_ids)
+
+    def held(self) -> HeldBlocks:
+        """What late copies (expired, cancelled, behind or failed transfers whose copies may still run) hold (R27):
+        a submission writing a held block, or reading a block held for any access, raises ``BlocksHeldError``."""
+        return self._core.held()
+
+    def take_released(self) -> list[ReleasedHold]:
+        """The holds that ended since the last call, each handed out once (R27): their late copies were observed
+        done, so their blocks may be used again (recompute a failed load's blocks before reading them)."""
+        return self._core.take_released()
 
     def get_finished(self) -> list[TransferResult]:
         """Results of transfers whose completion became known, each exactly once, also across threads; store results
@@ -209,10 +251,12 @@ class WorkerOptions:
     require_pinned: bool
     compute_stream: object | None  # as the caller gave it; the backend resolves it (R7)
     canonical: CanonicalLayout | None = None  # Invariant: None (plain mode) or verified mappings (R24)
+    stall_warning: float | None = None  # Invariant: None (off) or seconds > 0 (R30)
 
 
 def check_options(blocks_per_chunk: object, policy: object, pin_chunk_bytes: object, require_pinned: object,
-                  compute_stream: object | None = None, canonical: object = None) -> WorkerOptions:
+                  compute_stream: object | None = None, canonical: object = None, stall_warning: object = None
+                  ) -> WorkerOptions:
     """R7: a worker's common options, checked before anything is built (``canonical``: see
     :func:`~kvoffload_ref.canonical_plan.as_canonical`; how it fits the layout is checked by ``build_core``).
 
@@ -229,8 +273,9 @@ def check_options(blocks_per_chunk: object, policy: object, pin_chunk_bytes: obj
                                    f"{require_pinned!r}")
     if policy is not None and not isinstance(policy, ShutdownPolicy):
         raise InvalidTransferError(f"policy must be a ShutdownPolicy or None, got {type(policy).__name__}")
+    stall = None if stall_warning is None else check_positive("stall_warning", stall_warning, unit="seconds")
     return WorkerOptions(bpc, policy or ShutdownPolicy(), pin_bytes, require_pinned, compute_stream,
-                         as_canonical(canonical))
+                         as_canonical(canonical), stall)
 
 
 def build_with_region(build: Callable[[HostRegion], W], backend: Backend, layout: KVCacheLayout,

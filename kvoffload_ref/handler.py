@@ -59,6 +59,7 @@ from kvoffload_ref.results import (
     failed_in_order,
     stopped_outcomes,
 )
+from kvoffload_ref.running import Holds, Mark, Retired, Running, expire, started_age
 from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import Int64Array
@@ -78,7 +79,7 @@ class DirectionHandler:
     def __init__(self, backend: Backend, direction: Direction, layout: KVCacheLayout,
                  gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry], blocks_per_chunk: int,
                  *, compute_stream: Stream | None = None, prewarm: int = 0,
-                 canonical: CanonicalLayout | None = None) -> None:
+                 canonical: CanonicalLayout | None = None, running: Running | None = None) -> None:
         """Build a handler: its planner, its stream, and ``prewarm`` transfers' worth of events up front.
 
         Args:
@@ -86,6 +87,8 @@ class DirectionHandler:
                 current stream now.
             canonical: this rank's canonical mappings (R24): the planner copies their fragments, stores only
                 the pages this rank writes; None: plain mode.
+            running: the worker's holds and stall warning, shared with the other direction (R27, R30); None: this
+                handler's own (a handler built alone).
 
         Raises:
             InvalidTransferError: the geometry does not fit the layout (nothing was created).
@@ -99,8 +102,11 @@ class DirectionHandler:
         self._planner = Planner(layout, gpu, cpu, blocks_per_chunk, canonical)
         # Invariant: the stream R4's wait is recorded on; fixed for the handler's life.
         self._compute = compute_stream if compute_stream is not None else backend.current_stream()
-        # Invariant: submission order, all on self._stream; none is proven yet.
+        # Invariant: submission order, all on self._stream; none is proven yet, none is late.
         self._queue: collections.deque[Transfer] = collections.deque()
+        # Invariant: shared with the other direction of the worker (R27, R30).
+        self._running = running or Running(Holds(max(g.rows for g in gpu), max(c.rows for c in cpu)))
+
         # Invariant: completion known (proven or failed), not yet reported; in resolution (= submission) order.
         self._resolved: list[TransferResult] = []
         # Invariant: job ids in _queue or _resolved (the ids "in flight" for R7's duplicate check).
@@ -116,6 +122,11 @@ class DirectionHandler:
         self._counts = collections.Counter[str]()
         # Invariant: what a release call of this handler failed to release, marked leaked in the ledger (R16).
         self.leaks = Leaks(backend.ledger)
+        # Invariant: the retired streams and what is still queued on them (R28).
+        self._retired: Retired[Transfer] = Retired(backend, direction, self._running.holds, self.leaks)
+        # Invariant: retired streams the drain could not prove idle, kept for the proof and the release (R28).
+        self._unproven_streams: list[Stream] = []
+        self._kept_streams = 0  # Invariant: retired streams release() kept (not proven idle, R28)
         # Invariant: the jobs the shutdown drain took over without reporting them (results dropped at its start,
         # proven by it, abandoned by it), in submission order: the report lists them (R8, R14). Only appended to:
         # the unreaped at the drain's start, the drained as it proves them, the abandoned when it stops.
@@ -133,7 +144,8 @@ class DirectionHandler:
         self._drain_error: BaseException | None = None
         # Invariant: changed only through tables.step(HANDLER_TABLE, ...), in _step.
         self.state = HandlerState.ACCEPTING
-        # Invariant: every transfer of this handler runs on this one stream (R4); None once released.
+        # Invariant: every transfer of this direction's current generation runs on this one stream (R4); None once
+        # released, or once retired (R28) until the next submission creates a fresh one.
         self._stream: Stream | None = None
         try:
             self._stream = backend.create_stream()
@@ -143,7 +155,8 @@ class DirectionHandler:
             raise
 
     # -- submission -----------------------------------------------------------------------------------------------
-    def submit(self, job_id: int, src: object, dst: object) -> None:
+    def submit(self, job_id: int, src: object, dst: object, deadline: float | None = None, tag: object = None
+               ) -> None:
         """Queue one transfer (see the module docstring for what is queued).
 
         Raises:
@@ -158,9 +171,14 @@ class DirectionHandler:
         if self._step(HandlerInput.SUBMIT) is not Action.ENQUEUE:  # every other pair is refused
             return
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
+        gpu_spec, cpu_spec = (src, dst) if self.direction == "store" else (dst, src)
+        gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids  # type: ignore[attr-defined]  # checked specs
+        self._running.holds.check(self.direction, job_id, gpu_ids, cpu_ids)  # R27: nothing done yet if refused
+        if self._stream is None:  # R28: the last stream was retired: new work goes to a fresh one
+            self._stream = self._backend.create_stream()
         taken, shield = Taken(), Shield()
         try:
-            transfer = self._enqueue(job_id, plan, taken, dst.block_ids)  # type: ignore[attr-defined]
+            transfer = self._enqueue(job_id, plan, taken, dst.block_ids, gpu_ids, cpu_ids)  # type: ignore[attr-defined]
         except BaseException as exc:
             if not taken.copy_queued:
                 # R14: no copy on the device: no trace, the id stays free
@@ -171,12 +189,14 @@ class DirectionHandler:
         if taken.end_pending:
             self._record_end(transfer, shield)
         self._events.append(taken.marker)  # reusable at once: the stream's wait captured the record it needs
+        transfer.user_tag, transfer.deadline = tag, deadline
         self._queue.append(transfer)
         self._jobs.add(job_id)
         self._counts["submitted"] += 1
         shield.reraise()
 
-    def _enqueue(self, job_id: int, plan: PreparedPlan, taken: Taken, dst_blocks: Int64Array) -> Transfer:
+    def _enqueue(self, job_id: int, plan: PreparedPlan, taken: Taken, dst_blocks: Int64Array, gpu_ids: Int64Array,
+                 cpu_ids: Int64Array) -> Transfer:
         backend, tag, stream = self._backend, (self.direction, job_id), self._stream
         assert stream is not None  # Invariant: an accepting handler has its stream
         descriptors = None
@@ -187,7 +207,8 @@ class DirectionHandler:
         backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
         backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
-        transfer = taken.transfer = Transfer(job_id, start, end, descriptors, plan.nbytes, dst_blocks, tag)
+        transfer = taken.transfer = Transfer(job_id, start, end, descriptors, plan.nbytes, dst_blocks, tag, gpu_ids,
+                                             cpu_ids)
         taken.marker = marker
         if descriptors is None:
             backend.record(end, stream, tag=tag)  # no copy: until this returns, an interrupt leaves no trace
@@ -225,7 +246,8 @@ class DirectionHandler:
         """R23: the end events of the listed jobs still queued (a broken transfer's was never recorded). A pooled
         event is re-recorded only after its transfer left the queue, and a stream wait captures the record current
         at the call, so what a caller's stream waits for never changes."""
-        return [t.end for t in self._queue if t.job_id in job_ids and t.broken is None]
+        live = [*self._retired.marks(job_ids), *self._queue] if self._retired else self._queue
+        return [t.end for t in live if t.job_id in job_ids and t.broken is None]
 
     def get_finished(self) -> list[TransferResult]:
         """Reap what is proven (or failed) without blocking; report each job once, in submission order (R5)."""
@@ -242,16 +264,23 @@ class DirectionHandler:
         self._jobs.difference_update([r.job_id for r in results])
         return results
 
-    def last_of(self, job_ids: set[int]) -> Transfer | None:
+    def last_of(self, job_ids: set[int]) -> Transfer | Mark[Transfer] | None:
         """The last queued transfer among ``job_ids`` (None if none is queued): in FIFO order, once it is
-        resolved, every listed job here is (R6)."""
+        resolved, every listed job here is (R6); with retired streams (R28), a mark of it and the listed live jobs
+        queued on them."""
         mark = next((t for t in reversed(self._queue) if t.job_id in job_ids), None)
         if mark is not None:
             self._marks.add(mark)
-        return mark
+        retired = self._retired.marks(job_ids) if self._retired else []
+        if not retired:
+            return mark
+        return Mark([*retired, *([] if mark is None else [mark])])
 
     def settle(self, mark: object) -> bool:
         """Observe the queue's heads without blocking, up to ``mark``; whether ``mark`` is resolved now."""
+        if isinstance(mark, Mark):
+            self._reap()
+            return mark.resolved
         assert isinstance(mark, Transfer)  # Invariant: the worker passes what last_of returned
         self._reap(mark)
         return mark.resolved
@@ -259,13 +288,36 @@ class DirectionHandler:
     def _reap(self, mark: Transfer | None = None) -> None:
         """Observe heads without blocking (up to ``mark``, if given) until one is still pending: runs of completed
         heads with one prefix query, and ``mark`` itself, once it is the head, with one ``query`` (a prefix query
-        of one event would say no more, and a pending head would then be queried twice)."""
+        of one event would say no more, and a pending head would then be queried twice). Retired streams first
+        (R28); a pending head past its deadline expires (R26)."""
+        if self._retired:
+            self._retired.poll(self._backend.query, self._proven_retired, self._failed_retired, self._free_late,
+                               self._backend.monotonic())
         while self._queue and (mark is None or not mark.resolved):
             if mark is self._queue[0]:   # a wait's own job at the head: its one query settles it (no prefix)
                 if not self._observe_head(self._backend.query):
-                    return
+                    break
             elif not self._prove_prefix(mark) and not self._observe_head(self._backend.query):
-                return
+                break
+        else:
+            return
+        head = self._queue[0] if self._queue else None
+        if head is not None and (head.deadline is not None or self._running.watches):
+            self._check_head(head)
+
+    def _check_head(self, head: Transfer) -> None:
+        """R26/R30: the head is pending: its age on the device decides its deadline and the stall warning."""
+        try:
+            age = started_age(self._backend, head, self._backend.monotonic())
+        except DeviceError as exc:  # its start event failed: the head fails as its end event would (R5)
+            self._head_failed(exc)
+            return
+        if age is None:
+            return
+        if head.deadline is not None and age >= head.deadline:
+            self._expire(0, "deadline")
+        else:
+            self._running.check_stall(self.direction, head, age)
 
     def _prove_prefix(self, mark: Transfer | None = None) -> int:
         """Prove, with one backend call, the run of heads whose own end events are done (R5, R10); the head that
@@ -313,8 +365,8 @@ class DirectionHandler:
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
         if action is Action.REPORT:
-            self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h), transfer_type=kind)
-                               for h in run]
+            self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h), transfer_type=kind,
+                                              tag=h.user_tag) for h in run]
         self._events += itertools.chain.from_iterable(map(EVENTS, run))
         self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
         # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its
@@ -356,17 +408,87 @@ class DirectionHandler:
             self._abandon(exc, head_failed=True)
 
     def _report_failed(self, exc: DeviceError) -> None:
-        """The head and everything behind it have unknown completion: reported failed, resources unproven."""
-        failed = self._take_queue()
+        """R5/R27/R28: the head and everything behind it have unknown completion: reported failed, held, and their
+        stream retired (the clock is read first: an interrupt there changes nothing, R14)."""
+        now = self._backend.monotonic()
+        failed = list(self._queue)
+        self._leave(failed)
+        self._queue.clear()
+        self._failed(failed, exc)
+        self._retired.retire(self._stream, [], failed, now)
+        self._stream = None
+
+    def _failed(self, failed: list[Transfer], exc: DeviceError) -> None:
+        """R5/R22: ``failed`` (head first) are reported failed; the caller holds them (their copies may still run)."""
         self._counts["failed"] += len(failed)
-        self._resolved += failed_in_order(self.direction, [(t.job_id, t.dst_blocks) for t in failed], exc)  # R22
+        self._resolved += failed_in_order(self.direction, [(t.job_id, t.dst_blocks, t.user_tag) for t in failed],
+                                          exc)
+
+    def _failed_retired(self, failed: list[Transfer], exc: DeviceError, now: float) -> None:
+        """R5: live jobs on a retired stream failed: reported failed and held (R27)."""
+        self._step(HandlerInput.HEAD_FAILED)  # REPORT_FAILED
+        self._leave(failed)
+        self._failed(failed, exc)
+        self._retired.hold(failed, now)
+
+    def _proven_retired(self, head: Transfer) -> None:
+        """A live job on a retired stream, proven by its own end event: reported (or drained) like any other."""
+        action = self._step(HandlerInput.HEAD_PROVEN)
+        if action is Action.REPORT:
+            self._resolved.append(TransferResult(head.job_id, True, head.nbytes, self._seconds(head),
+                                                 transfer_type=self._kind, tag=head.user_tag))
+        else:  # COUNT_DRAINED
+            self._drained_ids.append(head.job_id)
+            self._drained_bytes.append(head.nbytes)
+            self._counts["drained"] += 1
+        self._free_late(head)
+        self._leave([head])
+        self._counts["completed"] += 1
+
+    def _free_late(self, transfer: Transfer) -> None:
+        """Its copy was observed done (R27: only now): its events and descriptor buffer go back to the pools."""
+        self._events += (transfer.start, transfer.end)
+        if transfer.descriptors is not None:
+            self._descriptors.append(transfer.descriptors)
+
+    def _expire(self, index: int, reason: str, cancelled: set[int] | frozenset[int] = frozenset()) -> None:
+        """R26-R28: the queue's transfer at ``index`` and everything behind it are late: reported failed with
+        ``TransferExpired`` and held; the stream is retired with the live transfers ahead of it."""
+        now = self._backend.monotonic()  # the only backend call: before anything changes (R14)
+        self._step(HandlerInput.EXPIRE)  # REPORT_EXPIRED
+        queued = list(self._queue)
+        self._queue.clear()
+        ahead, late = queued[:index], queued[index:]
+        self._leave(late)
+        self._counts["expired"] += len(late)
+        self._resolved += expire(self.direction, late, reason, cancelled)
+        self._retired.retire(self._stream, ahead, late, now)
+        self._stream = None
+
+    def cancel(self, job_ids: set[int]) -> None:
+        """R26: query first (never wait): a done job is reported as done; then every listed job still queued, and
+        the jobs behind it on its stream, are late ("cancel"/"behind"); unknown or reported ids are ignored."""
+        self._reap()
+        if self._retired:
+            for late in self._retired.cancel(job_ids, self._backend.monotonic()):  # live jobs on retired streams
+                self._step(HandlerInput.EXPIRE)
+                self._leave(late)
+                self._counts["expired"] += len(late)
+                self._resolved += expire(self.direction, late, "cancel", job_ids)
+        index = next((i for i, t in enumerate(self._queue) if t.job_id in job_ids), None)
+        if index is not None:
+            self._expire(index, "cancel", job_ids)
 
     def _take_queue(self) -> list[Transfer]:
-        """Empty the queue into the unproven bin; returns what was queued."""
-        taken = list(self._queue)
+        """Empty the queue, and the retired streams' (their live transfers first), into the unproven bin; returns
+        the live ones (late ones were reported already); the retired streams are kept for the proof (R13, R28)."""
+        live, late, streams = self._retired.take() if self._retired else ([], [], [])
+        taken = [*live, *self._queue]
         self._leave(taken)
         self._queue.clear()
-        self._unproven.extend(taken)
+        self._unproven += taken
+        self._unproven += late
+        self._unproven_streams += streams
         return taken
 
     # -- shutdown -------------------------------------------------------------------------------------------------
@@ -386,7 +508,7 @@ class DirectionHandler:
         self._outcomes += [JobOutcome(r, "unreaped") for r in self._resolved]  # ... but the report lists them
         self._resolved, self._jobs = [], set()
         try:
-            if interrupted and self._queue:
+            if interrupted and (self._queue or self._retired):
                 self._stop_drain(HandlerInput.INTERRUPT, None)
             backend, backoff = self._backend, Backoff()
 
@@ -400,12 +522,27 @@ class DirectionHandler:
                 if not self._observe_head(observe):
                     self._stop_drain(HandlerInput.DEADLINE, DeadlineExceeded(
                         f"{self.direction} job {head.job_id} was not proven complete within the shutdown timeout"))
+            if self._retired:  # R28: what retired streams still hold, within the same deadline
+                self._drain_retired(observe)
+            self._take_queue()  # late copies not observed done: unproven (R13), their streams kept for the proof
         except BaseException as exc:
             self._stop_drain(HandlerInput.INTERRUPT, exc)
             raise
         finally:
             self._step(HandlerInput.QUEUE_EMPTY)
         return self.report()
+
+    def _drain_retired(self, observe: Callable[[Event], bool]) -> None:
+        """R10/R28: prove what retired streams hold within the drain's deadline: a live job proven is drained; a
+        live job failed, or pending at the deadline, abandons the rest; late copies proven end their holds."""
+        failures: list[DeviceError] = []
+        self._retired.poll(observe, self._proven_retired, lambda _live, exc, _now: failures.append(exc),
+                           self._free_late, self._backend.monotonic())
+        if failures and self._step(HandlerInput.HEAD_FAILED) is Action.ABANDON:
+            self._abandon(failures[0], head_failed=True)
+        elif self._retired.has_live():
+            self._stop_drain(HandlerInput.DEADLINE, DeadlineExceeded(
+                f"a {self.direction} job on a retired stream was not proven complete within the shutdown timeout"))
 
     def abandon_undrained(self) -> None:
         """R14: an interrupt arrived before this handler's drain began: begin it now and abandon everything, without
@@ -423,7 +560,8 @@ class DirectionHandler:
         remaining = self._take_queue()
         self._counts["abandoned"] += len(remaining)
         self._drain_error = self._drain_error or error
-        self._stopped += stopped_outcomes(self.direction, [(t.job_id, t.dst_blocks) for t in remaining], error,
+        self._stopped += stopped_outcomes(self.direction, [(t.job_id, t.dst_blocks, t.user_tag) for t in remaining],
+                                          error,
                                    head_failed=head_failed)
         if error is not None and remaining:
             logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
@@ -432,7 +570,8 @@ class DirectionHandler:
     def report(self) -> HandlerReport:
         """What the shutdown drain established so far (also after an interrupt)."""
         jobs = JobOutcomes(self._outcomes, self._drained_ids, self._drained_bytes, self._kind, self._stopped)
-        return HandlerReport(self._counts["drained"], self._counts["abandoned"], self._drain_error, jobs)
+        return HandlerReport(self._counts["drained"], self._counts["abandoned"], self._drain_error, jobs,
+                             self._kept_streams)
 
     @property
     def drain_error(self) -> BaseException | None:
@@ -442,11 +581,16 @@ class DirectionHandler:
     @property
     def clean(self) -> bool:
         """Every transfer ever submitted here was proven complete by its own event (R13's clean path)."""
-        return not self._unproven and not self._queue
+        return not self._unproven and not self._queue and not self._retired
 
     def streams_in_use(self) -> list[Stream]:
-        """The streams this handler still holds: what the device-level proof covers."""
-        return [] if self._stream is None else [self._stream]
+        """The streams this handler still holds, retired ones included: what the device-level proof covers."""
+        current = [] if self._stream is None else [self._stream]
+        return [*current, *self._retired.streams(), *self._unproven_streams]
+
+    def unproven_chunks(self) -> set[int]:
+        """R29: the CPU chunks an unproven copy of this direction may still touch."""
+        return {int(c) for t in self._unproven for c in t.cpu_ids}
 
     def release(self, fate: Fate, shield: Shield | None = None, *,
                 reason: str = "device not proven idle") -> tuple[int, list[str]]:
@@ -470,9 +614,11 @@ class DirectionHandler:
             return 0, []
         # The pools' own lists are taken over (a copy of thousands would touch each); the handler holds none after.
         stream, events, freed, unproven = self._stream, self._events, self._descriptors, self._unproven
+        retired, self._unproven_streams = self._unproven_streams, []
+        self._kept_streams = 0 if fate is Fate.RELEASE else len(retired)
         self._stream, self._events, self._descriptors, self._unproven = None, [], [], []
         return release_pools(self._backend, self.direction, self.leaks, stream, events, freed, unproven, fate, shield,
-                             reason)
+                             reason, retired)
 
     def discard(self) -> None:
         """Construction rollback (R2): destroy what the constructor created; nothing was ever submitted. An
@@ -495,7 +641,7 @@ class DirectionHandler:
         return HandlerStats(
             direction=self.direction, state=self.state.value, queued=len(self._queue),
             unreported=len(self._resolved), submitted=c["submitted"], completed=c["completed"],
-            failed=c["failed"], abandoned=c["abandoned"], unproven=len(self._unproven),
+            failed=c["failed"], abandoned=c["abandoned"], unproven=len(self._unproven) + self._retired.late_count(),
             pooled_streams=int(self._stream is not None), pooled_events=len(self._events),
             pooled_descriptors=len(self._descriptors),
         )

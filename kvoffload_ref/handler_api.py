@@ -16,6 +16,7 @@ from kvoffload_ref.backends.base import Backend, Event, Stream
 from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.lifecycle import Fate, HandlerState
 from kvoffload_ref.results import HandlerReport, HandlerStats, TransferResult
+from kvoffload_ref.running import Running
 from kvoffload_ref.shield import Leaks, Shield
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 
@@ -34,8 +35,14 @@ class DirectionHandlerAPI(Protocol):
     #: What this handler's release calls failed to release, marked leaked (R16), with the failures outside release().
     leaks: Leaks
 
-    def submit(self, job_id: int, src: object, dst: object) -> None:
-        """R4/R7/R14: check the transfer, then queue it whole on this direction's stream, or leave no trace."""
+    def submit(self, job_id: int, src: object, dst: object, deadline: float | None = None, tag: object = None
+               ) -> None:
+        """R4/R7/R14: check the transfer (R27: against the holds), then queue it whole on this direction's stream
+        (R28: a fresh one if the last was retired), or leave no trace. ``deadline``: checked seconds or None (R26)."""
+
+    def cancel(self, job_ids: set[int]) -> None:
+        """R26: query without waiting (a done job is reported as done), then end the listed jobs still queued and
+        those behind them on their stream: reported failed, held (R27), their stream retired (R28)."""
 
     def knows(self, job_id: int) -> bool:
         """Whether the job is queued here or its result waits for ``get_finished`` (R7's "in flight")."""
@@ -71,7 +78,10 @@ class DirectionHandlerAPI(Protocol):
         """R13's clean path: every transfer submitted here was proven by its own end event."""
 
     def streams_in_use(self) -> list[Stream]:
-        """The streams this handler still holds (what the device-level proof covers, R13)."""
+        """The streams this handler still holds, retired ones included (what the device-level proof covers, R13)."""
+
+    def unproven_chunks(self) -> set[int]:
+        """R29: after the drain, the CPU chunk ids an unproven copy of this handler may still touch."""
 
     def release(self, fate: Fate, shield: Shield | None = None, *,
                 reason: str = "device not proven idle") -> tuple[int, list[str]]:
@@ -92,6 +102,6 @@ class DirectionHandlerAPI(Protocol):
 
 
 #: A handler's constructor as ``reference.build_core`` calls it: (backend, direction, compute stream, layout, GPU
-#: geometries, CPU geometries, blocks per chunk, canonical layout or None).
+#: geometries, CPU geometries, blocks per chunk, canonical layout or None, the worker's running-engine state).
 NewHandler = Callable[[Backend, Direction, Stream, KVCacheLayout, Sequence[TensorGeometry], Sequence[TensorGeometry],
-                       int, CanonicalLayout | None], DirectionHandlerAPI]
+                       int, CanonicalLayout | None, Running], DirectionHandlerAPI]

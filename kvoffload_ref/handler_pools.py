@@ -78,12 +78,19 @@ class Transfer:
     nbytes: int
     dst_blocks: Int64Array  # R22: the destination's block ids (GPU blocks of a load, CPU chunks of a store)
     tag: Tag  # (direction, job_id): the one tuple every record of the transfer is tagged with
+    gpu_ids: Int64Array  # R27: the GPU block ids of its specs
+    cpu_ids: Int64Array  # R27/R29: the CPU chunk ids of its specs
     # Invariant: True once the transfer left the queue (proven, failed or abandoned) if it was a mark (see
     # DirectionHandler._marks) when it left; a transfer no caller waits on is never marked resolved.
     resolved: bool = False
     # Invariant: why its end event could not be recorded after the device took its copy (it can never be proven
     # by that event, so it fails when it reaches the head); None normally.
     broken: DeviceError | None = None
+    user_tag: object = None  # the submission's tag=, returned on its result
+    deadline: float | None = None  # R26: seconds from its start on the device, or None
+    started: float | None = None  # Invariant: the backend time a poll first saw its start event done
+    late: float | None = None  # Invariant: the backend time it became late (reported failed, held, R27)
+    warned: bool = False  # Invariant: R30's stall warning was logged for it
 
 
 EVENTS = operator.attrgetter("start", "end")
@@ -95,12 +102,13 @@ END = operator.attrgetter("end")
 
 def release_pools(backend: Backend, direction: Direction, leaks: Leaks, stream: Stream | None, events: list[Event],
                   freed: list[DescriptorBuffer], unproven: Sequence[Transfer], fate: Fate, shield: Shield | None,
-                  reason: str) -> tuple[int, list[str]]:
+                  reason: str, retired: Sequence[Stream] = ()) -> tuple[int, list[str]]:
     """Release what a handler held, taken over from it (see ``DirectionHandler.release``): the stream, the pooled
     ``events`` and ``freed`` descriptor buffers (both lists are extended in place, not copied: a copy of thousands
     would touch each), and the ``unproven`` transfers' events and descriptor buffers, the latter freed if ``fate``
-    is RELEASE, else quarantined for ``reason``. Every step runs, whatever an earlier one raised (R14); a failed
-    release is leaked in ``leaks`` and the rest go on (R16).
+    is RELEASE, else quarantined for ``reason``, like the ``retired`` streams not proven idle (R28: destroyed if
+    ``fate`` is RELEASE, else kept and listed in the report). Every step runs, whatever an earlier one raised
+    (R14); a failed release is leaked in ``leaks`` and the rest go on (R16).
 
     Returns:
         (how many descriptor buffers were quarantined, descriptions of the steps that failed).
@@ -111,6 +119,9 @@ def release_pools(backend: Backend, direction: Direction, leaks: Leaks, stream: 
         freed += kept
         kept = []
     streams = [] if stream is None else [stream]
+    kept_streams = [] if fate is Fate.RELEASE else list(retired)
+    if fate is Fate.RELEASE:
+        streams += retired
     steps: list[tuple[str, Callable[[], object]]] = [  # a failed release is leaked, the rest go on (R16)
         (f"destroy the {direction} stream", lambda: each(backend.destroy_stream, streams, leaks.of("stream"))),
         (f"destroy {len(events)} {direction} events",
@@ -118,6 +129,7 @@ def release_pools(backend: Backend, direction: Direction, leaks: Leaks, stream: 
         (f"free {len(freed)} {direction} descriptor buffers",
          lambda: _release_many(backend, leaks, batched.free_descriptors_many, "descriptor", freed)),
         ("quarantine descriptor buffers", keeper(backend.ledger.quarantine, "descriptor", kept, reason)),  # R12
+        ("quarantine retired streams", keeper(backend.ledger.quarantine, "stream", kept_streams, reason)),  # R28
     ]
     failed, _ = finish_all(steps, shield)
     return len(kept), failed

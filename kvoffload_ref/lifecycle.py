@@ -40,6 +40,8 @@ class Action(enum.Enum):
     ENQUEUE = "enqueue"  # queue the transfer on the handler's stream (R4)
     REPORT = "report"  # the proven head leaves the queue and is reported success=True (R5)
     REPORT_FAILED = "report_failed"  # the failed head and every transfer behind it are reported failed (R5)
+    REPORT_EXPIRED = "report_expired"  # a job past its deadline or cancelled, and those behind it: reported failed,
+    # held, its stream retired (R26-R28)
     DROP_RESULTS = "drop_results"  # shutdown began: unreported results are dropped, nothing is reported (R8)
     COUNT_DRAINED = "count_drained"  # the proven head leaves the queue, counted as drained, not reported (R10)
     ABANDON = "abandon"  # every queued transfer is abandoned, completion unknown (R10, R14)
@@ -59,6 +61,7 @@ class WorkerInput(enum.Enum):
     WAIT = "wait"
     SNAPSHOT = "snapshot"  # cpu_snapshot
     ORDER = "order_after"  # order_after: make a caller's stream wait for queued jobs on the device (R23)
+    CANCEL = "cancel"  # cancel(job_ids) (R26)
     SHUTDOWN = "shutdown"  # shutdown() called (by the user, the context manager or the finalizer)
     SHUTDOWN_COMPLETE = "shutdown_complete"  # the sequence ran to its end
     INTERRUPTED = "interrupted"  # a BaseException cut the sequence short (R14)
@@ -75,6 +78,7 @@ WORKER_TABLE: Final[Table[Action]] = {
     (_W.OPEN, _WI.WAIT): Transition(_W.OPEN, Action.PROCEED),
     (_W.OPEN, _WI.SNAPSHOT): Transition(_W.OPEN, Action.PROCEED),
     (_W.OPEN, _WI.ORDER): Transition(_W.OPEN, Action.PROCEED),
+    (_W.OPEN, _WI.CANCEL): Transition(_W.OPEN, Action.PROCEED),
     (_W.OPEN, _WI.SHUTDOWN): Transition(_W.SHUTTING_DOWN, Action.RUN_SHUTDOWN),
     (_W.OPEN, _WI.SHUTDOWN_COMPLETE): _NOT_SHUTTING_DOWN,
     (_W.OPEN, _WI.INTERRUPTED): _NOT_SHUTTING_DOWN,
@@ -83,6 +87,7 @@ WORKER_TABLE: Final[Table[Action]] = {
     (_W.SHUTTING_DOWN, _WI.WAIT): Transition(_W.SHUTTING_DOWN, Action.RETURN_EMPTY),
     (_W.SHUTTING_DOWN, _WI.SNAPSHOT): _CLOSED_SNAPSHOT,
     (_W.SHUTTING_DOWN, _WI.ORDER): Transition(_W.SHUTTING_DOWN, Action.RETURN_EMPTY),
+    (_W.SHUTTING_DOWN, _WI.CANCEL): Transition(_W.SHUTTING_DOWN, Action.RETURN_EMPTY),  # R26: a no-op
     (_W.SHUTTING_DOWN, _WI.SHUTDOWN): Transition(_W.SHUTTING_DOWN, Action.AWAIT_REPORT),
     (_W.SHUTTING_DOWN, _WI.SHUTDOWN_COMPLETE): Transition(_W.CLOSED, Action.PROCEED),
     (_W.SHUTTING_DOWN, _WI.INTERRUPTED): Transition(_W.CLOSED, Action.PROCEED),
@@ -91,6 +96,7 @@ WORKER_TABLE: Final[Table[Action]] = {
     (_W.CLOSED, _WI.WAIT): Transition(_W.CLOSED, Action.RETURN_EMPTY),
     (_W.CLOSED, _WI.SNAPSHOT): _CLOSED_SNAPSHOT,
     (_W.CLOSED, _WI.ORDER): Transition(_W.CLOSED, Action.RETURN_EMPTY),
+    (_W.CLOSED, _WI.CANCEL): Transition(_W.CLOSED, Action.RETURN_EMPTY),
     (_W.CLOSED, _WI.SHUTDOWN): Transition(_W.CLOSED, Action.RETURN_REPORT),
     (_W.CLOSED, _WI.SHUTDOWN_COMPLETE): _NOT_SHUTTING_DOWN,
     (_W.CLOSED, _WI.INTERRUPTED): _NOT_SHUTTING_DOWN,
@@ -110,6 +116,7 @@ class HandlerInput(enum.Enum):
     SUBMIT = "submit"
     HEAD_PROVEN = "head_proven"  # the oldest transfer's end event was observed done without error
     HEAD_FAILED = "head_failed"  # observing the oldest transfer raised (R5/R10)
+    EXPIRE = "expire"  # a queued job passed its deadline or was cancelled (R26)
     BEGIN_DRAIN = "begin_drain"
     QUEUE_EMPTY = "queue_empty"  # nothing left to drain
     DEADLINE = "deadline"  # the shutdown budget ran out during the drain
@@ -127,6 +134,7 @@ HANDLER_TABLE: Final[Table[Action]] = {
     (_H.ACCEPTING, _HI.SUBMIT): Transition(_H.ACCEPTING, Action.ENQUEUE),
     (_H.ACCEPTING, _HI.HEAD_PROVEN): Transition(_H.ACCEPTING, Action.REPORT),
     (_H.ACCEPTING, _HI.HEAD_FAILED): Transition(_H.ACCEPTING, Action.REPORT_FAILED),
+    (_H.ACCEPTING, _HI.EXPIRE): Transition(_H.ACCEPTING, Action.REPORT_EXPIRED),
     (_H.ACCEPTING, _HI.BEGIN_DRAIN): Transition(_H.DRAINING, Action.DROP_RESULTS),
     (_H.ACCEPTING, _HI.QUEUE_EMPTY): _NOT_DRAINING,
     (_H.ACCEPTING, _HI.DEADLINE): _NOT_DRAINING,
@@ -135,6 +143,8 @@ HANDLER_TABLE: Final[Table[Action]] = {
     (_H.DRAINING, _HI.SUBMIT): _H_CLOSED_SUBMIT,
     (_H.DRAINING, _HI.HEAD_PROVEN): Transition(_H.DRAINING, Action.COUNT_DRAINED),
     (_H.DRAINING, _HI.HEAD_FAILED): Transition(_H.ABANDONED, Action.ABANDON),
+    (_H.DRAINING, _HI.EXPIRE): Refusal(LifecycleError, "the drain decides by the shutdown deadline; no job expires "
+                                                       "while draining (R26)"),
     (_H.DRAINING, _HI.BEGIN_DRAIN): Refusal(LifecycleError, "the handler is already draining"),
     (_H.DRAINING, _HI.QUEUE_EMPTY): Transition(_H.DRAINED, Action.PROCEED),
     (_H.DRAINING, _HI.DEADLINE): Transition(_H.ABANDONED, Action.ABANDON),

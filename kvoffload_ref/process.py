@@ -96,6 +96,7 @@ class Deferring(Protocol):
     lock: Any  # a threading.RLock
     owner: ProcessOwner
     shutdown_requested: bool
+    deferred_cancel: set[int]
 
     def carry_out_deferred(self) -> None: ...
 
@@ -124,7 +125,7 @@ class CallGuard:
     def __exit__(self, *exc: object) -> None:
         worker = self._worker
         worker.lock.release()
-        if worker.shutdown_requested:
+        if (worker.shutdown_requested or worker.deferred_cancel) and not worker.lock._is_owned():
             worker.carry_out_deferred()
 
 

@@ -12,30 +12,27 @@ descriptor buffer (one descriptor per ``placement.Move``) and frees them once pr
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import dataclasses
 import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final
+from typing import Final
 
 from kvoffload_ref import errors, handler_api, lifecycle, lockcheck, results, tables
-from kvoffload_ref.backends.base import Backend, Backoff, DescriptorBuffer, Event, Stream, poll_until, wait_polling
+from kvoffload_ref.backends.base import Backend, Stream, wait_polling
 from kvoffload_ref.canonical import PageMapping
 from kvoffload_ref.canonical_plan import CanonicalLayout, check_canonical, cpu_pages
 from kvoffload_ref.facade import WorkerFacade, WorkerOptions, build_with_region, check_options
 from kvoffload_ref.handler_api import DirectionHandlerAPI, NewHandler
-from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, ProofOutcome, RegionState, WorkerInput, WorkerState
-from kvoffload_ref.placement import check_transfer
+from kvoffload_ref.lifecycle import Action, Fate, ProofOutcome, RegionState, WorkerInput, WorkerState
 from kvoffload_ref.process import CallGuard, ProcessOwner, finalize_safely, sigint_deferred
-from kvoffload_ref.quarantine import keeper
+from kvoffload_ref.reference_handler import ReferenceHandler
 from kvoffload_ref.region import DEFAULT_PIN_CHUNK_BYTES, HostRegion
-from kvoffload_ref.results import JobOutcome, ShutdownPolicy, ShutdownReport, ShutdownRun, TransferResult
-from kvoffload_ref.shield import Leaks, Shield, each, finish_all
-from kvoffload_ref.specs import DIRECTIONS, Direction, KVCacheLayout, TensorGeometry, check_geometry
-from kvoffload_ref.validate import ByteArray, Int64Array, check_int, check_job_ids, check_timeout
+from kvoffload_ref.results import HeldBlocks, ReleasedHold, ShutdownPolicy, ShutdownReport, ShutdownRun, TransferResult
+from kvoffload_ref.running import Holds, Running
+from kvoffload_ref.shield import Shield, finish_all
+from kvoffload_ref.specs import DIRECTIONS, Direction, KVCacheLayout, check_geometry
+from kvoffload_ref.validate import ByteArray, check_int, check_job_ids, check_positive, check_timeout
 
 __all__ = ["Core", "ReferenceHandler", "ReferenceWorker", "build_core", "create_reference_worker"]
 
@@ -50,8 +47,10 @@ class ReferenceWorker(WorkerFacade):
                  blocks_per_chunk: int, region: HostRegion, policy: ShutdownPolicy | None = None,
                  pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES, require_pinned: bool = False,
                  compute_stream: object | None = None,
-                 canonical: CanonicalLayout | Sequence[PageMapping] | None = None) -> None:
-        options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, compute_stream, canonical)
+                 canonical: CanonicalLayout | Sequence[PageMapping] | None = None,
+                 stall_warning: float | None = None) -> None:
+        options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, compute_stream, canonical,
+                                stall_warning)
         self._attach(build_core(backend, gpu_tensors, layout, region, options, ReferenceHandler, type(self).__name__))
 
 
@@ -59,14 +58,17 @@ def create_reference_worker(backend: Backend, gpu_tensors: Sequence[object], lay
                             blocks_per_chunk: int, num_cpu_chunks: int, policy: ShutdownPolicy | None = None,
                             region: HostRegion | None = None, pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
                             require_pinned: bool = False, compute_stream: object | None = None,
-                            canonical: CanonicalLayout | Sequence[PageMapping] | None = None) -> ReferenceWorker:
+                            canonical: CanonicalLayout | Sequence[PageMapping] | None = None,
+                  stall_warning: float | None = None) -> ReferenceWorker:
     """Build the region (``num_cpu_chunks`` rows per tensor; canonical rows in canonical mode, R24) unless ``region``
     is given, then the worker (R1, R2). The rest: as for :class:`ReferenceWorker` and ``worker.create_worker``."""
-    options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, None, canonical)  # R7 first
+    options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, None, canonical,
+                            stall_warning)  # R7 first
     return build_with_region(
         lambda r: ReferenceWorker(backend, gpu_tensors, layout, blocks_per_chunk=blocks_per_chunk, region=r,
                                   policy=policy, pin_chunk_bytes=pin_chunk_bytes, require_pinned=require_pinned,
-                                  compute_stream=compute_stream, canonical=options.canonical),
+                                  compute_stream=compute_stream, canonical=options.canonical,
+                                      stall_warning=stall_warning),
         backend, layout, blocks_per_chunk, num_cpu_chunks, region, check_canonical(layout, options.canonical))
 
 
@@ -91,14 +93,17 @@ def build_core(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheL
         if not region.pinned and region.pin(options.pin_chunk_bytes, required=required):
             undo.append(("unpin the region", region.unpin))
         handlers = []
+        running = Running(Holds(max(g.rows for g in gpu), max(c.rows for c in region.geometries())),
+                          options.stall_warning)  # R27/R30: shared by both directions
         for direction in DIRECTIONS:  # R4: one handler, with its own stream, per direction
-            handlers.append(new_handler(backend, direction, compute, layout, gpu, region.geometries(), bpc, canonical))
+            handlers.append(new_handler(backend, direction, compute, layout, gpu, region.geometries(), bpc, canonical,
+                                        running))
             undo.append((f"discard the {direction} handler", handlers[-1].discard))
         region.adopt()  # R1: from here on the worker is the region's only owner
     except BaseException:
         finish_all(reversed(undo))  # R2: reverse order, every step; then the original exception propagates
         raise
-    return Core(backend, region, handlers[0], handlers[1], options.policy, compute, name)
+    return Core(backend, region, handlers[0], handlers[1], options.policy, compute, name, running)
 
 
 #: The worker's fields the lock check guards (R19, ``lockcheck``): written by the lock's holder, or by the shutdown
@@ -110,8 +115,9 @@ class Core:
     """Everything a worker holds; the finalizer references this, never the worker (R15)."""
 
     def __init__(self, backend: Backend, region: HostRegion, store: DirectionHandlerAPI, load: DirectionHandlerAPI,
-                 policy: ShutdownPolicy, compute: Stream, name: str) -> None:
+                 policy: ShutdownPolicy, compute: Stream, name: str, running: Running) -> None:
         self.backend, self.store, self.load, self.policy, self.compute = backend, store, load, policy, compute
+        self.running = running  # Invariant: the holds (R27) and stall warning (R30) both handlers share
         self.name = name  # the worker's class, for the finalizer's log line
         self.region = region  # Invariant: WORKER_OWNED until shutdown releases or quarantines it (R1)
         self.state = WorkerState.OPEN  # Invariant: changed only through tables.step(WORKER_TABLE), under lock
@@ -121,6 +127,8 @@ class Core:
         self.lock = threading.RLock()
         self.done = threading.Condition(self.lock)
         self.shutdown_requested = False  # Invariant: a signal handler's shutdown() inside a call (R19)
+        # Invariant: the ids a signal handler's cancel() asked for inside a call (R26); carried out as it returns.
+        self.deferred_cancel: set[int] = set()
         self.owner = ProcessOwner()  # Invariant: the building process; in a forked child all is inert (R21)
         self.call = CallGuard(self)  # R19/R21: every public call enters through it
         lockcheck.bind(self, self, GUARDED)  # R19: from here on, these change under the lock (or by the shutdown)
@@ -132,15 +140,37 @@ class Core:
         return action
 
     # -- the calls (R4-R8, R19) -------------------------------------------------------------------------------------
-    def submit(self, direction: Direction, job_id: int, src: object, dst: object) -> bool:
+    def submit(self, direction: Direction, job_id: int, src: object, dst: object, deadline: object = None,
+               tag: object = None) -> bool:
         with self.call:  # R19: one step under the lock
             self.transition(WorkerInput.SUBMIT)  # R8: refused once shutdown began
             job = check_int("job_id", job_id)  # R7
+            limit = None if deadline is None else check_positive("deadline", deadline, unit="seconds")  # R7/R26
             if self.store.knows(job) or self.load.knows(job):  # R7: an id in flight in either direction
                 raise errors.InvalidTransferError(f"job_id {job} is already in flight; reuse an id only after "
                                                   "get_finished() reported it")
-            (self.store if direction == "store" else self.load).submit(job, src, dst)
+            (self.store if direction == "store" else self.load).submit(job, src, dst, limit, tag)  # R27: holds checked
         return True
+
+    def cancel(self, job_ids: Iterable[int]) -> None:
+        self.owner.check("this worker")  # R21
+        ids = check_job_ids(job_ids)  # R7: nothing cancelled on bad input
+        if self.lock._is_owned():  # type: ignore[attr-defined]  # a signal handler inside a call of this thread:
+            self.deferred_cancel |= ids  # R19/R26: carried out as that call returns (never blocks, never re-enters)
+            return
+        with self.call:
+            if self.transition(WorkerInput.CANCEL) is Action.RETURN_EMPTY:
+                return  # R26: after shutdown began a no-op (the report says what became of each job)
+            for handler in (self.store, self.load):  # R26: queries, never waits
+                handler.cancel(ids)
+
+    def held(self) -> HeldBlocks:
+        with self.call:
+            return self.running.holds.held()
+
+    def take_released(self) -> list[ReleasedHold]:
+        with self.call:
+            return self.running.holds.take_released()
 
     def get_finished(self) -> list[TransferResult]:
         with self.call:
@@ -196,7 +226,10 @@ class Core:
             finalize_safely(self.shutdown, self.policy.timeout, self.name)
 
     def carry_out_deferred(self) -> None:
-        if self.state is WorkerState.OPEN:
+        ids, self.deferred_cancel = self.deferred_cancel, set()
+        if ids:
+            self.cancel(ids)  # R26: the cancel a signal handler asked for while a call held the lock
+        if self.shutdown_requested and self.state is WorkerState.OPEN:
             self.shutdown()  # R19: the shutdown a signal handler asked for while a call held the lock
 
     # -- the shutdown sequence (R8-R14, R19) ------------------------------------------------------------------------
@@ -303,6 +336,7 @@ class Core:
             kept, failed = handler.release(fate, shield, reason=reason)
             run.errors.extend(f"{name} release: {f}" for f in [*handler.leaks.errors, *failed])
             run.add("quarantined", "descriptor", kept)
+            run.add("quarantined", "stream", handler.report().retired_streams)  # R28: retired, not proven idle
             for kind, count in handler.leaks.counts.items():  # R16: release calls that failed, now or earlier
                 run.add("leaked", kind, count)
         wait = self._wait_left(run, shield)  # R11: a shared file's lock is waited for within the same timeout
@@ -337,254 +371,3 @@ class Core:
             self.report = run.report(self.store.report(), self.load.report(), self.region.state, elapsed)
             self.transition(WorkerInput.INTERRUPTED if run.interrupt else WorkerInput.SHUTDOWN_COMPLETE)
             self.done.notify_all()
-
-
-# -- one direction (R4, R5, R10, R14) -----------------------------------------------------------------------------
-@dataclasses.dataclass(eq=False)
-class _Transfer:
-    job_id: int
-    events: list[Event]  # Invariant: (compute marker, start, end) once submitted, created for this transfer alone
-    descriptors: DescriptorBuffer | None  # None for a transfer that copies nothing
-    nbytes: int
-    dst_blocks: Int64Array  # R22: the destination's block ids (GPU blocks of a load, CPU chunks of a store)
-    broken: errors.DeviceError | None = None  # Invariant: its end event could not be recorded: it fails at the head
-    resolved: bool = False  # Invariant: True once it left the queue (proven, failed or abandoned)
-
-    def resources(self, backend: Backend) -> list[tuple[Callable[[Any], object], str, object]]:
-        """(release call, ledger kind, resource) for each of its events and its descriptor buffer."""
-        held: list[tuple[Callable[[Any], object], str, object]] = [(backend.destroy_event, "event", e)
-                                                                   for e in self.events]
-        return held + ([] if self.descriptors is None else [(backend.free_descriptors, "descriptor",
-                                                              self.descriptors)])
-
-
-class ReferenceHandler:
-    """One direction (R4): its stream, its FIFO of transfers, its results. The worker serialises calls (R19)."""
-
-    def __init__(self, backend: Backend, direction: Direction, compute: Stream, layout: KVCacheLayout,
-                 gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry], bpc: int,
-                 canonical: CanonicalLayout | None = None) -> None:
-        self.backend, self.direction, self.compute, self.layout, self.bpc = backend, direction, compute, layout, bpc
-        self.canonical = canonical  # Invariant: None (plain mode) or this rank's mappings, fitting the layout (R24)
-        self.gpu, self.cpu = gpu, cpu  # R1: geometries only, never the region
-        self.leaks = Leaks(backend.ledger)  # Invariant: what a release call failed to release, leaked (R16)
-        self.stream: Stream | None = backend.create_stream()  # Invariant: all of this direction's copies; R4
-        self.state = lifecycle.HandlerState.ACCEPTING  # Invariant: changed only through tables.step
-        self.queue: collections.deque[_Transfer] = collections.deque()  # Invariant: submission order, unproven
-        self.ready: list[TransferResult] = []  # Invariant: results known, not yet handed over (R5), in order
-        self.jobs: set[int] = set()  # Invariant: the ids in the queue or in ready: R7's "in flight"
-        self.spent: list[tuple[Callable[[Any], object], str, object]] = []  # Invariant: proven idle, not yet freed
-        self.unproven: list[_Transfer] = []  # Invariant: failed/abandoned: kept until the device-level proof (R13)
-        self.outcomes: list[JobOutcome] = []  # Invariant: jobs the drain took over, unreported (R14)
-        self.drain_error: BaseException | None = None  # Invariant: the drain's first failure
-        self.kind = results.TRANSFER_TYPE[direction]
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def step(self, event: HandlerInput) -> Action:
-        self.state, action = tables.step(lifecycle.HANDLER_TABLE, f"{self.direction} handler", self.state, event)
-        return action
-
-    def submit(self, job_id: int, src: object, dst: object) -> None:
-        if self.step(HandlerInput.SUBMIT) is not Action.ENQUEUE:  # R8: the table refuses every other state
-            return
-        moves = check_transfer(self.layout, self.direction, src, dst, [g.rows for g in self.gpu],
-                               [c.rows for c in self.cpu], self.bpc, self.canonical)  # R7, before any device work
-        backend, tag, stream = self.backend, (self.direction, job_id), self.stream
-        assert stream is not None  # Invariant: an accepting handler has its stream
-        transfer = _Transfer(job_id, [], None, sum(m.size for m in moves), dst.block_ids)  # type: ignore[attr-defined]
-        try:
-            if moves:
-                buf = transfer.descriptors = backend.alloc_descriptors(len(moves), tag=tag)
-                for i, move in enumerate(moves):  # one descriptor per move of the placement rule
-                    buf.src[i], buf.dst[i], buf.sizes[i] = move.addresses(self.direction, self.gpu, self.cpu)
-            while len(transfer.events) < 3:
-                transfer.events.append(backend.create_event(tag=tag))
-            marker, start, end = transfer.events
-            backend.record(marker, self.compute, tag=tag)
-            backend.wait_event(stream, marker)  # R4: after the compute work queued so far
-            backend.record(start, stream, tag=tag)  # R4: after this direction's previous transfer (stream order)
-            if transfer.descriptors is None:
-                backend.record(end, stream, tag=tag)  # nothing to copy: until this returns, no trace is left
-            else:
-                backend.copy_batch(stream, transfer.descriptors, len(moves), tag=tag)
-        except BaseException:  # R14: the device did not take the copy: give everything back, the id stays free
-            finish_all([(f"release a {self.direction} {kind}", functools.partial(  # R16: a failure is leaked
-                self.leaks.release, release, kind, obj, f"release a {self.direction} {kind}"))
-                for release, kind, obj in reversed(transfer.resources(backend))])
-            raise
-        shield = Shield()
-        if transfer.descriptors is not None:  # R14: the device took the copy: the job is queued whole, whatever comes
-            try:  # retried through interrupts; an end event never recorded makes the job fail at the head (R5)
-                shield.run(functools.partial(backend.record, end, stream, tag=tag))
-            except BaseException as exc:
-                transfer.broken = errors.DeviceError(f"recording the end event of {self.direction} job {job_id} "
-                                                     f"failed: {exc!r}")
-        self.queue.append(transfer)
-        self.jobs.add(job_id)
-        self.counts["submitted"] += 1
-        shield.reraise()
-
-    def knows(self, job_id: int) -> bool:
-        return job_id in self.jobs
-
-    def end_events(self, job_ids: set[int]) -> list[Event]:
-        """R23: the end events of the listed jobs still queued here (a broken transfer's was never recorded)."""
-        return [t.events[2] for t in self.queue if t.job_id in job_ids and t.broken is None]
-
-    def last_of(self, job_ids: set[int]) -> _Transfer | None:
-        return next((t for t in reversed(self.queue) if t.job_id in job_ids), None)
-
-    def settle(self, mark: object) -> bool:
-        assert isinstance(mark, _Transfer)  # Invariant: the worker passes what last_of returned
-        self.reap(mark)
-        return mark.resolved
-
-    def reap(self, mark: _Transfer | None = None) -> None:
-        """Observe heads, one ``query`` each, until one is pending or ``mark`` resolved; free what is proven."""
-        while self.queue and not (mark is not None and mark.resolved) and self._observe_head(self.backend.query):
-            pass
-        while self.spent:  # R10: proven transfers' resources are idle; R16: a failed release is leaked, never raised
-            release, kind, obj = self.spent[-1]
-            self.leaks.release(release, kind, obj, f"free a proven {self.direction} transfer's {kind}")
-            self.spent.pop()
-
-    def _observe_head(self, observe: Callable[[Event], bool]) -> bool:
-        """Observe the head's end event once (R5): proven, failed, or (False) still pending."""
-        head = self.queue[0]
-        try:
-            if head.broken is not None:
-                raise head.broken
-            done = observe(head.events[2])
-        except errors.DeviceError as exc:
-            self._head_failed(exc)
-            return True
-        if done:
-            self._head_proven(head)
-        return done
-
-    def _head_proven(self, head: _Transfer) -> None:
-        """R5/R10: the head's own end event is done: reported (open) or counted drained (shutting down)."""
-        action = self.step(HandlerInput.HEAD_PROVEN)
-        seconds = None
-        if action is Action.REPORT:  # R14: the timing (a backend call) is read before the head moves
-            with contextlib.suppress(errors.DeviceError):
-                seconds = self.backend.elapsed(head.events[1], head.events[2])
-        self.queue.popleft()  # from here on no backend call: the head moves to the results as one step
-        head.resolved = True
-        self.spent += head.resources(self.backend)
-        self.counts["completed"] += 1
-        if action is Action.REPORT:
-            self.ready.append(TransferResult(head.job_id, True, head.nbytes, seconds, transfer_type=self.kind))
-        else:  # COUNT_DRAINED
-            self.counts["drained"] += 1
-            self.outcomes.append(JobOutcome(TransferResult(head.job_id, True, head.nbytes, transfer_type=self.kind),
-                                            "drained"))
-
-    def _head_failed(self, exc: errors.DeviceError) -> None:
-        """R5: open: the head and everything behind it are reported failed. R10: draining: the rest is abandoned."""
-        if self.step(HandlerInput.HEAD_FAILED) is Action.ABANDON:
-            return self._abandon(exc, head_failed=True)
-        failed = self._take_queue()
-        self.counts["failed"] += len(failed)
-        self.ready += results.failed_in_order(self.direction, [(t.job_id, t.dst_blocks) for t in failed], exc)  # R22
-
-    def _take_queue(self) -> list[_Transfer]:
-        taken, self.queue = list(self.queue), collections.deque()
-        for t in taken:
-            t.resolved = True
-        self.unproven.extend(taken)  # completion unknown: never freed before the device-level proof (R13)
-        return taken
-
-    def take_results(self) -> list[TransferResult]:
-        handed, self.ready = self.ready, []  # R14: no backend call, so no interrupt splits it
-        self.jobs.difference_update(r.job_id for r in handed)
-        return handed
-
-    def drain(self, deadline: float, *, interrupted: bool = False) -> None:
-        self.step(HandlerInput.BEGIN_DRAIN)  # DROP_RESULTS: nothing is reported after shutdown began (R8) ...
-        self.outcomes += [JobOutcome(r, "unreaped") for r in self.ready]  # ... but the report lists them (R14)
-        self.ready, self.jobs = [], set()
-        backend, backoff = self.backend, Backoff()
-
-        def observe(event: Event) -> bool:  # R11: a bounded poll on the backend's clock, never a blocking wait;
-            # one backoff for the whole drain: the pause carries over from head to head (a pending queue of
-            # thousands costs a poll per pause, not a short first sleep per transfer)
-            return poll_until(backend, lambda: backend.query(event), deadline, backoff)
-
-        try:
-            if interrupted and self.queue:
-                self._stop(HandlerInput.INTERRUPT, None)  # R14: stop all waiting
-            while self.queue:
-                if not self._observe_head(observe):  # the head is still pending at the deadline
-                    self._stop(HandlerInput.DEADLINE, errors.DeadlineExceeded(f"{self.direction} job "
-                               f"{self.queue[0].job_id} was not proven complete within the shutdown timeout"))
-        except BaseException as exc:
-            self._stop(HandlerInput.INTERRUPT, exc)  # R14: the rest is abandoned, the interrupt propagates
-            raise
-        finally:
-            self.step(HandlerInput.QUEUE_EMPTY)
-
-    def abandon_undrained(self) -> None:
-        if tables.allows(lifecycle.HANDLER_TABLE, self.state, HandlerInput.BEGIN_DRAIN):
-            self.drain(0.0, interrupted=True)
-
-    def _stop(self, event: HandlerInput, error: BaseException | None) -> None:
-        if self.step(event) is Action.ABANDON:
-            self._abandon(error)
-
-    def _abandon(self, error: BaseException | None, *, head_failed: bool = False) -> None:
-        """R10: every queued transfer's completion is unknown (but a failed head's); R22: each names its blocks."""
-        remaining = self._take_queue()
-        self.counts["abandoned"] += len(remaining)
-        self.drain_error = self.drain_error or error
-        self.outcomes += results.stopped_outcomes(self.direction, [(t.job_id, t.dst_blocks) for t in remaining],
-                                                  error, head_failed=head_failed)
-        if error is not None and remaining:
-            logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
-                         len(remaining) - 1, exc_info=error)
-
-    @property
-    def clean(self) -> bool:
-        return not self.unproven and not self.queue
-
-    def streams_in_use(self) -> list[Stream]:
-        return [] if self.stream is None else [self.stream]
-
-    def release(self, fate: Fate, shield: Shield | None = None, *,
-                reason: str = "device not proven idle") -> tuple[int, list[str]]:
-        """R10: destroy the stream and every event, free proven transfers' descriptor buffers, and free (RELEASE) or
-        quarantine (R12) the unproven ones'. Every step runs whatever another raised (R14)."""
-        if self.step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
-            return 0, []
-        backend, streams = self.backend, self.streams_in_use()
-        events: list[object] = [e for t in self.unproven for e in t.events]
-        unproven: list[object] = [t.descriptors for t in self.unproven if t.descriptors is not None]
-        freed, kept = (unproven, []) if fate is Fate.RELEASE else ([], unproven)
-        self.stream, self.unproven = None, []
-        leak = self.leaks.of  # R16: a release that fails is leaked; the others still run (R10)
-        failed, _ = finish_all([
-            (f"destroy the {self.direction} stream", lambda: each(backend.destroy_stream, streams, leak("stream"))),
-            (f"free the resources of proven {self.direction} transfers", self.reap),
-            (f"destroy {len(events)} {self.direction} events", lambda: each(backend.destroy_event, events,
-                                                                            leak("event"))),
-            (f"free {len(freed)} {self.direction} descriptor buffers", lambda: each(backend.free_descriptors, freed,
-                                                                                    leak("descriptor"))),
-            ("quarantine descriptor buffers", keeper(backend.ledger.quarantine, "descriptor", kept, reason)),
-        ], shield)
-        return len(kept), failed
-
-    def discard(self) -> None:
-        if self.stream is not None:  # R2: nothing was submitted; only the stream exists (retry-safe, R14; R16)
-            self.leaks.release(self.backend.destroy_stream, "stream", self.stream,
-                               f"destroy the {self.direction} stream")
-            self.stream = None
-
-    def report(self) -> results.HandlerReport:
-        c = self.counts
-        return results.HandlerReport(c["drained"], c["abandoned"], self.drain_error, tuple(self.outcomes))
-
-    def stats(self) -> results.HandlerStats:
-        c = self.counts
-        return results.HandlerStats(self.direction, self.state.value, len(self.queue), len(self.ready),
-                                    c["submitted"], c["completed"], c["failed"], c["abandoned"], len(self.unproven),
-                                    int(self.stream is not None), 0, 0)

@@ -23,9 +23,11 @@ __all__ = [
     "Ended",
     "HandlerReport",
     "HandlerStats",
+    "HeldBlocks",
     "JobOutcome",
     "JobOutcomes",
     "RegionFate",
+    "ReleasedHold",
     "ShutdownPolicy",
     "ShutdownReport",
     "ShutdownRun",
@@ -53,6 +55,7 @@ class TransferResult:
         invalid_blocks: R22: on failure, the destination blocks whose contents are now undefined, sorted and
             distinct -- for a load the GPU block ids it was to write, for a store the CPU chunk ids; () on success.
         transfer_type: ("GPU", "CPU") for a store, ("CPU", "GPU") for a load (as vLLM's older results had it).
+        tag: the opaque ``tag=`` the submission carried (None if none), returned as given.
     """
 
     job_id: int
@@ -62,6 +65,40 @@ class TransferResult:
     error: BaseException | None = None
     invalid_blocks: tuple[int, ...] = ()
     transfer_type: tuple[str, str] | None = None
+    tag: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldBlocks:
+    """What late copies still hold (R27): ``worker.held()``.
+
+    Attributes:
+        gpu_blocks: every held GPU block id, sorted. cpu_chunks: every held CPU chunk id, sorted.
+        gpu_blocks_writes_only: the GPU blocks held only against writes (a late store may still read them; a
+            store may read them too). cpu_chunks_writes_only: likewise for CPU chunks (a late load reads them).
+    """
+
+    gpu_blocks: tuple[int, ...] = ()
+    cpu_chunks: tuple[int, ...] = ()
+    gpu_blocks_writes_only: tuple[int, ...] = ()
+    cpu_chunks_writes_only: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleasedHold:
+    """One ended hold (R27), handed out once by ``worker.take_released()``: the late copy was observed done, so
+    its blocks may be used again (recompute what its failed result's ``invalid_blocks`` named before reading).
+
+    Attributes:
+        job_id: the late job. direction: "store" or "load". gpu_blocks, cpu_chunks: the ids it held, sorted.
+        tag: the submission's ``tag=``.
+    """
+
+    job_id: int
+    direction: str
+    gpu_blocks: tuple[int, ...]
+    cpu_chunks: tuple[int, ...]
+    tag: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +113,14 @@ class HandlerReport:
             BaseException), or None.
         jobs: every job of this direction the caller was never handed, in submission order, with how it ended:
             with ``get_finished()`` it accounts for every accepted job exactly once (R8, R14).
+        retired_streams: retired streams (R28) that could not be proven idle, kept (not destroyed) until exit.
     """
 
     drained: int = 0
     abandoned: int = 0
     error: BaseException | None = None
     jobs: Sequence[JobOutcome] = ()
+    retired_streams: int = 0
 
 
 Ended = Literal["unreaped", "drained", "failed", "abandoned"]
@@ -259,42 +298,43 @@ def destination_blocks(ids: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted({int(i) for i in ids}))
 
 
-def failed_in_order(direction: str, failed: Sequence[tuple[int, Iterable[int]]],
+def failed_in_order(direction: str, failed: Sequence[tuple[int, Iterable[int], object]],
                     exc: DeviceError) -> list[TransferResult]:
     """R5/R22: a failed head and every transfer queued behind it, as failed results naming what they poisoned.
 
     Args:
-        direction: "store" or "load". failed: (job id, destination block ids) of each, head first.
+        direction: "store" or "load". failed: (job id, destination block ids, tag) of each, head first.
         exc: the head's error. It is stored without its tracebacks (a stored error must not keep the frames it was
             raised through); each transfer behind the head gets a DeviceError caused by it.
     """
     exc = detached(exc)
     head, kind = failed[0][0], TRANSFER_TYPE[direction]
     results = []
-    for job, blocks in failed:
+    for job, blocks, tag in failed:
         error: DeviceError = exc
         if job != head:
             error = DeviceError(f"{direction} job {job} was queued behind job {head}, which failed: its data "
                                 "cannot be trusted", exc.status)
             error.__cause__ = exc
         results.append(TransferResult(job, False, error=error, invalid_blocks=destination_blocks(blocks),
-                                      transfer_type=kind))
+                                      transfer_type=kind, tag=tag))
     return results
 
 
-def stopped_outcomes(direction: str, stopped: Sequence[tuple[int, Iterable[int]]], error: BaseException | None, *,
+def stopped_outcomes(direction: str, stopped: Sequence[tuple[int, Iterable[int], object]],
+                     error: BaseException | None, *,
                      head_failed: bool) -> list[JobOutcome]:
     """R10/R22: the jobs a shutdown drain stopped at, as the report lists them: each a failure naming the blocks it
     poisoned, ended "abandoned" (completion unknown) -- the first "failed" if its own end event reported ``error``.
 
     Args:
-        direction: "store" or "load". stopped: (job id, destination block ids) of each, head first.
+        direction: "store" or "load". stopped: (job id, destination block ids, tag) of each, head first.
         error: why the drain stopped (None: an interrupt before the drain began). head_failed: the head failed.
     """
     kind = TRANSFER_TYPE[direction]
     return [JobOutcome(TransferResult(job, False, error=error, invalid_blocks=destination_blocks(blocks),
-                                      transfer_type=kind), "failed" if head_failed and i == 0 else "abandoned")
-            for i, (job, blocks) in enumerate(stopped)]
+                                      transfer_type=kind, tag=tag), "failed" if head_failed and i == 0 else "abandoned")
+            for i, (job, blocks, tag) in enumerate(stopped)]
 
 
 def _poisoned(source: Iterable[TransferResult] | ShutdownReport, kind: tuple[str, str]) -> tuple[int, ...]:

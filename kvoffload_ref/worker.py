@@ -28,6 +28,7 @@ from kvoffload_ref.results import (
     ShutdownReport,
     WorkerStats,
 )
+from kvoffload_ref.running import Running
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import check_int
 
@@ -58,15 +59,17 @@ class CPUOffloadingWorker(WorkerFacade):
                  blocks_per_chunk: int, region: HostRegion, policy: ShutdownPolicy | None = None,
                  pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES, require_pinned: bool = False,
                  prewarm: int = 1, compute_stream: object | None = None,
-                 canonical: CanonicalLayout | Sequence[PageMapping] | None = None) -> None:
-        options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, compute_stream, canonical)
+                 canonical: CanonicalLayout | Sequence[PageMapping] | None = None,
+                 stall_warning: float | None = None) -> None:
+        options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, compute_stream, canonical,
+                                stall_warning)
         pooled = check_int("prewarm", prewarm, minimum=0)
 
         def handlers(backend: Backend, direction: Direction, compute: Stream, layout: KVCacheLayout,
                      gpu: Sequence[TensorGeometry], cpu: Sequence[TensorGeometry], bpc: int,
-                     canonical: CanonicalLayout | None) -> DirectionHandlerAPI:
+                     canonical: CanonicalLayout | None, running: Running) -> DirectionHandlerAPI:
             return DirectionHandler(backend, direction, layout, gpu, cpu, bpc, compute_stream=compute,
-                                    prewarm=pooled, canonical=canonical)
+                                    prewarm=pooled, canonical=canonical, running=running)
 
         self._attach(build_core(backend, gpu_tensors, layout, region, options, handlers, type(self).__name__))
 
@@ -75,7 +78,8 @@ def create_worker(backend: Backend, gpu_tensors: Sequence[object], layout: KVCac
                   blocks_per_chunk: int, num_cpu_chunks: int, policy: ShutdownPolicy | None = None,
                   region: HostRegion | None = None, pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
                   require_pinned: bool = False, prewarm: int = 1, compute_stream: object | None = None,
-                  canonical: CanonicalLayout | Sequence[PageMapping] | None = None) -> CPUOffloadingWorker:
+                  canonical: CanonicalLayout | Sequence[PageMapping] | None = None,
+                  stall_warning: float | None = None) -> CPUOffloadingWorker:
     """Build the region (unless given) and the worker (R1, R2).
 
     If construction fails, a region built here is released and the original exception propagates; a region
@@ -93,10 +97,12 @@ def create_worker(backend: Backend, gpu_tensors: Sequence[object], layout: KVCac
     Raises:
         InvalidTransferError, OwnershipError, DeviceError: as for :class:`CPUOffloadingWorker`.
     """
-    options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, None, canonical)  # R7 first
+    options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, None, canonical,
+                            stall_warning)  # R7 first
     check_int("prewarm", prewarm, minimum=0)
     return build_with_region(
         lambda r: CPUOffloadingWorker(backend, gpu_tensors, layout, blocks_per_chunk=blocks_per_chunk, region=r,
                                       policy=policy, pin_chunk_bytes=pin_chunk_bytes, require_pinned=require_pinned,
-                                      prewarm=prewarm, compute_stream=compute_stream, canonical=options.canonical),
+                                      prewarm=prewarm, compute_stream=compute_stream, canonical=options.canonical,
+                                      stall_warning=stall_warning),
         backend, layout, blocks_per_chunk, num_cpu_chunks, region, check_canonical(layout, options.canonical))

@@ -245,21 +245,30 @@ def test_threads_interrupted_drain_reports_what_it_drained() -> None:
 
 # -- 7. strict FIFO after a failure ----------------------------------------------------------------------------------
 @pytest.mark.rule("R4")
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R28")
 def test_threads_transfer_after_a_failed_one_waits_for_its_end() -> None:
-    plan = kv.FaultPlan([kv.Fault("event_query", "error", job_id=1)])
+    plan = kv.FaultPlan([kv.Fault("event_query", "error", job_id=1, nth=1)])
     be, w, gpu = make_worker(SimBackend(plan), timeout=TIMEOUT)
     w.submit_store(1, gspec([1, 2, 3]), cspec([4]))  # fails when observed, while its copy is still pending
     (failed,) = w.get_finished()
     assert not failed.success
-    w.submit_store(2, gspec([5, 6, 7]), cspec([4]))  # same chunk: must run after job 1's copy
+    # R27: its copy may still write chunk 4 (the direction goes on on a fresh stream, R28): the chunk is held
+    assert w.held().cpu_chunks == (4,)
+    with pytest.raises(kv.BlocksHeldError):
+        w.submit_store(2, gspec([5, 6, 7]), cspec([4]))
+    be.clock_advance(1.0)  # job 1's copy has run by now
+    assert w.get_finished() == []  # a polling call observes its end event: the hold ends
+    assert [(r.job_id, r.cpu_chunks) for r in w.take_released()] == [(1, (4,))]
+    w.submit_store(2, gspec([5, 6, 7]), cspec([4]))  # same chunk: now after job 1's copy
     w.wait({2})
     (ok,) = w.get_finished()
     assert ok.success
-    be.clock_advance(1.0)  # whatever of job 1 was still pending has run by now
     chunk = w.cpu_snapshot()[0][4]
     expected = np.concatenate([be.to_host(gpu[0])[b] for b in (5, 6, 7)])
     assert np.array_equal(chunk, expected)
     w.shutdown()
+    assert be.violations == []
 
 
 # -- 10. the two test holes -------------------------------------------------------------------------------------------

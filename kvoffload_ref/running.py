@@ -1,0 +1,349 @@
+"""A running engine's safety net, written once for both handlers: deadlines, cancel, holds, retired streams.
+
+Theory of operation
+-------------------
+A transfer that will not finish must not wedge its direction, and its memory must not be reused while its copy
+may still run (R26-R28). Three pieces, each behind the ``handler_api`` seam so both handlers share them:
+
+* **Deadlines** (R26). A transfer may carry a deadline in seconds of the backend clock, counted from its start
+  on the device. Only a queue's head can have started (a stream runs its work in order), so a poll that finds
+  the head pending asks whether its start event is done (:func:`started_age`): the first poll that sees it
+  done is its start (a backend can only see it at a poll), and a later poll past ``started + deadline`` expires
+  it. A copy proven complete is a success whatever its deadline said: the end event is always asked first.
+* **Holds** (R27). An expired, cancelled, "behind" or failed transfer is *late*: reported (``success=False``)
+  at once, but its copy may still run. :class:`Holds` (one per worker, shared by both directions) holds what a
+  late copy may write for any access and what it only reads against writes, and refuses a submission that would
+  conflict (:class:`~kvoffload_ref.errors.BlocksHeldError`). The check is vectorized: a count per block id.
+* **Retired streams** (R28). The stream of a late transfer is retired the moment the transfer becomes late: new
+  work in that direction goes to a fresh stream. :class:`Retired` keeps each retired stream with what is still
+  queued on it (live transfers ahead of a cancelled one first, then the late ones) and polls it head first
+  with the caller's observer: a live transfer proven is reported as usual (the handler's callback), a late one
+  proven ends its hold (a :class:`~kvoffload_ref.results.ReleasedHold` for ``take_released``) and only then are
+  its events and descriptor buffer freed. An emptied retired stream is destroyed (proven idle); at shutdown
+  what is left is drained within the deadline and the rest handed back as unproven.
+
+Every call here is made by the worker's lock holder (or the shutdown thread), like the handlers' own (R19).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final, Generic, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref.backends.base import Backend, Event, Stream
+from kvoffload_ref.errors import BlocksHeldError, DeviceError, TransferExpired
+from kvoffload_ref.results import TRANSFER_TYPE, HeldBlocks, ReleasedHold, TransferResult, destination_blocks
+from kvoffload_ref.shield import Leaks
+from kvoffload_ref.specs import Direction
+from kvoffload_ref.validate import Int64Array
+
+__all__ = ["REASONS", "Holds", "LateTransfer", "Mark", "Retired", "Running", "expire", "started_age"]
+
+logger = logging.getLogger("kvoffload_ref.worker")
+
+#: The reasons a transfer expires (``TransferExpired.reason``).
+REASONS: Final = ("deadline", "cancel", "behind")
+
+
+class LateTransfer(Protocol):
+    """What the shared pieces read and write of a handler's transfer record (both records have these fields)."""
+
+    @property
+    def job_id(self) -> int: ...
+    @property
+    def start(self) -> Event: ...
+    @property
+    def end(self) -> Event: ...
+    @property
+    def dst_blocks(self) -> Int64Array: ...  # R22: the destination's ids
+    @property
+    def gpu_ids(self) -> Int64Array: ...  # the GPU block ids of its specs
+    @property
+    def cpu_ids(self) -> Int64Array: ...  # the CPU chunk ids of its specs
+    @property
+    def user_tag(self) -> object: ...  # the caller's opaque tag
+    @property
+    def deadline(self) -> float | None: ...  # seconds from its device start (R26), or None
+    @property
+    def broken(self) -> DeviceError | None: ...  # its end event was never recorded
+    started: float | None  # backend time a poll first saw its start event done, or None
+    late: float | None  # backend time it became late (reported, held), or None while live
+    resolved: bool  # it left its queue (or was reported late)
+    warned: bool  # the stall warning was logged for it (R30)
+
+
+T = TypeVar("T", bound=LateTransfer)
+
+
+# -- holds (R27) --------------------------------------------------------------------------------------------------
+class Holds:
+    """The blocks late copies may still touch, for the whole worker (both directions), with a count per id.
+
+    A store reads GPU blocks and writes CPU chunks; a load reads CPU chunks and writes GPU blocks. What a late copy
+    writes is held for any access; what it reads is held against writes (two reads never conflict, R20).
+    """
+
+    def __init__(self, gpu_blocks: int, cpu_chunks: int) -> None:
+        # Invariant: per id, the number of live holds that may write it (_any) or only read it (_read).
+        self._gpu_any = np.zeros(gpu_blocks, np.int32)
+        self._gpu_read = np.zeros(gpu_blocks, np.int32)
+        self._cpu_any = np.zeros(cpu_chunks, np.int32)
+        self._cpu_read = np.zeros(cpu_chunks, np.int32)
+        # Invariant: the number of live holds (0: the check costs one comparison).
+        self.count = 0
+        # Invariant: ended holds not yet handed out by take_released, in the order they ended.
+        self._released: list[ReleasedHold] = []
+
+    def check(self, direction: Direction, job_id: int, gpu_ids: Int64Array, cpu_ids: Int64Array) -> None:
+        """R27: refuse a submission that would touch a held block the wrong way.
+
+        Raises:
+            BlocksHeldError: a block it writes is held at all, or a block it reads is held for any access.
+        """
+        if not self.count:
+            return
+        if direction == "store":  # reads GPU blocks, writes CPU chunks
+            reads = ("read", "GPU block", gpu_ids[self._gpu_any[gpu_ids] > 0])
+            writes = ("write", "CPU chunk", cpu_ids[(self._cpu_any[cpu_ids] | self._cpu_read[cpu_ids]) > 0])
+        else:  # reads CPU chunks, writes GPU blocks
+            reads = ("read", "CPU chunk", cpu_ids[self._cpu_any[cpu_ids] > 0])
+            writes = ("write", "GPU block", gpu_ids[(self._gpu_any[gpu_ids] | self._gpu_read[gpu_ids]) > 0])
+        for access, what, hit in (reads, writes):
+            if len(hit):
+                raise BlocksHeldError(
+                    f"{direction} job {job_id} would {access} {what}s {sorted({int(i) for i in hit})}, held by a late "
+                    "copy that may still run (R27); submit again once worker.take_released() handed out their "
+                    "release, or use other blocks")
+
+    def hold(self, direction: Direction, gpu_ids: Int64Array, cpu_ids: Int64Array) -> None:
+        """Hold a late copy's blocks."""
+        self._add(direction, gpu_ids, cpu_ids, 1)
+        self.count += 1
+
+    def end(self, direction: Direction, transfer: LateTransfer) -> None:
+        """The late copy was observed done: its hold ends, and a release record waits for take_released."""
+        self._add(direction, transfer.gpu_ids, transfer.cpu_ids, -1)
+        self.count -= 1
+        self._released.append(ReleasedHold(transfer.job_id, direction, destination_blocks(transfer.gpu_ids),
+                                           destination_blocks(transfer.cpu_ids), transfer.user_tag))
+
+    def _add(self, direction: Direction, gpu_ids: Int64Array, cpu_ids: Int64Array, delta: int) -> None:
+        gpu, cpu = (self._gpu_read, self._cpu_any) if direction == "store" else (self._gpu_any, self._cpu_read)
+        np.add.at(gpu, gpu_ids, delta)
+        np.add.at(cpu, cpu_ids, delta)
+
+    def held(self) -> HeldBlocks:
+        """A snapshot of what is held (R27)."""
+        def ids(mask: npt.NDArray[np.bool_]) -> tuple[int, ...]:
+            return tuple(int(i) for i in np.flatnonzero(mask))
+        gpu_any, gpu_read = self._gpu_any > 0, self._gpu_read > 0
+        cpu_any, cpu_read = self._cpu_any > 0, self._cpu_read > 0
+        return HeldBlocks(ids(gpu_any | gpu_read), ids(cpu_any | cpu_read), ids(gpu_read & ~gpu_any),
+                          ids(cpu_read & ~cpu_any))
+
+    def take_released(self) -> list[ReleasedHold]:
+        """Hand out each ended hold once (R27)."""
+        released, self._released = self._released, []
+        return released
+
+
+# -- deadlines (R26) ----------------------------------------------------------------------------------------------
+def started_age(backend: Backend, head: LateTransfer, now: float) -> float | None:
+    """How long ``head`` has run on the device at ``now`` (None: not started yet). Its start is the first poll
+    that sees its start event done (only a queue's head can have started).
+
+    Raises:
+        DeviceError: the start event's query failed (the head fails as its end event's would, R5).
+    """
+    if head.started is None:
+        if not backend.query(head.start):
+            return None
+        head.started = now
+    return now - head.started
+
+
+def expire(direction: Direction, late: Sequence[LateTransfer], reason: str, cancelled: Iterable[int] = ()
+           ) -> list[TransferResult]:
+    """R26/R22: the results of transfers that became late, in queue order: the first with ``reason``, those behind it
+    "behind" naming it, unless cancelled themselves (``cancelled``)."""
+    first, kind, asked = late[0].job_id, TRANSFER_TYPE[direction], set(cancelled)
+    results = []
+    for transfer in late:
+        job = transfer.job_id
+        if transfer is late[0] or job in asked:
+            why, ahead = (reason if transfer is late[0] else "cancel"), None
+            text = (f"{direction} job {job} passed its deadline of {transfer.deadline} s on the device"
+                    if why == "deadline" else f"{direction} job {job} was cancelled")
+        else:
+            why, ahead = "behind", first
+            text = f"{direction} job {job} was queued behind job {first}, which {_ENDED[reason]}"
+        error = TransferExpired(f"{text}; its copy may still run: its blocks are held until it is observed done "
+                                "(worker.held(), worker.take_released())", why, job, ahead)
+        results.append(TransferResult(job, False, error=error, invalid_blocks=destination_blocks(transfer.dst_blocks),
+                                      transfer_type=kind, tag=transfer.user_tag))
+    return results
+
+
+_ENDED: Final = {"deadline": "passed its deadline", "cancel": "was cancelled"}
+
+
+@dataclasses.dataclass(eq=False)
+class Mark(Generic[T]):
+    """What a wait settles on (R6): the last listed job of the current stream and the listed live jobs of retired
+    streams (each stream is FIFO; a retired one never holds the current one back, R28)."""
+
+    transfers: list[T]
+
+    @property
+    def job_id(self) -> int:
+        return self.transfers[-1].job_id
+
+    @property
+    def resolved(self) -> bool:
+        return all(t.resolved for t in self.transfers)
+
+
+# -- retired streams (R28) ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class _Lane(Generic[T]):
+    stream: Stream  # Invariant: retired: no new work is ever queued on it
+    queue: collections.deque[T]  # Invariant: submission order; live (unreported) transfers first, then late ones
+
+
+class Retired(Generic[T]):
+    """One handler's retired streams and what is still queued on them (see the module docstring)."""
+
+    def __init__(self, backend: Backend, direction: Direction, holds: Holds, leaks: Leaks) -> None:
+        self._backend, self._direction, self._holds, self._leaks = backend, direction, holds, leaks
+        # Invariant: oldest first; each has something queued (an emptied lane's stream is destroyed at once).
+        self.lanes: list[_Lane[T]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.lanes)
+
+    def retire(self, stream: Stream | None, live: Sequence[T], late: Sequence[T], now: float) -> None:
+        """Retire ``stream``: ``live`` (ahead, still to be reported) and ``late`` (reported, now held) stay on it."""
+        self.hold(late, now)
+        if stream is None:  # nothing was ever queued on it (a handler without a stream has no transfers)
+            return
+        if not live and not late:
+            self._destroy(stream)
+            return
+        self.lanes.append(_Lane(stream, collections.deque([*live, *late])))
+
+    def hold(self, late: Iterable[T], now: float) -> None:
+        """Mark transfers late (their results are reported by the caller) and hold their blocks (R27)."""
+        for transfer in late:
+            if transfer.late is None:
+                transfer.late = now
+                self._holds.hold(self._direction, transfer.gpu_ids, transfer.cpu_ids)
+
+    def poll(self, observe: Callable[[Event], bool], proven: Callable[[T], None],
+             failed: Callable[[list[T], DeviceError, float], None], free: Callable[[T], None], now: float) -> None:
+        """Observe each retired stream head first until a head is pending: a live head proven goes to ``proven``
+        (reported or counted drained by the handler's table, before it leaves its stream: R14), a late one ends its
+        hold and goes to ``free``; a head whose observation fails hands the live transfers of that stream to
+        ``failed`` (with ``now``, when the poll began) and the stream waits for the next poll."""
+        for lane in list(self.lanes):
+            queue = lane.queue
+            while queue:
+                head = queue[0]
+                try:
+                    if head.broken is not None:
+                        raise head.broken
+                    done = observe(head.end)
+                except DeviceError as exc:
+                    live = [t for t in queue if t.late is None]
+                    if live:
+                        failed(live, exc, now)
+                    break
+                if not done:
+                    break
+                if head.late is None:
+                    proven(head)
+                    queue.popleft()
+                else:
+                    queue.popleft()
+                    self._holds.end(self._direction, head)
+                    free(head)
+                head.resolved = True
+            if not queue and lane in self.lanes:
+                self.lanes.remove(lane)
+                self._destroy(lane.stream)
+
+    def cancel(self, job_ids: set[int], now: float) -> list[list[T]]:
+        """R26: on each retired stream, the first listed live job and the live ones behind it become late (held);
+        returns them, one list per stream, for the handler to report."""
+        ended = []
+        for lane in self.lanes:
+            live = [t for t in lane.queue if t.late is None]
+            first = next((i for i, t in enumerate(live) if t.job_id in job_ids), None)
+            if first is not None:
+                late = live[first:]
+                for transfer in late:
+                    transfer.resolved = True
+                self.hold(late, now)
+                ended.append(late)
+        return ended
+
+    def has_live(self) -> bool:
+        """Whether a live (unreported) transfer is still queued on a retired stream."""
+        return any(t.late is None for lane in self.lanes for t in lane.queue)
+
+    def marks(self, job_ids: set[int]) -> list[T]:
+        """The live transfers among ``job_ids`` on retired streams (a wait settles once they are resolved)."""
+        return [t for lane in self.lanes for t in lane.queue if t.late is None and t.job_id in job_ids]
+
+    def transfers(self) -> list[T]:
+        """Everything still queued on retired streams, oldest stream first."""
+        return [t for lane in self.lanes for t in lane.queue]
+
+    def streams(self) -> list[Stream]:
+        """The retired streams not yet proven idle."""
+        return [lane.stream for lane in self.lanes]
+
+    def take(self) -> tuple[list[T], list[T], list[Stream]]:
+        """Shutdown: hand over what the drain could not prove: (live, late, their streams); none is kept here."""
+        queued, streams = self.transfers(), self.streams()
+        self.lanes = []
+        return [t for t in queued if t.late is None], [t for t in queued if t.late is not None], streams
+
+    def late_count(self) -> int:
+        """How many late transfers (held, not yet observed done) are queued on retired streams."""
+        return sum(t.late is not None for lane in self.lanes for t in lane.queue)
+
+    def oldest_hold(self) -> float | None:
+        """The backend time the oldest held transfer became late (R30), or None."""
+        return min((t.late for t in self.transfers() if t.late is not None), default=None)
+
+    def _destroy(self, stream: Stream) -> None:
+        """A retired stream proven idle (nothing left on it) is destroyed; a failure is leaked (R16)."""
+        self._leaks.release(self._backend.destroy_stream, "stream", stream,
+                            f"destroy a retired {self._direction} stream")
+
+
+# -- health (R30) -------------------------------------------------------------------------------------------------
+class Running:
+    """What both handlers of one worker share of a running engine: the holds (R27) and the stall warning (R30)."""
+
+    def __init__(self, holds: Holds, stall_warning: float | None = None) -> None:
+        self.holds = holds  # Invariant: one per worker, shared by both directions
+        self.stall_warning = stall_warning  # Invariant: None (off) or seconds > 0
+
+    @property
+    def watches(self) -> bool:
+        """Whether a pending head's device age matters without a deadline (the stall warning is on)."""
+        return self.stall_warning is not None
+
+    def check_stall(self, direction: Direction, head: LateTransfer, age: float) -> None:
+        """R30: log a transfer unproven for longer than ``stall_warning`` once, naming it, its direction and age."""
+        if self.stall_warning is not None and age > self.stall_warning and not head.warned:
+            head.warned = True
+            logger.warning("%s job %d has not completed %.3f s after it started on the device (stall_warning=%s s)",
+                           direction, head.job_id, age, self.stall_warning)
