@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 from _interleave import Pause, run_in_thread
-from _support import cspec, gspec, make_worker
+from _support import BPC, CPU_CHUNKS, cspec, gspec, make_worker, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.base import Event, Stream, Tag
@@ -278,3 +279,73 @@ def test_sim_end_hangs_from_another_thread_lets_a_waiting_worker_finish() -> Non
     assert [(r.job_id, r.success) for r in finished] == [(1, True)]
     w.shutdown()
     assert be.violations == []
+
+
+# -- with a worker: the late copy of an expired job lands, its hold ends, the blocks are used again --------------
+
+WORKERS = pytest.mark.parametrize("create", [kv.create_worker, kv.create_reference_worker],
+                                  ids=["engine", "reference"])
+
+
+def _stored(be: SimBackend, w: Any) -> None:
+    """Chunks 0 and 1 hold GPU blocks 0-2 and 3-5 (jobs 1, 2)."""
+    w.submit_store(1, gspec([0, 1, 2]), cspec([0]))
+    w.submit_store(2, gspec([3, 4, 5]), cspec([1]))
+    w.wait({1, 2})
+    assert [r.success for r in w.get_finished()] == [True, True]
+
+
+def _blocks(be: SimBackend, gpu: list[Any], blocks: list[int]) -> list[npt.NDArray[np.uint8]]:
+    return [be.to_host(g)[blocks].copy() for g in gpu]
+
+
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R28")
+@pytest.mark.rule("R20")
+@WORKERS
+@pytest.mark.parametrize("late", ["hang", "slow"])
+def test_sim_late_load_lands_after_expiry_and_its_blocks_are_released_for_reuse(create: Any, late: str) -> None:
+    stall = (Fault("copy", "hang", direction="load", job_id=11) if late == "hang"
+             else Fault("copy", "slow", direction="load", job_id=11, duration=5.0))
+    be = SimBackend(FaultPlan([stall]))
+    _, w, gpu = make_worker(be) if create is kv.create_worker else (be, *_reference(be))
+    _stored(be, w)
+    expected = _blocks(be, gpu, [3, 4, 5])
+    w.submit_load(11, cspec([1]), gspec([30, 31, 32]), deadline=0.5)   # stalls on the device
+    assert w.get_finished() == []
+    be.sleep(1.0)
+    (expired,) = w.get_finished()
+    assert (expired.job_id, expired.success, expired.error.reason) == (11, False, "deadline")
+    assert w.held().gpu_blocks == (30, 31, 32)
+    with pytest.raises(kv.BlocksHeldError):
+        w.submit_load(12, cspec([0]), gspec([31]))
+    w.submit_load(13, cspec([0]), gspec([40, 41, 42]))                # a fresh stream serves the direction
+    w.wait({13})
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(13, True)]
+    assert w.take_released() == []
+    landed = _blocks(be, gpu, [30, 31, 32])
+    assert not any(np.array_equal(a, b) for a, b in zip(landed, expected, strict=True))   # not landed yet
+    if late == "hang":
+        assert be.end_hangs(direction="load", job_id=11) == 1
+    be.sleep(5.0)
+    w.get_finished()                                                  # a poll observes the late copy's end
+    (released,) = w.take_released()
+    assert (released.job_id, released.direction, released.gpu_blocks) == (11, "load", (30, 31, 32))
+    assert w.held() == kv.HeldBlocks()
+    assert all(np.array_equal(a, b) for a, b in zip(_blocks(be, gpu, [30, 31, 32]), expected, strict=True))
+    w.submit_load(14, cspec([0]), gspec([30, 31, 32]))                # the blocks are free again
+    w.wait({14})
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(14, True)]
+    be.enqueue_compute_write(gpu[0], [30], 7, 0.0)                    # ordered after the observed load 14
+    report = w.shutdown()
+    assert report.region == "released"                                # nothing unproven is left
+    assert be.violations == []                                        # a correct caller's schedule (R20)
+
+
+def _reference(be: SimBackend) -> tuple[Any, list[Any]]:
+    """A reference worker as make_worker builds an engine."""
+    layout = small_layout()
+    gpu = patterned_gpu(be, layout)
+    w = kv.create_reference_worker(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS,
+                                   policy=kv.ShutdownPolicy(timeout=1.0))
+    return w, gpu
