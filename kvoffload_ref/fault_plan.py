@@ -20,6 +20,11 @@ Kinds:
   record (on a stream other than a compute stream, a transfer's tagged records come in start/end pairs; a
   tagged record that does not close an open pair of its tag is a start), and ``nth`` counts matching
   submissions, a reused job id included; at ``device_sync`` it selects the proof call.
+* ``"slow"`` (points ``event_query``, ``event_sync``, ``copy`` only; ``duration=s`` required, a finite number of
+  seconds > 0): selected at submission exactly like a hang (the same counting, the same selectors), but the stall
+  ends by itself: the transfer's start event completes as usual and its copy starts ``duration`` backend seconds
+  later, so its end event completes that much late (R26/R27: a late copy that does land). ``FaultyBackend`` does not
+  apply slow faults (see its docstring); the simulated device does.
 
 Release points (:data:`RELEASE_POINTS`: ``destroy`` = ``destroy_stream``/``destroy_event``, ``free`` =
 ``free_descriptors``, ``unmap`` = ``untrack_host``) take errors only; their calls are untagged, so only a fault
@@ -40,12 +45,12 @@ import numpy as np
 
 from kvoffload_ref.backends.base import FaultPoint, Tag
 from kvoffload_ref.errors import CUDA_ERROR_LAUNCH_FAILED, DeviceError, InvalidTransferError
-from kvoffload_ref.validate import check_int
+from kvoffload_ref.validate import check_int, check_positive
 
-__all__ = ["HANG_POINTS", "POINTS", "RELEASE_POINTS", "TRANSFER_HANG_POINTS", "Fault", "FaultKind", "FaultPlan",
-           "FaultPoint"]
+__all__ = ["HANG_POINTS", "POINTS", "RELEASE_POINTS", "STALL_KINDS", "TRANSFER_HANG_POINTS", "Fault", "FaultKind",
+           "FaultPlan", "FaultPoint"]
 
-FaultKind = Literal["error", "hang"]
+FaultKind = Literal["error", "hang", "slow"]
 
 POINTS: Final[tuple[FaultPoint, ...]] = (
     "event_query", "event_sync", "copy", "device_sync", "host_register", "host_unregister",
@@ -59,6 +64,8 @@ RELEASE_POINTS: Final[tuple[FaultPoint, ...]] = ("destroy", "free", "unmap")
 #: Points where a hang can be injected; the first three select a transfer at submission.
 HANG_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_sync", "copy", "device_sync")
 TRANSFER_HANG_POINTS: Final[tuple[FaultPoint, ...]] = ("event_query", "event_sync", "copy")
+#: The kinds a transfer's submission is offered to (:meth:`FaultPlan.select_hang`): both stall its stream.
+STALL_KINDS: Final[tuple[FaultKind, ...]] = ("hang", "slow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,19 +74,23 @@ class Fault:
 
     Attributes:
         point: where (one of :data:`POINTS`).
-        kind: ``"error"`` or ``"hang"``.
+        kind: ``"error"``, ``"hang"`` or ``"slow"``.
         direction: None (any), ``"store"`` or ``"load"``.
         job_id: None (any) or an int (numpy ints are stored as Python ints; any size: it is only compared).
         nth: None (every match) or an int >= 1.
         sticky: a bool: the device is lost once this error fires.
         status: the ``DeviceError`` status, an int >= 0.
+        duration: for ``"slow"`` only (required there, refused elsewhere): the backend seconds the stall lasts,
+            a finite number > 0 (stored as a float).
 
     Raises:
-        InvalidTransferError: (a ValueError) an unknown point or kind, a hang at a point that cannot hang, a
-            sticky hang, a direction other than None, "store" or "load", a ``job_id`` that is not None or an int,
-            an ``nth`` that is not None or an int >= 1, a ``sticky`` that is not a bool, or a ``status`` that is
-            not an int >= 0 (a bool, a float or a string is refused: ``job_id=True`` would select job 1, and
-            ``nth=1.5`` would never fire) (R7).
+        InvalidTransferError: (a ValueError) an unknown point or kind, a hang at a point that cannot hang, a slow
+            fault at a point other than a transfer point (:data:`TRANSFER_HANG_POINTS`), a sticky hang or slow fault, a
+            ``duration`` missing for ``"slow"`` or given for another kind, a ``duration`` that is not a finite number >
+            0 (a bool, NaN, an infinity, zero, a negative number or a string is refused), a direction other than None,
+            "store" or "load", a ``job_id`` that is not None or an int, an ``nth`` that is not None or an int >= 1, a
+            ``sticky`` that is not a bool, or a ``status`` that is not an int >= 0 (a bool, a float or a string is
+            refused: ``job_id=True`` would select job 1, and ``nth=1.5`` would never fire) (R7).
     """
 
     point: FaultPoint
@@ -89,12 +100,13 @@ class Fault:
     nth: int | None = None
     sticky: bool = False
     status: int = CUDA_ERROR_LAUNCH_FAILED
+    duration: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.point, str) or self.point not in POINTS:
             raise InvalidTransferError(f"unknown fault point {self.point!r}; expected one of {POINTS}")
-        if not isinstance(self.kind, str) or self.kind not in ("error", "hang"):
-            raise InvalidTransferError(f"unknown fault kind {self.kind!r}; expected 'error' or 'hang'")
+        if not isinstance(self.kind, str) or self.kind not in ("error", "hang", "slow"):
+            raise InvalidTransferError(f"unknown fault kind {self.kind!r}; expected 'error', 'hang' or 'slow'")
         if self.direction is not None and (not isinstance(self.direction, str)
                                            or self.direction not in ("store", "load")):
             raise InvalidTransferError(f"direction must be None, 'store' or 'load', got {self.direction!r}")
@@ -102,8 +114,12 @@ class Fault:
             raise InvalidTransferError(f"sticky must be a bool, got {type(self.sticky).__name__} {self.sticky!r}")
         if self.kind == "hang" and self.point not in HANG_POINTS:
             raise InvalidTransferError(f"a hang cannot be injected at {self.point!r}; only at {HANG_POINTS}")
-        if self.kind == "hang" and self.sticky:
+        if self.kind == "slow" and self.point not in TRANSFER_HANG_POINTS:
+            raise InvalidTransferError(f"a slow fault cannot be injected at {self.point!r}; only at "
+                                       f"{TRANSFER_HANG_POINTS}")
+        if self.kind != "error" and self.sticky:
             raise InvalidTransferError("sticky applies to errors only")
+        self._check_duration()
         if self.job_id is not None:
             object.__setattr__(self, "job_id", check_int("Fault.job_id", self.job_id))
         if self.nth is not None:
@@ -111,6 +127,16 @@ class Fault:
                 raise InvalidTransferError(f"Fault.nth is 1-based: expected None or an int >= 1, got {self.nth}")
             object.__setattr__(self, "nth", check_int("Fault.nth", self.nth, minimum=1))
         object.__setattr__(self, "status", check_int("Fault.status", self.status, minimum=0))
+
+    def _check_duration(self) -> None:
+        """A slow fault's duration: required, a finite number of seconds > 0; refused for the other kinds (R7)."""
+        if self.kind != "slow":
+            if self.duration is not None:
+                raise InvalidTransferError(f"duration applies to slow faults only, not to a {self.kind!r} fault")
+            return
+        if self.duration is None:
+            raise InvalidTransferError("a slow fault needs duration= (seconds the stall lasts, a finite number > 0)")
+        object.__setattr__(self, "duration", check_positive("Fault.duration", self.duration, unit="seconds"))
 
     def matches(self, tag: Tag | None) -> bool:
         """Whether a call carrying ``tag`` is selected by this fault's direction/job_id selectors."""
@@ -131,6 +157,8 @@ class Fault:
             fields.append("sticky=True")
         if self.status != CUDA_ERROR_LAUNCH_FAILED:
             fields.append(f"status={self.status!r}")
+        if self.duration is not None:
+            fields.append(f"duration={self.duration!r}")
         return f"Fault({', '.join(fields)})"
 
 
@@ -213,9 +241,15 @@ class FaultPlan:
         self._raise_if_lost(point, tag)
         return self._select(point, tag, kinds=("hang",), consult_lost=False) is not None
 
-    def select_hang(self, tag: Tag | None) -> Fault | None:
-        """Called once when a transfer is submitted: the hang fault that selects it, if any."""
-        hits = [self._select(point, tag, kinds=("hang",), consult_lost=False) for point in TRANSFER_HANG_POINTS]
+    def select_hang(self, tag: Tag | None, kinds: tuple[FaultKind, ...] = STALL_KINDS) -> Fault | None:
+        """Called once when a transfer is submitted: the hang or slow fault that selects it, if any.
+
+        Args:
+            tag: the transfer's tag.
+            kinds: the stall kinds the caller applies (default both; ``FaultyBackend`` applies ``("hang",)``, so a
+                slow fault neither counts nor fires there).
+        """
+        hits = [self._select(point, tag, kinds=kinds, consult_lost=False) for point in TRANSFER_HANG_POINTS]
         return next((fault for fault in hits if fault is not None), None)  # every point counts the call
 
     def _raise_if_lost(self, point: FaultPoint, tag: Tag | None) -> None:

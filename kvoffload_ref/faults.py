@@ -9,6 +9,13 @@ reaches the inner backend, so they leave no trace there. Hangs are emulated abov
 transfer's stream is marked hung (its later copies are not forwarded), an event recorded on a hung stream is hung
 (queries say pending forever, a blocking synchronize gives up with ``SimHang`` after a horizon), and a stream that
 waits on a hung event is hung in turn -- the same observable behaviour as the simulated device's hang ops.
+
+Slow faults and ending a hang are the simulated device's only (``SimBackend.end_hangs``): this hang model has no
+equivalent. A hung stream's copies are dropped, never forwarded, while its records were forwarded and have
+completed on the inner device in the wrong order (before the copies), so nothing can later make the late copy
+land and its end event complete after it; replaying would need every op on a hung stream (and on the streams
+that waited on it) buffered and re-issued in order, with their descriptors as they were. A plan holding a slow
+fault is refused; one armed later (``plan.add``) never fires here (``select_hang`` is asked for hangs only).
 It is thread-safe: each call's bookkeeping and its forwarding are atomic under one lock, except blocking waits
 (``synchronize``, ``sleep``, ``prove_idle``), which hold no lock while they wait. Like the sim it has an
 ``on_call`` hook, called at the start of every call before any lock is taken.
@@ -38,7 +45,7 @@ from kvoffload_ref.backends.base import (
     poll_until,
     record_and_poll,
 )
-from kvoffload_ref.errors import CUDA_ERROR_NOT_READY, DeviceError, SimHang
+from kvoffload_ref.errors import CUDA_ERROR_NOT_READY, DeviceError, InvalidTransferError, SimHang
 from kvoffload_ref.fault_plan import HANG_POINTS, POINTS, RELEASE_POINTS, Fault, FaultKind, FaultPlan
 from kvoffload_ref.validate import check_positive
 
@@ -60,7 +67,8 @@ class FaultyBackend:
             timeout (``check_unbounded_wait``), waits before it raises ``SimHang``: a finite number > 0.
 
     Raises:
-        InvalidTransferError: (a ValueError) ``hang_horizon`` is not a finite number > 0 (R7).
+        InvalidTransferError: (a ValueError) ``hang_horizon`` is not a finite number > 0 (R7), or the plan holds a
+            ``"slow"`` fault (not applied here: see the module docstring).
 
     Attributes:
         inner: the wrapped backend.
@@ -71,6 +79,9 @@ class FaultyBackend:
 
     def __init__(self, inner: Backend, plan: FaultPlan, *, hang_horizon: float = 3600.0) -> None:
         horizon = check_positive("hang_horizon", hang_horizon, unit="seconds")
+        slow = [fault for fault in plan.faults if fault.kind == "slow"]
+        if slow:
+            raise InvalidTransferError(f"FaultyBackend cannot apply slow faults (the simulated device can): {slow}")
         self.inner, self.plan, self._horizon = inner, plan, horizon
         self.name: str = f"faulty({inner.name})"
         self.on_call: CallHook | None = None
@@ -461,7 +472,7 @@ class FaultyBackend:
             self._compute_ids.add(key)
             return False
         self._hang_tags[key] = tag
-        return self.plan.select_hang(tag) is not None
+        return self.plan.select_hang(tag, ("hang",)) is not None   # slow faults: not applied here (docstring)
 
 
 if TYPE_CHECKING:

@@ -322,3 +322,127 @@ def _run_model(steps: list[tuple[Any, ...]]) -> set[tuple[int, int]]:
 @given(schedules())
 def test_sim_race_detector_matches_a_naive_pairwise_model(steps: list[tuple[Any, ...]]) -> None:
     assert _run_detector(steps) == _run_model(steps)
+
+
+# -- held blocks at the backend level (R27): a late copy, then fresh-stream work on its rows ---------------------
+
+
+class LateRig:
+    """A sim (one device array, one pinned host buffer) whose job 1 copy is late: slow, or hung until ended (or,
+    with ``"none"``, on time: no fault plan)."""
+
+    def __init__(self, late: str) -> None:
+        stall = (kv.Fault("copy", "slow", job_id=1, duration=5.0) if late == "slow"
+                 else kv.Fault("copy", "hang", job_id=1))
+        self.late = late
+        self.be = SimBackend(kv.FaultPlan([stall]) if late != "none" else None)
+        dev = self.be.empty_device((8, PAGE))
+        assert isinstance(dev, np.ndarray)
+        self.dev = dev
+        self.host = np.zeros(8 * PAGE, dtype=np.uint8)
+        self.be.track_host(self.host.ctypes.data, self.host.nbytes)
+        self.be.host_register(self.host.ctypes.data, self.host.nbytes)
+
+    def submit(self, job: int, direction: str, rows: Sequence[int], pages: Sequence[int]) -> tuple[Any, Any]:
+        """A transfer as a worker queues one on a fresh stream: ordered after a marker recorded on the compute
+        stream now (R4), then start record, copy, end record. Returns (stream, end event)."""
+        be, tag = self.be, (direction, job)
+        stream, marker = be.create_stream(), be.create_event()
+        be.record(marker, be.current_stream())
+        be.wait_event(stream, marker)
+        start, end = be.create_event(tag=tag), be.create_event(tag=tag)
+        be.record(start, stream, tag=tag)
+        gpu = np.array([self.dev.ctypes.data + r * PAGE for r in rows], dtype=np.int64)
+        cpu = np.array([self.host.ctypes.data + p * PAGE for p in pages], dtype=np.int64)
+        buf = be.alloc_descriptors(len(rows), tag=tag)
+        buf.fill(gpu, cpu, np.full(len(rows), PAGE, dtype=np.int64)) if direction == "store" else buf.fill(
+            cpu, gpu, np.full(len(rows), PAGE, dtype=np.int64))
+        be.copy_batch(stream, buf, len(rows), tag=tag)
+        be.record(end, stream, tag=tag)
+        return stream, end
+
+    def let_it_land(self) -> None:
+        """The late copy lands: the slow stall runs out, or the hang is ended and the copy runs."""
+        if self.late == "hang":
+            self.be.sleep(50.0)
+            assert self.be.end_hangs(job_id=1) == 1
+        self.be.sleep(10.0)
+
+
+LATE = pytest.mark.parametrize("late", ["slow", "hang"])
+# (the late job's direction, the later job's direction): the later one writes (or reads) rows the late one writes
+CONFLICTS = pytest.mark.parametrize(("first", "then"), [("load", "load"), ("store", "store"), ("store", "load"),
+                                                        ("load", "store")])
+
+
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R20")
+@LATE
+@CONFLICTS
+def test_sim_race_late_copy_observed_done_orders_fresh_stream_work(late: str, first: str, then: str) -> None:
+    rig = LateRig(late)
+    _, end = rig.submit(1, first, [0, 1], [0, 1])
+    rig.let_it_land()
+    assert rig.be.query(end)                   # the hold ends: the host observed the late copy's end event
+    _, later = rig.submit(2, then, [0, 1], [0, 1])
+    rig.be.synchronize(later)
+    assert races(rig.be) == []
+
+
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R20")
+@LATE
+@CONFLICTS
+def test_sim_race_fresh_stream_work_before_the_late_copy_is_observed_is_flagged(late: str, first: str,
+                                                                                   then: str) -> None:
+    rig = LateRig(late)
+    rig.submit(1, first, [0, 1], [0, 1])
+    rig.be.sleep(1.0)                          # still pending (stalled), nothing observed
+    _, later = rig.submit(2, then, [0, 1], [0, 1])
+    found = races(rig.be)
+    assert len(found) == 1 and f"{first} job 1" in found[0].detail and f"{then} job 2" in found[0].detail
+    rig.let_it_land()
+    rig.be.synchronize(later)
+    assert len(races(rig.be)) == 1
+
+
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R20")
+@LATE
+def test_sim_race_late_copy_landed_but_not_observed_is_still_flagged(late: str) -> None:
+    # by happens-before, not by timing: the copy has landed, but nobody looked, so nothing orders job 2 after it
+    rig = LateRig(late)
+    rig.submit(1, "load", [3], [0])
+    rig.let_it_land()
+    rig.submit(2, "load", [3], [1])
+    assert len(races(rig.be)) == 1
+
+
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R20")
+@LATE
+@pytest.mark.parametrize("direction", ["load", "store"])
+def test_sim_race_compute_write_to_rows_a_late_copy_touches_is_flagged(late: str, direction: str) -> None:
+    rig = LateRig(late)
+    _, end = rig.submit(1, direction, [2, 5], [0, 1])    # a load writes rows 2 and 5; a store reads them
+    rig.be.enqueue_compute_write(rig.dev, [5], 9, 0.0)   # a caller writing a held block by other means
+    found = races(rig.be)
+    assert len(found) == 1 and f"{direction} job 1" in found[0].detail and "compute work" in found[0].detail
+    rig.let_it_land()
+    assert rig.be.query(end)
+    rig.be.enqueue_compute_write(rig.dev, [5], 9, 0.0)   # once the hold ended: ordered, no new violation
+    assert len(races(rig.be)) == 1
+
+
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R20")
+def test_sim_race_a_batched_query_observes_every_stream_it_saw_done() -> None:
+    # a poll over the end events of two streams (a retired one and a fresh one) observes both copies (a batched
+    # query answers only without a fault plan)
+    rig = LateRig("none")
+    _, first = rig.submit(1, "load", [0], [0])
+    _, second = rig.submit(2, "load", [1], [1])
+    rig.let_it_land()
+    assert rig.be.query_prefix([first, second]) == 2
+    rig.be.enqueue_compute_write(rig.dev, [0, 1], 7, 0.0)
+    assert races(rig.be) == []

@@ -94,27 +94,34 @@ class SimBatchCalls(SimCore):
 
         Stops at the first event not done: the events are looked at in runs of PREFIX_FIRST_RUN, then twice as
         many each time, so a poll that finds the head pending looks at a few events, not at every one asked
-        about (a drain polls a queue of thousands many times)."""
+        about (a drain polls a queue of thousands many times). The events may belong to several streams (a
+        retired stream's and a fresh one's, R28): the race detector observes the latest counted record of each
+        stream, which covers the earlier records of that stream (R20)."""
         if self.on_call is not None or self._plan is not None or self._sticky is not None:
             return 0
         with self._lock:
             self._catch_up()
-            count, last, size, total = 0, None, PREFIX_FIRST_RUN, len(events)
+            count, size, total = 0, PREFIX_FIRST_RUN, len(events)
+            # Invariant: stream -> the latest record counted so far on it (insertion keeps the latest per key).
+            lasts: dict[object, Record] = {}
             while count < total:
                 run = events[count:count + size]
-                done, latest = _done_prefix(self._events, run)
-                count, last = count + done, latest or last
+                done, counted = _done_prefix(self._events, run)
+                count += done
+                if counted:
+                    lasts.update(zip(map(_STREAM, counted), counted, strict=True))
                 if done < len(run):
                     break
                 size *= 2
-            if last is not None and self._race is not None:
-                self._race.observe(last)  # one stream's records: observing the last covers those before it
+            if self._race is not None:
+                for last in lasts.values():
+                    self._race.observe(last)
             return count
 
 
-def _done_prefix(table: dict[int, SimEvent], events: Sequence[Event]) -> tuple[int, Record | None]:
+def _done_prefix(table: dict[int, SimEvent], events: Sequence[Event]) -> tuple[int, Sequence[Record]]:
     """How many of ``events``, from the first, are live in ``table`` and done (a never-recorded event counts as
-    done), and the latest record among those counted (None if none has one)."""
+    done), and the records of those counted, in order (an event never recorded has none)."""
     if len(events) == 1:   # a wait's own job at the head: the same answer without the list machinery
         return _done_one(table, events[0])
     live = list(map(table.get, _event_keys(events)))
@@ -124,24 +131,25 @@ def _done_prefix(table: dict[int, SimEvent], events: Sequence[Event]) -> tuple[i
     if None in latest:  # a never-recorded event counts as complete
         pending = [r is not None and r.done_at is None for r in latest]
         count = pending.index(True) if True in pending else len(pending)
-        return count, next((r for r in reversed(latest[:count]) if r is not None), None)
+        return count, [r for r in latest[:count] if r is not None]
     done = list(map(_DONE, latest))
     count = len(done) if all(done) else done.index(False)
-    return count, latest[count - 1] if count else None
+    return count, cast(list[Record], latest[:count])
 
 
-def _done_one(table: dict[int, SimEvent], event: Event) -> tuple[int, Record | None]:
+def _done_one(table: dict[int, SimEvent], event: Event) -> tuple[int, Sequence[Record]]:
     """:func:`_done_prefix` of one event."""
     if table.get(id(event)) is not event:   # not live: stop before it
-        return 0, None
+        return 0, ()
     latest = cast(SimEvent, event).latest
     if latest is None:   # never recorded: complete
-        return 1, None
-    return (1, latest) if latest.done else (0, None)
+        return 1, ()
+    return (1, (latest,)) if latest.done else (0, ())
 
 
 _LATEST = operator.attrgetter("latest")
 _DONE = operator.attrgetter("done")
+_STREAM = operator.attrgetter("stream")
 _KEY = operator.attrgetter("key")
 
 

@@ -26,12 +26,14 @@ from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, Vio
 from kvoffload_ref.backends._simsched import (
     ComputeOp,
     CopyOp,
+    HangOp,
     Op,
     Record,
     RecordOp,
     Scheduler,
     SimEvent,
     SimStream,
+    SlowOp,
 )
 from kvoffload_ref.backends._simtrace import SimTrace
 from kvoffload_ref.backends.base import (
@@ -41,6 +43,7 @@ from kvoffload_ref.backends.base import (
     FaultPoint,
     FaultSource,
     Ledger,
+    StallFault,
     Stream,
     Tag,
     TensorGeometry,
@@ -146,6 +149,9 @@ class SimCore:
         self._buffer_users: collections.Counter[int] = collections.Counter()
         # Invariant: the copies submitted and not yet executed, including those stuck behind a hang.
         self._pending: dict[CopyOp, None] = {}
+        # Invariant: the hang ops queued and not yet finished (hung, or ended and not yet run), in submission
+        # order; end_hangs looks here (a hang may sit on a destroyed stream or behind other work).
+        self._hangs: dict[HangOp, None] = {}
         # Invariant: every device array ever allocated; device memory is never freed, so no copy can touch
         # memory that was given back.
         self._device_arrays: list[Bytes] = []
@@ -372,22 +378,53 @@ class SimCore:
             raise SimHang(f"{what} did not complete within {self._hang_horizon} virtual seconds "
                           "(hung work, or work waiting on hung work)")
 
-    def _selects_hang(self, stream: SimStream, tag: Tag | None) -> bool:
-        """Whether this tagged record submits a transfer that a hang fault selects (see :meth:`record`)."""
+    def _select_stall(self, stream: SimStream, tag: Tag | None) -> StallFault | None:
+        """The hang or slow fault that selects the transfer this tagged record submits, if any (see ``record``)."""
         if tag is None or stream.compute:
-            return False
+            return None
         if stream.hang_tag == tag:   # the transfer's end record closes its pair
             stream.hang_tag = None
-            return False
+            return None
         stream.hang_tag = tag
-        hang = self._plan is not None and self._plan.select_hang(tag) is not None
-        if hang and self._trace is not None:
-            self._trace.instant(stream, f"fault: hang after {transfer_name(tag, stream)}", self._sched.now, "fault",
-                                {"point": "copy", "tag": list(tag)})
-        return hang
+        stall = self._plan.select_hang(tag) if self._plan is not None else None
+        if stall is not None and self._trace is not None:
+            args: dict[str, Any] = {"point": "copy", "tag": list(tag)}
+            if stall.duration is not None:
+                args["duration_s"] = stall.duration
+            self._trace.instant(stream, f"fault: {stall.kind} after {transfer_name(tag, stream)}", self._sched.now,
+                                "fault", args)
+        return stall
+
+    def _queue_stall(self, stream: SimStream, tag: Tag | None) -> None:
+        """Right after a transfer's start record: queue the stall a hang or slow fault selected for it, if any."""
+        stall = self._select_stall(stream, tag)
+        if stall is None:
+            return
+        if stall.kind == "slow" and stall.duration is not None:
+            self._sched.submit(SlowOp(stream, tag, stall.duration))
+        else:
+            hang = HangOp(stream, tag)
+            self._hangs[hang] = None
+            self._sched.submit(hang)
+
+    def _end_hangs(self, direction: str | None, job_id: int | None) -> int:
+        """End the hang ops whose tag matches (None: any); the count ended (see ``SimBackend.end_hangs``)."""
+        ended = 0
+        for hang in list(self._hangs):
+            tag = hang.tag
+            if direction is not None and (tag is None or tag[0] != direction):
+                continue
+            if job_id is not None and (tag is None or tag[1] != job_id):
+                continue
+            if self._sched.end_hang(hang):
+                ended += 1
+                if self._trace is not None:
+                    self._trace.instant(hang.stream, f"hang ended: {transfer_name(tag, hang.stream)}",
+                                        self._sched.now, "fault", {"tag": list(tag) if tag else None})
+        return ended
 
     def _submit_record(self, stream: SimStream) -> Record:
-        record = Record()
+        record = Record(stream)
         self._sched.submit(RecordOp(stream, record))
         if self._race is not None:
             self._race.on_record(stream, record)
@@ -436,6 +473,8 @@ class SimCore:
                 op.poison = op.poison or f"{why} while the copy was pending"
 
     def _op_duration(self, op: Op) -> float:
+        if isinstance(op, SlowOp):
+            return op.duration   # exact: a stall is not priced by the profile
         if isinstance(op, ComputeOp):
             return op.delay if self._cost is None else op.delay * self._cost.compute_factor()
         if not isinstance(op, CopyOp):
@@ -452,6 +491,8 @@ class SimCore:
             op.target[op.rows] = op.value
         elif isinstance(op, CopyOp):
             self._execute_copy(op)
+        elif isinstance(op, HangOp):
+            del self._hangs[op]   # an ended hang ran
 
     def _execute_copy(self, op: CopyOp) -> None:
         del self._pending[op]

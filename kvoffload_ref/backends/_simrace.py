@@ -18,6 +18,17 @@ starts a new lane. Each op gets ``(lane, count)``; each stream and each event re
 Enqueueing joins the host clock into the stream's; a wait joins the record's; an observation joins the record's
 into the host's. ``A -> B`` iff ``clock(B)[lane(A)] >= count(A)``. Chains stay one lane, so clocks stay small.
 
+*Held blocks (R27).* The observation edge is the one a hold relies on. A late copy (a slow one, or one behind a
+hang that was ended) writes or reads rows R on a stream A; its blocks are held until the host observes A's end
+event done (any polling call: ``query``, ``query_prefix``, ``synchronize``). From then on every op enqueued, on
+any stream -- a fresh stream B that the worker orders only after a marker on the compute stream, or compute work
+itself -- is ordered after the late copy, so touching R is no race. Before that observation nothing orders them
+(not the copy having landed in virtual time, not the stream having been retired), so a caller that writes a held
+block by other means -- an ``enqueue_compute_write``, a copy on another stream -- is flagged, as is a fresh-stream
+copy submitted while the late copy is unobserved. A batched ``query_prefix`` may span several streams (a retired
+stream's events and a fresh one's, R28): it observes the latest counted record of each stream, not only the last
+one asked about.
+
 *Memory.* An op the host has observed complete precedes everything enqueued later, so it is dropped: the
 detector holds only ops not yet known complete to the host (per lane, a deque sorted by count), and clock
 entries only for lanes that still hold such ops.

@@ -6,14 +6,17 @@ Theory of operation
 ``synchronize`` (and ``to_host``) move it to the moment what they wait for completes, or by the hang horizon when
 it never can. Nothing else advances it, so every deadline a test sets is exact and repeatable.
 
-*Streams.* Each stream is a FIFO of ops (record, wait, copy, compute write, hang). The head op of a stream starts
-when the op before it finished (never before it was submitted) and, for a wait, once the awaited event record has
-completed. A started op sits in one global heap keyed by its finish time; its *effect* (bytes moved, event
-completed) is applied when the heap pops it. Ops finishing at the same virtual time pop latest-submitted first
-(the *tie order*), so code that forgot a wait sees stale data instead of the convenient order. Work runs lazily:
-whenever a call observes the device, the heap is drained up to the current time. A hang op never finishes, so
-everything behind it on its stream, and every stream waiting on an event recorded behind it, never runs either.
-Draining costs O(log n) per op (a heap, never a scan of the streams).
+*Streams.* Each stream is a FIFO of ops (record, wait, copy, compute write, hang, slow stall). The head op of a stream
+starts when the op before it finished (never before it was submitted) and, for a wait, once the awaited event record has
+completed. A started op sits in one global heap keyed by its finish time; its *effect* (bytes moved, event completed) is
+applied when the heap pops it. Ops finishing at the same virtual time pop latest-submitted first (the *tie order*), so
+code that forgot a wait sees stale data instead of the convenient order. Work runs lazily: whenever a call observes the
+device, the heap is drained up to the current time. A hang op never finishes, so everything behind it on its stream, and
+every stream waiting on an event recorded behind it, never runs either -- until the hang is *ended*
+(:meth:`Scheduler.end_hang`, the backend's ``end_hangs``): it then finishes at the current time (at once if it is its
+stream's head, else as soon as it becomes it) and the work behind it runs as the clock advances. A slow op is a stall
+that ends by itself: it takes its ``duration``, like a compute op. Draining costs O(log n) per op (a heap, never a scan
+of the streams).
 
 Nothing here touches memory or knows about faults: :class:`Scheduler` calls back ``duration`` when an op starts
 and ``apply`` when it finishes.
@@ -33,7 +36,8 @@ from kvoffload_ref.backends._simcopy import Plan
 from kvoffload_ref.backends.base import DescriptorBuffer, Tag
 
 __all__ = [
-    "ComputeOp", "CopyOp", "HangOp", "Op", "Record", "RecordOp", "Scheduler", "SimEvent", "SimStream", "WaitOp",
+    "ComputeOp", "CopyOp", "HangOp", "Op", "Record", "RecordOp", "Scheduler", "SimEvent", "SimStream", "SlowOp",
+    "WaitOp",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -47,9 +51,11 @@ _EMPTY: Clock = {}
 class Record:
     """One generation of an event: completes when its record op runs."""
 
-    __slots__ = ("clock", "done", "done_at", "waiters")
+    __slots__ = ("clock", "done", "done_at", "stream", "waiters")
 
-    def __init__(self) -> None:
+    def __init__(self, stream: SimStream | None = None) -> None:
+        # Invariant: the stream it was recorded on (a batched query observes the latest done record per stream).
+        self.stream = stream
         # Invariant: what the record's stream had been ordered after when it was recorded (the race detector's
         # snapshot; never mutated, may be shared with the stream).
         self.clock: Clock = _EMPTY
@@ -148,9 +154,27 @@ class WaitOp(Op):
 
 
 class HangOp(Op):
-    """Never finishes: blocks its stream forever."""
+    """Never finishes by itself: blocks its stream until ended (:meth:`Scheduler.end_hang`)."""
 
-    __slots__ = ()
+    __slots__ = ("ended", "tag")
+
+    def __init__(self, stream: SimStream, tag: Tag | None) -> None:
+        super().__init__(stream)
+        # Invariant: the tag of the transfer whose start it follows (end_hangs selects by it).
+        self.tag = tag
+        # Invariant: None while hung; once ended, the virtual time it was ended at (never reset).
+        self.ended: float | None = None
+
+
+class SlowOp(Op):
+    """A stall that ends by itself: takes ``duration`` virtual seconds, touches nothing (a slow fault)."""
+
+    __slots__ = ("duration", "tag")
+
+    def __init__(self, stream: SimStream, tag: Tag | None, duration: float) -> None:
+        super().__init__(stream)
+        # Invariant: the tag of the transfer whose start it follows, and the finite seconds > 0 it lasts.
+        self.tag, self.duration = tag, duration
 
 
 class ComputeOp(Op):
@@ -245,10 +269,27 @@ class Scheduler:
         if heap and heap[0][0] <= self.now:
             self.run(self.now)
 
+    def end_hang(self, op: HangOp) -> bool:
+        """End a hang op now: it finishes at the current time once it is its stream's head (at once if it is).
+
+        Returns:
+            False if it had already been ended (nothing changes), else True.
+        """
+        if op.ended is not None:
+            return False
+        op.ended = self.now
+        queue = op.stream.queue
+        if queue and queue[0] is op:
+            heapq.heappush(self._heap, (self.now, -op.seq, op))
+        return True
+
     def _start_head(self, stream: SimStream, t: float) -> None:
         op = stream.queue[0]
         kind = op.__class__
         if kind is HangOp:
+            ended: float | None = op.ended  # type: ignore[attr-defined]  # a HangOp's
+            if ended is not None:   # ended while queued behind other work: it finishes as it reaches the head
+                heapq.heappush(self._heap, (max(t, ended), -op.seq, op))
             return
         if kind is WaitOp and op.record.done_at is None:  # type: ignore[attr-defined]  # a WaitOp's record
             record: Record = op.record  # type: ignore[attr-defined]

@@ -4,7 +4,9 @@ The scheduler calls :meth:`SimTrace.on_finish` with every op as it finishes. An 
 stored: a stream is a FIFO, so an op started when the op before it on its stream finished, or when it was submitted
 if later (for a wait: when it became the stream's head; the span then covers the time it blocked). Faults fired
 and violations are instants on the track of the stream they concern (a ``dma_race`` on both operations' tracks:
-memory operations are numbered in enqueue order, as the race detector numbers them for ``Violation.pair``).
+memory operations are numbered in enqueue order, as the race detector numbers them for ``Violation.pair``). A
+stall is drawn as a span (category ``fault``) on its stream: a slow fault's for its duration, an ended hang's from
+its start to its end (a hang never ended is not drawn: its stream's later work is listed as never run).
 Off (the default), the sim holds no recorder and pays one ``is None`` test per op.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvoffload_ref.backends._simsched import ComputeOp, CopyOp, HangOp, Op, RecordOp, SimStream, WaitOp
+from kvoffload_ref.backends._simsched import ComputeOp, CopyOp, HangOp, Op, RecordOp, SimStream, SlowOp, WaitOp
 from kvoffload_ref.backends.base import Tag
 from kvoffload_ref.backends.trace_format import TraceBuilder, copy_args, copy_name
 
@@ -59,6 +61,10 @@ class SimTrace:
         elif isinstance(op, RecordOp):
             self._records[id(op.record)] = (tid, t)
             b.span(tid, "record", t, t, "sync")
+        elif isinstance(op, SlowOp):
+            b.span(tid, f"slow: {copy_name(op.tag)}", start, t, "fault", {"duration_s": op.duration})
+        elif isinstance(op, HangOp):   # an ended hang: the span covers the time its stream was blocked
+            b.span(tid, f"hang: {copy_name(op.tag)}", start, t, "fault", {"ended_at": op.ended})
         elif isinstance(op, WaitOp):
             b.span(tid, "wait", start, t, "sync")
             found = self._records.get(id(op.record))

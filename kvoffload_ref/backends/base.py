@@ -49,6 +49,7 @@ __all__ = [
     "Ledger",
     "LostFault",
     "ResourceKind",
+    "StallFault",
     "Stream",
     "Tag",
     "TensorGeometry",
@@ -112,6 +113,20 @@ class LostFault(Protocol):
         ...
 
 
+class StallFault(Protocol):
+    """What a backend needs of the fault that stalls a submitted transfer (a hang or a slow copy)."""
+
+    @property
+    def kind(self) -> str:
+        """``"hang"`` (never ends by itself) or ``"slow"`` (ends after :attr:`duration`)."""
+        ...
+
+    @property
+    def duration(self) -> float | None:
+        """A slow fault's stall, in backend seconds; None for a hang."""
+        ...
+
+
 class FaultSource(Protocol):
     """What a backend asks of a fault plan (``faults.FaultPlan`` implements it): the simulated device depends
     on this protocol, not on ``faults.py``, so that no import circle joins them."""
@@ -133,8 +148,8 @@ class FaultSource(Protocol):
         """Count one call at ``point`` against hang faults; True if one fires."""
         ...
 
-    def select_hang(self, tag: Tag | None) -> object | None:
-        """Called once per submitted transfer: the hang fault that selects it, if any."""
+    def select_hang(self, tag: Tag | None) -> StallFault | None:
+        """Called once per submitted transfer: the hang or slow fault that selects it, if any."""
         ...
 
     def lost(self) -> LostFault | None:

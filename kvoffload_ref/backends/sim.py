@@ -23,7 +23,9 @@ each ``host_register``, see ``registrations()``). docs/simulator.md is the user'
 
 *Faults.* A :class:`~kvoffload_ref.faults.FaultPlan` is consulted at every fault point; see ``faults.py``. A hang
 is selected when a transfer is submitted (its start: a tagged ``record`` on a stream other than a compute stream
-that does not close the stream's open start/end pair of that tag), and is a hang op queued right after it.
+that does not close the stream's open start/end pair of that tag), and is a hang op queued right after it
+(``end_hangs`` ends it, so a test can watch the late copy land); a slow fault is selected the same way and queues
+a stall of its ``duration`` there instead.
 Once the device is lost (a sticky fault, or the sim's own illegal-address error) nothing queued runs any more
 and every call but the clock, the release calls (``destroy_*``, ``free_descriptors``, ``untrack_host``: they fail
 only where an error fault selects them), ``track_host``, ``array_info``, ``current_stream`` and ``compute_stream``
@@ -50,7 +52,6 @@ from kvoffload_ref.backends._simrace import Violation, ViolationKind, copy_acces
 from kvoffload_ref.backends._simsched import (
     ComputeOp,
     CopyOp,
-    HangOp,
     SimEvent,
     SimStream,
     WaitOp,
@@ -282,7 +283,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls):
         On a stream other than a compute stream, a transfer's tagged records come in pairs (start, end): a
         tagged record that does not close an open pair of the same tag *submits* a transfer and offers it to
         ``FaultPlan.select_hang`` (so ``nth`` counts submissions, a reused job id included); if a hang is
-        selected, the stream blocks forever right after this record.
+        selected, the stream blocks right after this record until :meth:`end_hangs` ends it (forever otherwise);
+        if a slow fault is, the stream stalls there for its ``duration``.
 
         Raises:
             DeviceError: a lost device, or a handle that is not live on this device (400).
@@ -293,8 +295,7 @@ class SimBackend(SimArrayCalls, SimBatchCalls):
             self._check_alive()
             target, recorded = self._own_stream(stream), self._own_event(event)
             recorded.latest, recorded.tag = self._submit_record(target), tag
-            if self._selects_hang(target, tag):
-                self._sched.submit(HangOp(target))
+            self._queue_stall(target, tag)
 
     def query(self, event: Event) -> bool:
         """Whether the event's latest record completed (True if never recorded). Runs work due by now.
@@ -461,6 +462,36 @@ class SimBackend(SimArrayCalls, SimBatchCalls):
         return record_and_poll(self, streams, deadline, destroy=functools.partial(self._destroy_event, fault=False))
 
     # -- test helpers ------------------------------------------------------------------------------------------
+
+    def end_hangs(self, direction: str | None = None, job_id: int | None = None) -> int:
+        """Test helper: end the injected hangs of the matching transfers now, so a test can watch a late copy
+        land (R26, R27).
+
+        Every hang op (a ``"hang"`` fault at ``copy``, ``event_query`` or ``event_sync``) whose transfer tag
+        matches finishes at the current virtual time: at once where it is its stream's head, else as soon as the
+        work ahead of it ran. The work behind it (the transfer's copy, its end record, what waits on them) then
+        runs as the clock advances (``sleep``, ``synchronize``...), taking its usual time. A hang ended earlier
+        is not counted again. Fault points are not consulted; the ``on_call`` hook is not called; a lost device
+        still runs nothing.
+
+        Args:
+            direction: None (any), ``"store"`` or ``"load"``: the tag's direction.
+            job_id: None (any) or an int: the tag's job id.
+
+        Returns:
+            How many hangs this call ended.
+
+        Raises:
+            InvalidTransferError: a direction other than None, "store" or "load", or a ``job_id`` that is not
+                None or an int (a bool is refused) (R7).
+        """
+        if direction is not None and (not isinstance(direction, str) or direction not in ("store", "load")):
+            raise InvalidTransferError(f"end_hangs: direction must be None, 'store' or 'load', got {direction!r}")
+        wanted = None if job_id is None else check_int("end_hangs: job_id", job_id)
+        with self._lock:
+            ended = self._end_hangs(direction, wanted)
+            self._catch_up()
+            return ended
 
     def enqueue_compute_write(self, dev: object, rows: npt.ArrayLike, value: int, delay: float, *,
                               stream: object | None = None) -> None:

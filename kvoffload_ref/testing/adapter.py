@@ -20,7 +20,8 @@ import numpy.typing as npt
 
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Ledger, Stream, Tag
 from kvoffload_ref.backends.sim import SimBackend
-from kvoffload_ref.faults import Fault, FaultPlan, FaultPoint
+from kvoffload_ref.fault_plan import STALL_KINDS
+from kvoffload_ref.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from kvoffload_ref.reference import create_reference_worker
 from kvoffload_ref.shared_region import SharedRegion
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
@@ -129,10 +130,10 @@ class RecordingPlan(FaultPlan):
         finally:
             self._record(before, point, tag)
 
-    def select_hang(self, tag: Tag | None) -> Fault | None:
-        """As FaultPlan.select_hang, recording the hang that selected the transfer."""
+    def select_hang(self, tag: Tag | None, kinds: tuple[FaultKind, ...] = STALL_KINDS) -> Fault | None:
+        """As FaultPlan.select_hang, recording the hang (or slow fault) that selected the transfer."""
         before = len(self.fired)
-        chosen = super().select_hang(tag)
+        chosen = super().select_hang(tag, kinds)
         for fault in self.fired[before:]:
             self.firings.append(Firing(fault, fault.point, tag))
         return chosen
