@@ -41,6 +41,8 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 from kvoffload_ref import lifecycle, tables
 from kvoffload_ref.backends import batched
 from kvoffload_ref.backends.base import Backend, Backoff, DescriptorBuffer, Event, Stream, Tag, poll_until
@@ -160,7 +162,9 @@ class DirectionHandler:
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
         taken, shield = Taken(), Shield()
         try:
-            transfer = self._enqueue(job_id, plan, taken, dst.block_ids)  # type: ignore[attr-defined]
+            gpu_spec, cpu_spec = (src, dst) if self.direction == "store" else (dst, src)
+            transfer = self._enqueue(job_id, plan, taken, dst.block_ids,  # type: ignore[attr-defined]
+                                     (gpu_spec.block_ids, cpu_spec.block_ids))  # type: ignore[attr-defined]
         except BaseException as exc:
             if not taken.copy_queued:
                 # R14: no copy on the device: no trace, the id stays free
@@ -176,7 +180,8 @@ class DirectionHandler:
         self._counts["submitted"] += 1
         shield.reraise()
 
-    def _enqueue(self, job_id: int, plan: PreparedPlan, taken: Taken, dst_blocks: Int64Array) -> Transfer:
+    def _enqueue(self, job_id: int, plan: PreparedPlan, taken: Taken, dst_blocks: Int64Array,
+                 ids: tuple[Int64Array, Int64Array]) -> Transfer:
         backend, tag, stream = self._backend, (self.direction, job_id), self._stream
         assert stream is not None  # Invariant: an accepting handler has its stream
         descriptors = None
@@ -187,7 +192,7 @@ class DirectionHandler:
         backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
         backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
-        transfer = taken.transfer = Transfer(job_id, start, end, descriptors, plan.nbytes, dst_blocks, tag)
+        transfer = taken.transfer = Transfer(job_id, start, end, descriptors, plan.nbytes, dst_blocks, tag, *ids)
         taken.marker = marker
         if descriptors is None:
             backend.record(end, stream, tag=tag)  # no copy: until this returns, an interrupt leaves no trace
@@ -443,6 +448,12 @@ class DirectionHandler:
     def clean(self) -> bool:
         """Every transfer ever submitted here was proven complete by its own event (R13's clean path)."""
         return not self._unproven and not self._queue
+
+    def unproven_chunks(self) -> set[int]:
+        """R29: the CPU chunks an unproven copy of this handler (queued, failed or abandoned) may still touch:
+        one concatenation and one ``np.unique`` however many transfers are unproven."""
+        ids = [t.cpu_ids for t in itertools.chain(self._unproven, self._queue)]
+        return set(np.unique(np.concatenate(ids)).tolist()) if ids else set()
 
     def streams_in_use(self) -> list[Stream]:
         """The streams this handler still holds: what the device-level proof covers."""

@@ -70,6 +70,10 @@ class DirectionHandlerAPI(Protocol):
     def clean(self) -> bool:
         """R13's clean path: every transfer submitted here was proven by its own end event."""
 
+    def unproven_chunks(self) -> set[int]:
+        """R29: the CPU chunk ids (rows of the region's per-tensor views) that an unproven copy of this handler --
+        one still queued, failed or abandoned -- may still touch; what a quarantine keeps registered."""
+
     def streams_in_use(self) -> list[Stream]:
         """The streams this handler still holds (what the device-level proof covers, R13)."""
 

@@ -347,6 +347,8 @@ class _Transfer:
     descriptors: DescriptorBuffer | None  # None for a transfer that copies nothing
     nbytes: int
     dst_blocks: Int64Array  # R22: the destination's block ids (GPU blocks of a load, CPU chunks of a store)
+    gpu_ids: Int64Array  # Invariant: the GPU spec's block ids, set at submit
+    cpu_ids: Int64Array  # Invariant: the CPU spec's chunk ids (dst of a store, src of a load), set at submit (R29)
     broken: errors.DeviceError | None = None  # Invariant: its end event could not be recorded: it fails at the head
     resolved: bool = False  # Invariant: True once it left the queue (proven, failed or abandoned)
 
@@ -391,7 +393,9 @@ class ReferenceHandler:
                                [c.rows for c in self.cpu], self.bpc, self.canonical)  # R7, before any device work
         backend, tag, stream = self.backend, (self.direction, job_id), self.stream
         assert stream is not None  # Invariant: an accepting handler has its stream
-        transfer = _Transfer(job_id, [], None, sum(m.size for m in moves), dst.block_ids)  # type: ignore[attr-defined]
+        gpu_spec, cpu_spec = (src, dst) if self.direction == "store" else (dst, src)
+        transfer = _Transfer(job_id, [], None, sum(m.size for m in moves), dst.block_ids,  # type: ignore[attr-defined]
+                             gpu_spec.block_ids, cpu_spec.block_ids)  # type: ignore[attr-defined]
         try:
             if moves:
                 buf = transfer.descriptors = backend.alloc_descriptors(len(moves), tag=tag)
@@ -546,6 +550,10 @@ class ReferenceHandler:
     @property
     def clean(self) -> bool:
         return not self.unproven and not self.queue
+
+    def unproven_chunks(self) -> set[int]:
+        """R29: the CPU chunks an unproven copy of this handler (queued, failed or abandoned) may still touch."""
+        return {int(c) for t in (*self.unproven, *self.queue) for c in t.cpu_ids.tolist()}
 
     def streams_in_use(self) -> list[Stream]:
         return [] if self.stream is None else [self.stream]
