@@ -26,7 +26,7 @@ from kvoffload_ref.faults import Fault, FaultPlan, FaultyBackend
 from kvoffload_ref.quarantine import QuarantinedItem, quarantined
 from kvoffload_ref.reference import ReferenceWorker, create_reference_worker
 from kvoffload_ref.region import HostRegion
-from kvoffload_ref.results import JobOutcome, TransferResult, poisoned_cpu_chunks, poisoned_gpu_blocks
+from kvoffload_ref.results import JobOutcome, KeptRange, TransferResult, poisoned_cpu_chunks, poisoned_gpu_blocks
 from kvoffload_ref.shared_region import SharedRegion
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import (
@@ -53,6 +53,7 @@ __all__ = [
     "InvalidTransferError",
     "JobOutcome",
     "KVCacheLayout",
+    "KeptRange",
     "LayerRef",
     "Ledger",
     "LifecycleError",

@@ -9,6 +9,7 @@ The lock check (``lockcheck``) holds every handler behind this seam to that at e
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Final, Protocol
 
@@ -19,11 +20,13 @@ from kvoffload_ref.results import HandlerReport, HandlerStats, TransferResult
 from kvoffload_ref.shield import Leaks, Shield
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 
-__all__ = ["GUARDED", "DirectionHandlerAPI", "NewHandler"]
+__all__ = ["GUARDED", "DirectionHandlerAPI", "NewHandler", "unproven_chunks"]
 
 #: The fields of every handler behind this seam that the worker's lock check guards (R19, ``lockcheck``): its
 #: lifecycle state, which each transition of the handler table writes. The worker binds them (``Core.__init__``).
 GUARDED: Final = ("state",)
+
+logger = logging.getLogger("kvoffload_ref.worker")
 
 
 class DirectionHandlerAPI(Protocol):
@@ -99,3 +102,13 @@ class DirectionHandlerAPI(Protocol):
 #: geometries, CPU geometries, blocks per chunk, canonical layout or None).
 NewHandler = Callable[[Backend, Direction, Stream, KVCacheLayout, Sequence[TensorGeometry], Sequence[TensorGeometry],
                        int, CanonicalLayout | None], DirectionHandlerAPI]
+
+
+def unproven_chunks(*handlers: DirectionHandlerAPI) -> set[int] | None:
+    """R29: the CPU chunks an unproven copy of any of ``handlers`` may still touch (what a quarantine keeps); None
+    -- keep the whole region -- if a handler cannot say (logged: a quarantine must never keep too little)."""
+    try:
+        return set().union(*(h.unproven_chunks() for h in handlers))
+    except Exception:
+        logger.exception("Could not list the chunks unproven copies may touch; keeping the whole region")
+        return None

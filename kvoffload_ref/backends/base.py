@@ -81,7 +81,8 @@ CALL_POINTS: Final[dict[str, str]] = {
     "host_register": "host_register", "host_unregister": "host_unregister",
     "record": "record", "wait_event": "wait_event", "destroy_stream": "destroy_stream",
     "destroy_event": "destroy_event", "free_descriptors": "free_descriptors", "track_host": "track_host",
-    "untrack_host": "untrack_host", "untrack_host_pages": "untrack_host", "current_stream": "current_stream", "compute_stream": "compute_stream",
+    "untrack_host": "untrack_host", "untrack_host_pages": "untrack_host",
+    "current_stream": "current_stream", "compute_stream": "compute_stream",
     "elapsed": "elapsed", "monotonic": "monotonic", "sleep": "sleep", "empty_device": "empty_device",
     "from_host": "from_host", "to_host": "to_host", "array_info": "array_info",
 }
