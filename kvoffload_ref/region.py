@@ -52,9 +52,9 @@ from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipErr
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
 from kvoffload_ref.process import ProcessOwner
 from kvoffload_ref.quarantine import QuarantinedItem, quarantine, quarantined
-from kvoffload_ref.region_keep import give_back_unkept, rows_to_keep
+from kvoffload_ref.region_keep import give_back_unkept, kept_ranges, rows_to_keep
 from kvoffload_ref.results import KeptRange
-from kvoffload_ref.seams import DEFAULT_MAX_REGISTER_BYTES, gaps, register_chunks
+from kvoffload_ref.seams import DEFAULT_MAX_REGISTER_BYTES, register_chunks
 from kvoffload_ref.shield import Shield
 from kvoffload_ref.specs import KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import INT64_MAX, Int64Array, check_int, check_sizes, check_views
@@ -574,8 +574,7 @@ class HostRegion:
             ledger.quarantine("pinned", ptr)
         ledger.quarantine("mapping", self.ptr)  # the mapping stays one resource, kept whole or in part
         reason = self._quarantine_reason
-        self._kept = tuple(KeptRange(a - self.ptr, b - a, reason)
-                           for a, b in gaps(self.ptr, self.ptr + self.nbytes, given_back))
+        self._kept = kept_ranges(self.ptr, self.nbytes, self._geometries, rows, given_back, reason)
         quarantine(QuarantinedItem("region", f"{self.quarantined_bytes} of {self.nbytes} bytes at {self.ptr:#x}, "
                                    f"{len(self._pinned)} pinned range(s)", reason, self,
                                    tuple((k.offset, k.length) for k in self._kept)))

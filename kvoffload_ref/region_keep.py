@@ -32,14 +32,19 @@ from typing import Protocol
 
 from kvoffload_ref.backends.base import Backend, ResourceKind
 from kvoffload_ref.errors import DeviceError, InvalidTransferError
+from kvoffload_ref.results import KeptRange
 from kvoffload_ref.seams import gaps, row_pages, touched
 from kvoffload_ref.shield import Shield
 from kvoffload_ref.specs import TensorGeometry
 from kvoffload_ref.validate import Int64Array, check_id_array, check_int
 
-__all__ = ["Holdings", "give_back_unkept", "rows_to_keep"]
+__all__ = ["NOT_GIVEN_BACK", "Holdings", "give_back_unkept", "kept_ranges", "rows_to_keep"]
 
 logger = logging.getLogger("kvoffload_ref.region")
+
+#: The reason of a kept range that holds no row an unproven copy may touch: a step giving it back failed (an
+#: unregister, leaked, R16; an unmap), so it stays mapped; the report's errors say which.
+NOT_GIVEN_BACK = "could not be given back (a release step failed; see the report's errors)"
 
 
 class Holdings(Protocol):
@@ -135,3 +140,14 @@ def _give_back_pages(held: Holdings, start: int, end: int, shield: Shield) -> st
         logger.warning("Releasing [%#x, %#x) of the region failed for rank=%d: %s", start, end, held.log_rank, exc)
         return f"madvise of [{start:#x}, {end:#x}) failed: {exc}"
     return None
+
+
+def kept_ranges(ptr: int, nbytes: int, tensors: Sequence[TensorGeometry], rows: Int64Array | None,
+                given_back: Sequence[tuple[int, int]], reason: str) -> tuple[KeptRange, ...]:
+    """R29: what a quarantine keeps of the region ``[ptr, ptr + nbytes)``: every maximal range not given back, as
+    (offset, length), with ``reason`` if it holds a row of ``rows`` (None: every row), else :data:`NOT_GIVEN_BACK`.
+    """
+    kept = gaps(ptr, ptr + nbytes, given_back)
+    holds = [True] * len(kept) if rows is None else touched([(a, b - a) for a, b in kept], tensors, rows)
+    return tuple(KeptRange(a - ptr, b - a, reason if held else NOT_GIVEN_BACK)
+                 for (a, b), held in zip(kept, holds, strict=True))
