@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import logging
+import mmap
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
