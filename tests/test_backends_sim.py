@@ -1108,6 +1108,9 @@ def test_sim_untrack_host_pages_forgets_a_piece_and_keeps_the_rest() -> None:
     be.untrack_host(ptr)  # what is left of it, both pieces
     be.untrack_host(rig.host_ptr)
     assert not be.violations and "mapping" not in be.ledger.live()
+    rig.copy(stream, [(rig.dev_addr(1), ptr + 7 * PAGE)])  # the last piece is gone too
+    be.sleep(1.0)
+    assert [v.kind for v in be.violations] == ["illegal_address"] and not host[7 * PAGE:].any()
 
 
 @pytest.mark.rule("R29")
