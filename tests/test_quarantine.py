@@ -169,3 +169,41 @@ def test_quarantine_by_registration_failed_unregister_is_leaked_and_the_rest_run
     assert report.kept == tuple(kv.KeptRange(a - region.ptr, n, why) for a, n, why in kept)
     assert dict(report.quarantined) == be.ledger.quarantined() == {"pinned": 2, "mapping": 1, "descriptor": 1}
     assert be.ledger.live() == {} and not be.violations
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.rule("R14")
+@pytest.mark.parametrize("worker", list(CREATE))
+def test_quarantine_by_registration_interrupted_at_any_backend_call_of_the_shutdown(worker: str) -> None:
+    """R14 wherever the interrupt lands, also among the calls that give back what no late copy may touch: the region
+    ends quarantined with the hung store's registrations kept, nothing stays live, the ledger says what the report
+    says, and nothing given back was under DMA."""
+    be, w, _ = _hung_store(CREATE[worker])
+    calls: list[str] = []
+    be.on_call = lambda point, tag: calls.append(point)
+    w.shutdown()
+    assert "host_unregister" in calls and "untrack_host" in calls, "the give-back is on the shutdown's path"
+    release = next(i for i, point in enumerate(calls) if point == "prove_idle" or point == "device_sync")
+    # Every call but the drain's polls (a thousand clock reads, queries and sleeps, each like the one before it;
+    # R14's own tests cover them): the first calls of the shutdown, then the proof and the whole release.
+    for n in [*range(1, 20), *range(release, len(calls) + 1)]:
+        be, w, _ = _hung_store(CREATE[worker])
+        seen = iter(range(1, 10 ** 6))
+
+        def interrupt(point: str, tag: Any, n: int = n, seen: Any = seen) -> None:
+            if next(seen) == n:
+                raise KeyboardInterrupt
+
+        be.on_call = interrupt
+        with pytest.raises(KeyboardInterrupt):
+            w.shutdown()
+        be.on_call = None
+        report = w.shutdown()
+        assert report.interrupted and report.region == "quarantined", n
+        region = next(i.obj for i in reversed(kv.quarantined()) if i.kind == "region")
+        assert isinstance(region, kv.HostRegion)
+        kept = [(region.ptr + k.offset, region.ptr + k.offset + k.length) for k in report.kept]
+        assert all(any(a <= p and p + size <= b for a, b in kept) for p, size in _holding(region, HUNG_CHUNK)), n
+        assert be.ledger.live() == {}, n
+        assert be.ledger.quarantined() == dict(report.quarantined) and be.ledger.leaked() == dict(report.leaked), n
+        assert not be.violations, (n, be.violations)
