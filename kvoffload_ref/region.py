@@ -566,7 +566,8 @@ class HostRegion:
         if rows is not None:
             try:
                 failures += give_back_unkept(self._held, self._geometries, rows, local, given_back)
-            except BaseException:  # R14: interrupted past retries (kept in the shield): what is left stays kept
+            except BaseException as exc:  # R14: interrupted past retries: what is left stays kept, the interrupt
+                local.interrupt = local.interrupt or exc  # is re-raised once the quarantine is done
                 logger.warning("Quarantine by registration interrupted; the rest of the region stays kept")
         failures += self._quarantine_backing()
         ledger = self._backend.ledger
