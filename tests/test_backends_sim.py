@@ -1152,3 +1152,20 @@ def test_sim_untrack_host_pages_refuses_what_is_not_a_piece_of_one_mapping() -> 
     assert [v.kind for v in be.violations] == ["invalid_release"] * 2
     be.untrack_host(ptr)
     assert "mapping" not in be.ledger.live()
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.rule("R12")
+def test_sim_a_release_under_many_pending_copies_flags_exactly_those_touching_it() -> None:
+    """Past a few pending copies the sim finds those a release touches in one vectorized pass: the same ones, in
+    the same order, as copy by copy (sources and destinations both)."""
+    rig = make_rig(pinned=False, rows=8)
+    be = rig.be
+    _, _, ptr = _page_aligned_mapping(be, pages=32)
+    stream = be.create_stream()
+    be.enqueue_compute_write(rig.dev, rows=[0], value=9, delay=1.0, stream=stream)  # holds the copies pending
+    for i in range(30):  # copy i: device row -> host page i (odd i: the other way)
+        pair = (rig.dev_addr(i % 8), ptr + i * PAGE) if i % 2 == 0 else (ptr + i * PAGE, rig.dev_addr(i % 8))
+        rig.copy(stream, [pair], tag=("store", i))
+    be.untrack_host_pages(ptr + 4 * PAGE, 3 * PAGE)  # pages 4, 5, 6: copies 4 (dst), 5 (src), 6 (dst)
+    assert [(v.kind, v.tag) for v in be.violations] == [("unmap_under_dma", ("store", i)) for i in (4, 5, 6)]

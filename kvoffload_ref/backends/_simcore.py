@@ -66,6 +66,8 @@ T = TypeVar("T")
 
 #: The page size: the unit of :meth:`SimCore.untrack_host_pages` (R29).
 PAGE: Final = mmap.PAGESIZE
+#: Up to this many pending copies, a release checks them one by one; beyond, in one vectorized pass.
+SMALL_PENDING: Final = 16
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -469,10 +471,21 @@ class SimCore:
             self._trace.violation(kind, detail, self._sched.now, pair)
 
     def _poison_pending(self, lo: int, hi: int, kind: ViolationKind, why: str) -> None:
-        for op in self._pending:
-            if op.touches(lo, hi):
-                self._violate(kind, f"copy {op.tag} is pending while {why}", op.tag)
-                op.poison = op.poison or f"{why} while the copy was pending"
+        for op in self._pending_touching(lo, hi):
+            self._violate(kind, f"copy {op.tag} is pending while {why}", op.tag)
+            op.poison = op.poison or f"{why} while the copy was pending"
+
+    def _pending_touching(self, lo: int, hi: int) -> list[CopyOp]:
+        """The pending copies with a descriptor touching [lo, hi), in pending order: one vectorized pass over all
+        their descriptors (a release of many ranges under thousands of pending copies, R29, stays cheap)."""
+        ops = list(self._pending)
+        if len(ops) <= SMALL_PENDING:
+            return [op for op in ops if op.touches(lo, hi)]
+        parts = [op.descriptors() for op in ops]
+        src, dst, sizes = (np.concatenate([p[k] for p in parts]) for k in range(3))
+        owner = np.repeat(np.arange(len(ops)), [len(p[2]) for p in parts])
+        hit = (sizes > 0) & (((src < hi) & (src + sizes > lo)) | ((dst < hi) & (dst + sizes > lo)))
+        return [ops[i] for i in np.unique(owner[hit]).tolist()]
 
     def _op_duration(self, op: Op) -> float:
         if isinstance(op, ComputeOp):
