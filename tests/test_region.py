@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import mmap
 from typing import Any
 
 import numpy as np
@@ -408,3 +409,24 @@ def test_region_quarantine_by_registration_interrupted_keeps_what_it_did_not_giv
     assert region.quarantined_resources == be.ledger.quarantined() == {"pinned": 7, "mapping": 1}
     assert be.ledger.live() == {} and not be.violations
     assert region.kept_ranges == (kv.KeptRange(0, region.nbytes, "test"),), "nothing unmapped: all of it kept"
+
+
+class _NoPartialUnmapSim(SimBackend):
+    """A device that models no page-granular unmap (as the CuPy backend): the mapping stays announced whole."""
+
+    untrack_host_pages = None
+
+
+@pytest.mark.rule("R29")
+def test_region_quarantine_on_a_backend_without_partial_unmap_still_gives_the_pages_back() -> None:
+    be = _NoPartialUnmapSim()
+    region = _adopted(be)
+    region._views[0][20] = 7  # rows written straight through the region's own view
+    region._views[0][9] = 5
+    region.quarantine_by_owner("test", chunks=[9])
+    assert [(k.offset, k.length) for k in region.kept_ranges] == _pages_of_row(region, 9)
+    assert len(be.registrations()) == 2 and be.ledger.quarantined() == {"pinned": 2, "mapping": 1}
+    assert (region._views[0][9] == 5).all(), "the kept rows are untouched"
+    if hasattr(mmap, "MADV_DONTNEED"):
+        assert not region._views[0][20].any(), "the pages given back were released, the device told nothing"
+    assert not be.violations
