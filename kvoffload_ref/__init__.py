@@ -31,6 +31,7 @@ from kvoffload_ref.region import HostRegion
 from kvoffload_ref.results import (
     HeldBlocks,
     JobOutcome,
+    KeptRange,
     ReleasedHold,
     TransferResult,
     poisoned_cpu_chunks,
@@ -64,6 +65,7 @@ __all__ = [
     "InvalidTransferError",
     "JobOutcome",
     "KVCacheLayout",
+    "KeptRange",
     "LayerRef",
     "Ledger",
     "LifecycleError",

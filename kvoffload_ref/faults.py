@@ -159,6 +159,19 @@ class FaultyBackend:
         self.plan.check_release("unmap")
         self.inner.untrack_host(ptr)
 
+    def untrack_host_pages(self, ptr: int, nbytes: int) -> None:
+        """Fault point ``unmap``, then delegated when the inner backend models a page-granular unmap (R29);
+        else nothing more (the inner backend keeps the mapping announced whole).
+
+        Raises:
+            DeviceError: an injected fault (the pages stay announced), or the inner backend's error.
+        """
+        self._hook("untrack_host")
+        self.plan.check_release("unmap")
+        inner = getattr(self.inner, "untrack_host_pages", None)
+        if inner is not None:
+            inner(ptr, nbytes)
+
     def host_register(self, ptr: int, nbytes: int) -> None:
         """Fault point ``host_register``, then delegated.
 

@@ -41,6 +41,8 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 from kvoffload_ref import lifecycle, tables
 from kvoffload_ref.backends import batched
 from kvoffload_ref.backends.base import Backend, Backoff, DescriptorBuffer, Event, Stream, Tag, poll_until
@@ -583,14 +585,16 @@ class DirectionHandler:
         """Every transfer ever submitted here was proven complete by its own event (R13's clean path)."""
         return not self._unproven and not self._queue and not self._retired
 
+    def unproven_chunks(self) -> set[int]:
+        """R29: the CPU chunks an unproven copy of this handler (queued, late on a retired stream, failed or
+        abandoned) may still touch: one concatenation and one ``np.unique`` however many transfers are unproven."""
+        ids = [t.cpu_ids for t in itertools.chain(self._unproven, self._queue, self._retired.transfers())]
+        return set(np.unique(np.concatenate(ids)).tolist()) if ids else set()
+
     def streams_in_use(self) -> list[Stream]:
         """The streams this handler still holds, retired ones included: what the device-level proof covers."""
         current = [] if self._stream is None else [self._stream]
         return [*current, *self._retired.streams(), *self._unproven_streams]
-
-    def unproven_chunks(self) -> set[int]:
-        """R29: the CPU chunks an unproven copy of this direction may still touch."""
-        return {int(c) for t in self._unproven for c in t.cpu_ids}
 
     def release(self, fate: Fate, shield: Shield | None = None, *,
                 reason: str = "device not proven idle") -> tuple[int, list[str]]:

@@ -9,6 +9,7 @@ The lock check (``lockcheck``) holds every handler behind this seam to that at e
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Final, Protocol
 
@@ -20,11 +21,13 @@ from kvoffload_ref.running import Running
 from kvoffload_ref.shield import Leaks, Shield
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 
-__all__ = ["GUARDED", "DirectionHandlerAPI", "NewHandler"]
+__all__ = ["GUARDED", "DirectionHandlerAPI", "NewHandler", "unproven_chunks"]
 
 #: The fields of every handler behind this seam that the worker's lock check guards (R19, ``lockcheck``): its
 #: lifecycle state, which each transition of the handler table writes. The worker binds them (``Core.__init__``).
 GUARDED: Final = ("state",)
+
+logger = logging.getLogger("kvoffload_ref.worker")
 
 
 class DirectionHandlerAPI(Protocol):
@@ -77,11 +80,13 @@ class DirectionHandlerAPI(Protocol):
     def clean(self) -> bool:
         """R13's clean path: every transfer submitted here was proven by its own end event."""
 
+    def unproven_chunks(self) -> set[int]:
+        """R29: the CPU chunk ids (rows of the region's per-tensor views) that an unproven copy of this handler --
+        one still queued, late on a retired stream, failed or abandoned -- may still touch; what a quarantine keeps
+        registered."""
+
     def streams_in_use(self) -> list[Stream]:
         """The streams this handler still holds, retired ones included (what the device-level proof covers, R13)."""
-
-    def unproven_chunks(self) -> set[int]:
-        """R29: after the drain, the CPU chunk ids an unproven copy of this handler may still touch."""
 
     def release(self, fate: Fate, shield: Shield | None = None, *,
                 reason: str = "device not proven idle") -> tuple[int, list[str]]:
@@ -105,3 +110,13 @@ class DirectionHandlerAPI(Protocol):
 #: geometries, CPU geometries, blocks per chunk, canonical layout or None, the worker's running-engine state).
 NewHandler = Callable[[Backend, Direction, Stream, KVCacheLayout, Sequence[TensorGeometry], Sequence[TensorGeometry],
                        int, CanonicalLayout | None, Running], DirectionHandlerAPI]
+
+
+def unproven_chunks(*handlers: DirectionHandlerAPI) -> set[int] | None:
+    """R29: the CPU chunks an unproven copy of any of ``handlers`` may still touch (what a quarantine keeps); None
+    -- keep the whole region -- if a handler cannot say (logged: a quarantine must never keep too little)."""
+    try:
+        return set().union(*(h.unproven_chunks() for h in handlers))
+    except Exception:
+        logger.exception("Could not list the chunks unproven copies may touch; keeping the whole region")
+        return None

@@ -78,8 +78,8 @@ class Transfer:
     nbytes: int
     dst_blocks: Int64Array  # R22: the destination's block ids (GPU blocks of a load, CPU chunks of a store)
     tag: Tag  # (direction, job_id): the one tuple every record of the transfer is tagged with
-    gpu_ids: Int64Array  # R27: the GPU block ids of its specs
-    cpu_ids: Int64Array  # R27/R29: the CPU chunk ids of its specs
+    gpu_ids: Int64Array  # Invariant: the GPU spec's block ids, set at submit
+    cpu_ids: Int64Array  # Invariant: the CPU spec's chunk ids (dst of a store, src of a load), set at submit (R29)
     # Invariant: True once the transfer left the queue (proven, failed or abandoned) if it was a mark (see
     # DirectionHandler._marks) when it left; a transfer no caller waits on is never marked resolved.
     resolved: bool = False

@@ -26,12 +26,15 @@ class QuarantinedItem:
         description: what it is (addresses, sizes).
         reason: why it could not be released.
         obj: the object itself (holding it here is what keeps it alive).
+        ranges: for a region, the ``(offset, length)`` ranges of it that are kept (R29: the registrations an
+            unproven copy may still touch, or the whole region); () for anything else.
     """
 
     kind: str
     description: str
     reason: str
     obj: object = dataclasses.field(repr=False, compare=False)
+    ranges: tuple[tuple[int, int], ...] = ()
 
 
 # Invariant: only ever appended to; entries live until the interpreter exits.

@@ -217,7 +217,8 @@ class Core:
     def stats(self) -> results.WorkerStats:
         with self.call:
             return results.WorkerStats(self.state.value, self.store.stats(), self.load.stats(),
-                                       self.region.state.value, self.region.pinned, self.backend.ledger.live())
+                                       self.region.state.value, self.region.pinned, self.backend.ledger.live(),
+                                       self.region.quarantined_bytes)  # R30: the bytes kept in quarantine
 
     def finalize(self) -> None:
         """R15: shut down a worker dropped (or alive at exit) without shutdown(), safely from the collector; R21:
@@ -332,6 +333,7 @@ class Core:
         """R10/R12/R3: both handlers, then the region, released or quarantined as FATE says. Never waits."""
         fate = lifecycle.FATE[(run.proof, self.policy.policy)]
         reason = f"device not proven idle (device_sync={run.proof.value})"
+        chunks = handler_api.unproven_chunks(self.store, self.load) if fate is Fate.QUARANTINE else None  # R29
         for name, handler in (("store", self.store), ("load", self.load)):
             kept, failed = handler.release(fate, shield, reason=reason)
             run.errors.extend(f"{name} release: {f}" for f in [*handler.leaks.errors, *failed])
@@ -341,13 +343,14 @@ class Core:
                 run.add("leaked", kind, count)
         wait = self._wait_left(run, shield)  # R11: a shared file's lock is waited for within the same timeout
         if fate is Fate.RELEASE:  # R3 (R12: everything was proven idle, or the release policy)
-            run.errors.extend(f"region: {f}" for f in self.region.release_by_owner(shield, wait=wait))
-            table, kinds = "leaked", self.region.leaked  # R16: a release step that failed
-        else:  # R12: quarantined: mapped and pinned until process exit
-            run.errors.extend(f"region: {f}" for f in self.region.quarantine_by_owner(reason, wait=wait))
-            table, kinds = "quarantined", self.region.quarantined_resources
-        for kind, count in kinds.items():
-            run.add(table, kind, count)
+            failed = self.region.release_by_owner(shield, wait=wait)
+        else:  # R12/R29: what an unproven copy may touch is kept, mapped and pinned, until process exit
+            failed = self.region.quarantine_by_owner(reason, wait=wait, chunks=chunks, shield=shield)
+        run.errors.extend(f"region: {f}" for f in failed)
+        for table, kinds in (("quarantined", self.region.quarantined_resources), ("leaked", self.region.leaked)):
+            for kind, count in kinds.items():  # R16: what is kept, and what a failed release step left
+                run.add(table, kind, count)
+        run.kept = self.region.kept_ranges
 
     def _wait_left(self, run: ShutdownRun, shield: Shield) -> float:
         """R11: the seconds the release may still wait (a shared file's lock): what is left of the policy's timeout

@@ -373,8 +373,8 @@ class ReferenceHandler:
         return [*current, *self.retired.streams(), *self.unproven_streams]
 
     def unproven_chunks(self) -> set[int]:
-        """R29: the CPU chunks an unproven copy of this direction may still touch."""
-        return {int(c) for t in self.unproven for c in t.cpu_ids}
+        """R29: the CPU chunks a queued, late, failed or abandoned copy of this direction may still touch."""
+        return {int(c) for t in (*self.unproven, *self.queue, *self.retired.transfers()) for c in t.cpu_ids.tolist()}
 
     def release(self, fate: Fate, shield: Shield | None = None, *,
                 reason: str = "device not proven idle") -> tuple[int, list[str]]:

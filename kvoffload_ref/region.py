@@ -40,7 +40,7 @@ import logging
 import mmap
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Final
 
 import numpy as np
@@ -52,10 +52,12 @@ from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipErr
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
 from kvoffload_ref.process import ProcessOwner
 from kvoffload_ref.quarantine import QuarantinedItem, quarantine, quarantined
+from kvoffload_ref.region_keep import give_back_unkept, kept_ranges, rows_to_keep
+from kvoffload_ref.results import KeptRange
 from kvoffload_ref.seams import DEFAULT_MAX_REGISTER_BYTES, register_chunks
 from kvoffload_ref.shield import Shield
 from kvoffload_ref.specs import KVCacheLayout, TensorGeometry
-from kvoffload_ref.validate import INT64_MAX, check_int, check_sizes, check_views
+from kvoffload_ref.validate import INT64_MAX, Int64Array, check_int, check_sizes, check_views
 
 # QuarantinedItem, quarantine and quarantined live in kvoffload_ref.quarantine; re-exported here for compatibility.
 __all__ = ["DEFAULT_MAX_REGISTER_BYTES", "DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine",
@@ -97,6 +99,8 @@ class _Held:
         self.views: list[npt.NDArray[np.uint8]] = []
         # Invariant: start addresses of the ranges registered and not yet unregistered, in registration order.
         self.pinned: list[int] = []
+        # Invariant: start -> size of every range pin() registered (R29 keeps the ones a late copy may touch).
+        self.pin_bytes: dict[int, int] = {}
         # Invariant: changed only through step(), i.e. tables.step(REGION_TABLE, ...), under lock.
         self.state = RegionState.CALLER_OWNED
         # Invariant: what release could not release, by ledger kind (filled by release; zeros omitted by users).
@@ -111,15 +115,15 @@ class _Held:
             self.state, action = tables.step(lifecycle.REGION_TABLE, "region", self.state, event)
             return action
 
-    def unpin(self, shield: Shield | None = None) -> list[DeviceError]:
-        """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned.
-        With a ``shield``, an interrupt does not stop it (R14): the call is retried, the interrupt kept there.
-        Nothing in a forked child (R21): the pins are the parent's."""
+    def unpin(self, shield: Shield | None = None, only: Container[int] | None = None) -> list[DeviceError]:
+        """Unregister every pinned range (or those in ``only``), newest first. A failure is logged, left recorded,
+        and returned. With a ``shield``, an interrupt does not stop it (R14): the call is retried, the interrupt
+        kept there. Nothing in a forked child (R21): the pins are the parent's."""
         if self.owner.inherited():
             return []
         failures: list[DeviceError] = []
         run = (shield or Shield()).run
-        for ptr in reversed(list(self.pinned)):
+        for ptr in [p for p in reversed(self.pinned) if only is None or p in only]:
             try:
                 run(functools.partial(self.backend.host_unregister, ptr))
             except DeviceError as exc:
@@ -232,6 +236,11 @@ class HostRegion:
         )
         # Invariant: why the owning worker quarantined the region (set just before quarantining).
         self._quarantine_reason = "not proven idle"
+        # Invariant: the CPU rows an unproven copy may still touch (R29), set just before a quarantine by
+        # registration; None: the quarantine keeps the whole region.
+        self._keep_rows: Int64Array | None = None
+        # Invariant: the ranges the quarantine kept, in address order (R29); () unless quarantined.
+        self._kept: tuple[KeptRange, ...] = ()
         # Invariant: the real seconds the owning worker's release or quarantine may still wait (R11: what is left
         # of its shutdown timeout; set just before, None otherwise): bounds a file-backed region's lock wait.
         self._release_wait: float | None = None
@@ -421,6 +430,7 @@ class HostRegion:
             for ptr, nbytes in chunks:
                 self._backend.host_register(ptr, nbytes)
                 self._pinned.append(ptr)
+                self._held.pin_bytes[ptr] = nbytes
         except BaseException as exc:
             self.unpin()
             if required or not isinstance(exc, DeviceError):
@@ -473,21 +483,48 @@ class HostRegion:
         self._release_wait = wait
         return self._finish(RegionInput.WORKER_RELEASE, shield)
 
-    def quarantine_by_owner(self, reason: str, *, wait: float | None = None) -> list[str]:
-        """The owning worker keeps the region mapped and pinned until process exit (R12). Nothing in a forked
-        child (R21).
+    def quarantine_by_owner(self, reason: str, *, wait: float | None = None, chunks: Iterable[int] | None = None,
+                            shield: Shield | None = None) -> list[str]:
+        """The owning worker keeps the region -- or, with ``chunks``, only the registrations an unproven copy may
+        still touch (R29) -- mapped and pinned until process exit (R12). Nothing in a forked child (R21).
+
+        With ``chunks``, a registration (R25's chunk) is kept if its bytes meet row ``r`` of any tensor for some
+        ``r`` in ``chunks``; the rest is unregistered and given back where the platform can (``region_keep.py``
+        says how, per platform; an unpinned region keeps those rows' pages). An empty ``chunks`` keeps nothing:
+        the region is released (R3). A region that cannot be kept in part (``keeps_whole``) keeps the whole.
 
         Args:
             reason: why, for the quarantine registry and the log.
             wait: as for :meth:`release_by_owner` (a file-backed region gives up its file's name within it).
+            chunks: the CPU chunk ids (rows) an unproven copy may still touch; None: keep the whole region.
+            shield: collects interrupts arriving meanwhile (R14); None: re-raised at the end.
 
         Returns:
             Descriptions of quarantine steps that failed (each also logged), e.g. a file region's unlink (R18).
+
+        Chunk ids that are not ints in ``[0, num_cpu_chunks)`` are logged and the whole region kept (never raised:
+        this is a shutdown step).
         """
         if self._held.owner.inherited():
             return []
+        rows = None if chunks is None else rows_to_keep(chunks, self.num_cpu_chunks)
         self._quarantine_reason, self._release_wait = reason, wait
-        return self._finish(RegionInput.WORKER_QUARANTINE)
+        if rows is not None and not rows.size:  # R29: nothing an unproven copy may touch: released (R3)
+            return self._finish(RegionInput.WORKER_RELEASE, shield)
+        self._keep_rows = None if self.keeps_whole else rows
+        return self._finish(RegionInput.WORKER_QUARANTINE, shield)
+
+    keeps_whole: bool = False  #: Whether a quarantine keeps the whole region whatever ``chunks`` says (R29)
+
+    @property
+    def kept_ranges(self) -> tuple[KeptRange, ...]:
+        """The ranges of the region kept in quarantine, in address order (R29); () unless quarantined."""
+        return self._kept
+
+    @property
+    def quarantined_bytes(self) -> int:
+        """Bytes of the region kept in quarantine (R30); 0 unless quarantined."""
+        return sum(k.length for k in self._kept)
 
     def _step(self, event: RegionInput) -> Action:
         return self._held.step(event)
@@ -501,7 +538,7 @@ class HostRegion:
             return self._release_steps(shield)
         if action is Action.QUARANTINE:
             self._dropped.detach()
-            return self._quarantine()
+            return self._quarantine(shield)
         return []
 
     @property
@@ -520,18 +557,32 @@ class HostRegion:
         """R18 hook: what a quarantine does to the region's backing store (nothing for anonymous memory)."""
         return []
 
-    def _quarantine(self) -> list[str]:
-        """R12: keep the mapping and pins alive until process exit (after the backing's own step, R18)."""
-        failures = self._quarantine_backing()
+    def _quarantine(self, shield: Shield | None = None) -> list[str]:
+        """R12: keep the mapping and pins alive until process exit (R29: with rows to keep, only the registrations
+        that hold them; the rest given back first, in R3's order), after the backing's own step (R18)."""
+        local, rows, self._keep_rows = shield or Shield(), self._keep_rows, None
+        failures: list[str] = []
+        given_back: list[tuple[int, int]] = []  # the (start, end) ranges given back (R29)
+        if rows is not None:
+            try:
+                failures += give_back_unkept(self._held, self._geometries, rows, local, given_back)
+            except BaseException as exc:  # R14: interrupted past retries: what is left stays kept, the interrupt
+                local.interrupt = local.interrupt or exc  # is re-raised once the quarantine is done
+                logger.warning("Quarantine by registration interrupted; the rest of the region stays kept")
+        failures += self._quarantine_backing()
         ledger = self._backend.ledger
         for ptr in self._pinned:
             ledger.quarantine("pinned", ptr)
-        ledger.quarantine("mapping", self.ptr)
-        quarantine(QuarantinedItem("region", f"{self.nbytes} bytes at {self.ptr:#x}, "
-                                   f"{len(self._pinned)} pinned range(s)",
-                                   self._quarantine_reason, self))
-        logger.warning("Region of %d bytes at %#x quarantined until process exit: %s",
-                       self.nbytes, self.ptr, self._quarantine_reason)
+        ledger.quarantine("mapping", self.ptr)  # the mapping stays one resource, kept whole or in part
+        reason = self._quarantine_reason
+        self._kept = kept_ranges(self.ptr, self.nbytes, self._geometries, rows, given_back, reason)
+        quarantine(QuarantinedItem("region", f"{self.quarantined_bytes} of {self.nbytes} bytes at {self.ptr:#x}, "
+                                   f"{len(self._pinned)} pinned range(s)", reason, self,
+                                   tuple((k.offset, k.length) for k in self._kept)))
+        logger.warning("Region of %d bytes at %#x quarantined until process exit (%d bytes kept in %d range(s)): %s",
+                       self.nbytes, self.ptr, self.quarantined_bytes, len(self._kept), reason)
+        if shield is None:
+            local.reraise()
         return failures
 
     def _release_steps(self, shield: Shield | None = None) -> list[str]:

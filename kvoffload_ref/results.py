@@ -26,6 +26,7 @@ __all__ = [
     "HeldBlocks",
     "JobOutcome",
     "JobOutcomes",
+    "KeptRange",
     "RegionFate",
     "ReleasedHold",
     "ShutdownPolicy",
@@ -215,6 +216,21 @@ RegionFate = Literal["released", "quarantined", "absent"]
 
 
 @dataclasses.dataclass(frozen=True)
+class KeptRange:
+    """A range of the region kept in quarantine until process exit (R29).
+
+    Attributes:
+        offset: its first byte, from the region's start.
+        length: its bytes.
+        reason: why it is kept (the quarantine's reason).
+    """
+
+    offset: int
+    length: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class ShutdownReport:
     """What shutdown did.
 
@@ -231,6 +247,8 @@ class ShutdownReport:
         unreported: every job the caller was never handed by ``get_finished()``, store's first, each with how it
             ended (``store.jobs`` then ``load.jobs``): with ``get_finished()`` they account for every accepted job
             exactly once (R8, R14).
+        kept: the ranges of the region kept in quarantine, in address order (R29: the registrations an unproven
+            copy may still touch; the whole region where it cannot be given back in part); () when released.
     """
 
     store: HandlerReport
@@ -242,6 +260,7 @@ class ShutdownReport:
     errors: tuple[str, ...]
     elapsed: float
     interrupted: bool
+    kept: tuple[KeptRange, ...] = ()
 
     @property
     def unreported(self) -> tuple[JobOutcome, ...]:
@@ -382,6 +401,7 @@ class ShutdownRun:
         self.errors: list[str] = []
         # Invariant: "quarantined"/"leaked" -> ledger kind -> count, only counts > 0.
         self.counts: dict[str, dict[str, int]] = {"quarantined": {}, "leaked": {}}
+        self.kept: tuple[KeptRange, ...] = ()  # Invariant: the region's kept ranges once quarantined (R29).
 
     def add(self, table: str, kind: str, count: int) -> None:
         if count:
@@ -392,7 +412,7 @@ class ShutdownRun:
             store=store, load=load, device_sync=self.proof.value,
             region=_REGION_FATE.get(region, "absent"), quarantined=dict(self.counts["quarantined"]),
             leaked=dict(self.counts["leaked"]), errors=tuple(self.errors), elapsed=elapsed,
-            interrupted=self.interrupt is not None)
+            interrupted=self.interrupt is not None, kept=self.kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,3 +425,4 @@ class WorkerStats:
     region: str
     pinned: bool
     ledger_live: Mapping[ResourceKind, int]
+    quarantined_bytes: int = 0  # R30: bytes of this worker's region kept in quarantine (0 while open)

@@ -11,7 +11,11 @@ The chunk ending at a seam is the longest one that fits in the cap. When no posi
 single row larger than the cap, or rows whose boundaries rarely meet a page boundary), the chunk runs on to the
 first position that is one: a row larger than the cap is registered whole, never split.
 
-Pure (no backend, no memory): :func:`register_chunks` only computes ``(address, size)`` pairs.
+Which registrations a quarantine keeps (R29): :func:`touched` picks those whose bytes meet a row, in any tensor,
+that an unproven copy may still touch; an unpinned region keeps those rows' pages instead (:func:`row_pages`), and
+:func:`gaps` is the rest of the region, what may be unmapped.
+
+Pure (no backend, no memory): these functions only compute address ranges.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from kvoffload_ref.specs import TensorGeometry
-from kvoffload_ref.validate import check_int
+import numpy as np
+import numpy.typing as npt
 
-__all__ = ["DEFAULT_MAX_REGISTER_BYTES", "register_chunks"]
+from kvoffload_ref.specs import TensorGeometry
+from kvoffload_ref.validate import Int64Array, check_int
+
+__all__ = ["DEFAULT_MAX_REGISTER_BYTES", "gaps", "register_chunks", "row_pages", "touched"]
 
 #: vLLM #51081 registers at most 64 GiB per cudaHostRegister call (one call of 512 GiB or more fails).
 DEFAULT_MAX_REGISTER_BYTES: Final = 64 << 30
@@ -99,3 +106,65 @@ def register_chunks(ptr: int, nbytes: int, tensors: Sequence[TensorGeometry], ma
         chunks.append((low, high - low))
         low = high
     return chunks
+
+
+def _row_spans(tensors: Sequence[TensorGeometry], rows: Int64Array) -> tuple[Int64Array, Int64Array]:
+    """The ``[start, end)`` of row ``r`` of every tensor, for each ``r`` in ``rows`` (empty rows left out)."""
+    starts = [g.ptr + rows * g.row_stride for g in tensors if g.row_bytes]
+    ends = [s + g.row_bytes for s, g in zip(starts, (g for g in tensors if g.row_bytes), strict=True)]
+    if not starts:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    return np.concatenate(starts).astype(np.int64), np.concatenate(ends).astype(np.int64)
+
+
+def touched(registrations: Sequence[tuple[int, int]], tensors: Sequence[TensorGeometry],
+            rows: Int64Array) -> list[bool]:
+    """R29: for each registration ``(address, size)`` (disjoint, in address order), whether its bytes meet row
+    ``r`` of any tensor for some ``r`` in ``rows``. One ``searchsorted`` per side, however many rows.
+
+    Args:
+        registrations: the region's registrations, sorted by address, disjoint.
+        tensors: the region's CPU tensors.
+        rows: CPU chunk ids (rows), each in ``[0, rows of every tensor)``.
+    """
+    if not registrations:
+        return []
+    starts = np.array([a for a, _ in registrations], dtype=np.int64)
+    ends = starts + np.array([n for _, n in registrations], dtype=np.int64)
+    lo, hi = _row_spans(tensors, rows)
+    first = np.searchsorted(ends, lo, side="right")  # the first registration ending after the row's start
+    past = np.searchsorted(starts, hi, side="left")  # how many begin before the row's end
+    marks = np.zeros(len(registrations) + 1, dtype=np.int64)
+    np.add.at(marks, first, 1)
+    np.add.at(marks, past, -1)
+    kept: npt.NDArray[np.bool_] = np.cumsum(marks)[:-1] > 0
+    return [bool(k) for k in kept.tolist()]
+
+
+def row_pages(tensors: Sequence[TensorGeometry], rows: Int64Array, page: int) -> list[tuple[int, int]]:
+    """R29, an unpinned region: the ``(start, end)`` of the pages holding row ``r`` of any tensor, for each ``r``
+    in ``rows``, merged, in address order."""
+    lo, hi = _row_spans(tensors, rows)
+    if not lo.size:
+        return []
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order] // page * page, -(-hi[order] // page) * page
+    reach = np.maximum.accumulate(hi)
+    new = np.ones(lo.size, dtype=np.bool_)
+    new[1:] = lo[1:] > reach[:-1]
+    firsts = np.flatnonzero(new)
+    lasts = np.append(firsts[1:], lo.size) - 1
+    return list(zip(lo[firsts].tolist(), reach[lasts].tolist(), strict=True))
+
+
+def gaps(start: int, end: int, kept: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The pieces of ``[start, end)`` outside every ``(start, end)`` range of ``kept`` (any order, may overlap),
+    in address order: what a quarantine by registration may unmap (R29)."""
+    pieces, low = [], start
+    for a, b in sorted(kept):
+        if a > low:
+            pieces.append((low, min(a, end)))
+        low = max(low, b)
+    if low < end:
+        pieces.append((low, end))
+    return [(a, b) for a, b in pieces if a < b]

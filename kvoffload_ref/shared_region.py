@@ -217,6 +217,11 @@ class SharedRegion(HostRegion):
     ownership (R1); until then ``release()`` is the caller's way to give it up (R3).
     """
 
+    #: R29: a quarantine keeps the whole mapping and every registration. Its pages are the file's, shared with the
+    #: other ranks: ``MADV_DONTNEED`` would give none of them back, and punching a hole (``MADV_REMOVE``) would
+    #: destroy the rows of the ranks that still use them (docs/shared-region.md).
+    keeps_whole = True
+
     def __init__(self, backend: Backend, mapping: mmap.mmap, geometry: SharedGeometry, rank: int,
                  shared: SharedFile, *, engine_id: str, is_creator: bool,
                  max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> None:

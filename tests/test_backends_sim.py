@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -1079,3 +1080,92 @@ def test_sim_host_calls_refuse_addresses_and_sizes_that_are_not_int64_ints(ptr: 
         with pytest.raises(InvalidTransferError, match=r"^host_register"):
             be.host_register(ptr, nbytes)  # type: ignore[arg-type]
     assert be.ledger.live() == {}
+
+
+# -- R29: a page-granular unmap of part of a tracked mapping ----------------------------------------------------
+
+
+def _page_aligned_mapping(be: SimBackend, pages: int = 8) -> tuple[mmap.mmap, npt.NDArray[np.uint8], int]:
+    """A tracked (unpinned) page-aligned host mapping of ``pages`` pages: (mapping, its bytes, its address)."""
+    mapping = mmap.mmap(-1, pages * PAGE)
+    host = np.frombuffer(mapping, dtype=np.uint8)
+    ptr = int(host.ctypes.data)
+    be.track_host(ptr, host.nbytes)
+    return mapping, host, ptr
+
+
+@pytest.mark.rule("R29")
+def test_sim_untrack_host_pages_forgets_a_piece_and_keeps_the_rest() -> None:
+    rig = make_rig(pinned=False)
+    be = rig.be
+    _, host, ptr = _page_aligned_mapping(be)
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(0), ptr + PAGE)])  # pending, into page 1: the piece below is not touched
+    be.untrack_host_pages(ptr + 4 * PAGE, 2 * PAGE)
+    be.sleep(1.0)
+    assert not be.violations and (host[PAGE:2 * PAGE] == 1).all(), "the rest stays live"
+    assert be.ledger.live()["mapping"] == 2, "a mapping untracked in part stays one resource"
+    be.untrack_host(ptr)  # what is left of it, both pieces
+    be.untrack_host(rig.host_ptr)
+    assert not be.violations and "mapping" not in be.ledger.live()
+    rig.copy(stream, [(rig.dev_addr(1), ptr + 7 * PAGE)])  # the last piece is gone too
+    be.sleep(1.0)
+    assert [v.kind for v in be.violations] == ["illegal_address"] and not host[7 * PAGE:].any()
+
+
+@pytest.mark.rule("R29")
+def test_sim_a_copy_touching_an_untracked_piece_is_flagged() -> None:
+    rig = make_rig(pinned=False)
+    be = rig.be
+    _, host, ptr = _page_aligned_mapping(be)
+    stream = be.create_stream()
+    rig.copy(stream, [(rig.dev_addr(0), ptr + 3 * PAGE)])  # pending, into the piece about to go
+    be.untrack_host_pages(ptr + 2 * PAGE, 2 * PAGE)
+    assert [v.kind for v in be.violations] == ["unmap_under_dma"]
+    be.sleep(1.0)
+    assert be.violations[-1].kind == "illegal_address" and not host.any(), "the piece was never touched"
+
+
+@pytest.mark.rule("R29")
+def test_sim_a_copy_submitted_into_an_untracked_piece_is_flagged() -> None:
+    rig = make_rig(pinned=False)
+    be = rig.be
+    _, host, ptr = _page_aligned_mapping(be)
+    be.untrack_host_pages(ptr, PAGE)
+    rig.copy(be.create_stream(), [(rig.dev_addr(0), ptr)])
+    be.sleep(1.0)
+    assert [v.kind for v in be.violations] == ["illegal_address"] and not host.any()
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.rule("R7")
+def test_sim_untrack_host_pages_refuses_what_is_not_a_piece_of_one_mapping() -> None:
+    be = SimBackend()
+    _, _, ptr = _page_aligned_mapping(be)
+    for bad in [(ptr + 1, PAGE), (ptr, PAGE + 1), (ptr, 0), (ptr, 1.0)]:
+        with pytest.raises(InvalidTransferError):
+            be.untrack_host_pages(*bad)  # type: ignore[arg-type]
+    be.untrack_host_pages(ptr + 7 * PAGE, 2 * PAGE)  # runs past the mapping's end
+    assert [v.kind for v in be.violations] == ["invalid_release"]
+    be.untrack_host_pages(ptr, PAGE)
+    be.untrack_host(ptr + PAGE)  # a piece's start is not a mapping's: recorded, nothing forgotten
+    assert [v.kind for v in be.violations] == ["invalid_release"] * 2
+    be.untrack_host(ptr)
+    assert "mapping" not in be.ledger.live()
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.rule("R12")
+def test_sim_a_release_under_many_pending_copies_flags_exactly_those_touching_it() -> None:
+    """Past a few pending copies the sim finds those a release touches in one vectorized pass: the same ones, in
+    the same order, as copy by copy (sources and destinations both)."""
+    rig = make_rig(pinned=False, rows=8)
+    be = rig.be
+    _, _, ptr = _page_aligned_mapping(be, pages=32)
+    stream = be.create_stream()
+    be.enqueue_compute_write(rig.dev, rows=[0], value=9, delay=1.0, stream=stream)  # holds the copies pending
+    for i in range(30):  # copy i: device row -> host page i (odd i: the other way)
+        pair = (rig.dev_addr(i % 8), ptr + i * PAGE) if i % 2 == 0 else (ptr + i * PAGE, rig.dev_addr(i % 8))
+        rig.copy(stream, [pair], tag=("store", i))
+    be.untrack_host_pages(ptr + 4 * PAGE, 3 * PAGE)  # pages 4, 5, 6: copies 4 (dst), 5 (src), 6 (dst)
+    assert [(v.kind, v.tag) for v in be.violations] == [("unmap_under_dma", ("store", i)) for i in (4, 5, 6)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import mmap
 from typing import Any
 
 import numpy as np
@@ -307,3 +308,125 @@ def test_region_pin_refuses_bad_chunk_sizes_and_pins_nothing(value: Any) -> None
         region.pin(value)
     assert not region.pinned and "pinned" not in be.ledger.live()
     region.release()
+
+
+# -- R29: quarantine by registration, on the region itself ----------------------------------------------------------
+def _adopted(be: Any, *, pin: bool = True) -> kv.HostRegion:
+    """A worker-owned region of 2 tensors x 32 rows of 512 bytes: with pin(4096), four registrations per tensor."""
+    region = kv.HostRegion.allocate(be, small_layout(), 1, 32)
+    if pin:
+        region.pin(4096)
+    region.adopt()
+    return region
+
+
+def _pages_of_row(region: kv.HostRegion, row: int) -> list[tuple[int, int]]:
+    """(offset, length) of the page holding row ``row`` of each tensor (a row of 512 bytes lies in one page)."""
+    page = 4096
+    return [((g.ptr - region.ptr + row * g.row_stride) // page * page, page) for g in region.geometries()]
+
+
+@pytest.mark.rule("R29")
+def test_region_quarantine_without_chunks_keeps_the_whole_region() -> None:
+    be = SimBackend()
+    region = _adopted(be)
+    region.quarantine_by_owner("test")
+    assert region.kept_ranges == (kv.KeptRange(0, region.nbytes, "test"),)
+    assert region.quarantined_bytes == region.nbytes and len(be.registrations()) == 8
+    assert be.ledger.quarantined() == {"pinned": 8, "mapping": 1} and be.ledger.live() == {}
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.rule("R3")
+def test_region_quarantine_of_no_chunks_releases_the_region() -> None:
+    be = RecordingSim()
+    region = _adopted(be)
+    be.calls.clear()
+    assert region.quarantine_by_owner("test", chunks=[]) == []
+    assert region.state is kv.lifecycle.RegionState.RELEASED and region.kept_ranges == ()
+    assert [c for c, _ in be.calls] == ["unregister"] * 8 + ["untrack"], "R3's release, whole"
+    assert be.ledger.live() == {} and be.ledger.quarantined() == {}
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.rule("R3")
+def test_region_quarantine_by_registration_unregisters_newest_first_then_unmaps_the_rest() -> None:
+    be = RecordingSim()
+    region = _adopted(be)
+    pieces: list[tuple[int, int]] = []
+    real = be.untrack_host_pages
+    be.untrack_host_pages = lambda p, n: pieces.append((p, n)) or real(p, n)  # type: ignore[method-assign]
+    be.calls.clear()
+    assert region.quarantine_by_owner("test", chunks={3, 9}) == []
+    kept = [(a - region.ptr, n) for a, n in region.registration_chunks(4096)][:2]
+    kept += [(a - region.ptr, n) for a, n in region.registration_chunks(4096)][4:6]
+    assert [(k.offset, k.length) for k in region.kept_ranges] == [(0, 8192), (16384, 8192)] == [
+        (kept[0][0], 8192), (kept[2][0], 8192)], "rows 3 and 9 of each tensor: the first two of its four"
+    unregs = [p for c, p in be.calls if c == "unregister"]
+    assert unregs == sorted(unregs, reverse=True) and len(unregs) == 4, "R3: newest first, the unkept only"
+    assert pieces == [(region.ptr + 8192, 8192), (region.ptr + 24576, 8192)], "then the rest, unmapped"
+    assert ("untrack", region.ptr) not in be.calls, "the mapping itself stays (kept in part)"
+
+
+@pytest.mark.rule("R29")
+def test_region_quarantine_of_an_unpinned_region_keeps_the_pages_of_the_rows() -> None:
+    be = SimBackend()
+    region = _adopted(be, pin=False)
+    region.quarantine_by_owner("test", chunks=[9])
+    assert [(k.offset, k.length) for k in region.kept_ranges] == _pages_of_row(region, 9)
+    assert region.quarantined_resources == {"mapping": 1} and be.ledger.quarantined() == {"mapping": 1}
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.parametrize("chunks", [[32], [-1], ["x"], [True]], ids=["past-the-end", "negative", "str", "bool"])
+def test_region_quarantine_with_chunk_ids_naming_no_row_keeps_everything(chunks: list[Any], caplog: Any) -> None:
+    be = SimBackend()
+    region = _adopted(be)
+    with caplog.at_level(logging.ERROR, logger="kvoffload_ref.region"):
+        assert region.quarantine_by_owner("test", chunks=chunks) == []
+    assert region.kept_ranges == (kv.KeptRange(0, region.nbytes, "test"),) and len(be.registrations()) == 8
+    assert any("keeping the whole region" in m for m in messages(caplog))
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.rule("R14")
+def test_region_quarantine_by_registration_interrupted_keeps_what_it_did_not_give_back() -> None:
+    be = SimBackend()
+    region = _adopted(be)
+    seen: list[str] = []
+
+    def interrupt(point: str, tag: Any) -> None:
+        seen.append(point)
+        if point == "host_unregister" and seen.count(point) > 1:  # the second unregister on, every try
+            raise KeyboardInterrupt
+
+    be.on_call = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        region.quarantine_by_owner("test", chunks=[9])
+    be.on_call = None
+    assert region.state is kv.lifecycle.RegionState.QUARANTINED
+    assert len(be.registrations()) == 7, "one given back; the rest stays, kept"
+    assert region.quarantined_resources == be.ledger.quarantined() == {"pinned": 7, "mapping": 1}
+    assert be.ledger.live() == {} and not be.violations
+    assert region.kept_ranges == (kv.KeptRange(0, region.nbytes, "test"),), "nothing unmapped: all of it kept"
+
+
+class _NoPartialUnmapSim(SimBackend):
+    """A device that models no page-granular unmap (as the CuPy backend): the mapping stays announced whole."""
+
+    untrack_host_pages = None
+
+
+@pytest.mark.rule("R29")
+def test_region_quarantine_on_a_backend_without_partial_unmap_still_gives_the_pages_back() -> None:
+    be = _NoPartialUnmapSim()
+    region = _adopted(be)
+    region._views[0][20] = 7  # rows written straight through the region's own view
+    region._views[0][9] = 5
+    region.quarantine_by_owner("test", chunks=[9])
+    assert [(k.offset, k.length) for k in region.kept_ranges] == _pages_of_row(region, 9)
+    assert len(be.registrations()) == 2 and be.ledger.quarantined() == {"pinned": 2, "mapping": 1}
+    assert (region._views[0][9] == 5).all(), "the kept rows are untouched"
+    if hasattr(mmap, "MADV_DONTNEED"):
+        assert not region._views[0][20].any(), "the pages given back were released, the device told nothing"
+    assert not be.violations

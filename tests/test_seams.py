@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.region import PAGE
-from kvoffload_ref.seams import DEFAULT_MAX_REGISTER_BYTES, register_chunks
+from kvoffload_ref.seams import DEFAULT_MAX_REGISTER_BYTES, gaps, register_chunks, row_pages, touched
 from kvoffload_ref.shared_region import SharedRegion
 from kvoffload_ref.specs import TensorGeometry
 
@@ -210,3 +210,41 @@ def test_seams_a_worker_over_a_finely_chunked_region_never_crosses_a_registratio
         assert np.array_equal(be.to_host(after)[20:59], before)
     w.shutdown()
     assert be.ledger.live() == {}
+
+
+# -- R29: which registrations a quarantine keeps ---------------------------------------------------------------------
+_TENSORS = st.lists(st.tuples(st.integers(1, 300), st.integers(0, 200), st.integers(1, 12)), min_size=1, max_size=3)
+
+
+def _laid_out(shapes: list[tuple[int, int, int]]) -> list[TensorGeometry]:
+    """Tensors of (row_bytes, padding, rows) one after another, each on a page boundary, from address PAGE on."""
+    tensors, at = [], PAGE
+    for row_bytes, pad, rows in shapes:
+        tensors.append(TensorGeometry(ptr=at, rows=rows, row_bytes=row_bytes, row_stride=row_bytes + pad))
+        at = -(-(at + rows * (row_bytes + pad)) // PAGE) * PAGE
+    return tensors
+
+
+@pytest.mark.rule("R29")
+@given(shapes=_TENSORS, cap=st.integers(1, 3 * PAGE), data=st.data())
+def test_touched_keeps_exactly_the_registrations_meeting_a_kept_row(shapes: list[tuple[int, int, int]], cap: int,
+                                                                    data: st.DataObject) -> None:
+    tensors = _laid_out(shapes)
+    end = -(-(tensors[-1].ptr + tensors[-1].rows * tensors[-1].row_stride) // PAGE) * PAGE
+    chunks = register_chunks(PAGE, end - PAGE, tensors, cap, PAGE)
+    rows = sorted(data.draw(st.sets(st.integers(0, min(g.rows for g in tensors) - 1))))
+    spans = [(g.ptr + r * g.row_stride, g.ptr + r * g.row_stride + g.row_bytes) for g in tensors for r in rows]
+    want = [any(a < hi and lo < a + n for lo, hi in spans) for a, n in chunks]  # brute force
+    assert touched(chunks, tensors, np.array(rows, dtype=np.int64)) == want
+    pages = row_pages(tensors, np.array(rows, dtype=np.int64), PAGE)
+    assert all(any(a <= lo and hi <= b for a, b in pages) for lo, hi in spans), "every kept row's pages kept"
+    assert all(a % PAGE == 0 and b % PAGE == 0 and a < b for a, b in pages)
+    assert all(b < c for (_, b), (c, _) in itertools.pairwise(pages)), "merged, in order"
+    assert all(any(a < hi and lo < b for lo, hi in spans) for a, b in pages), "no page kept for nothing"
+
+
+@pytest.mark.rule("R29")
+def test_gaps_is_the_rest_of_the_region() -> None:
+    assert gaps(0, 100, [(10, 20), (15, 30), (50, 60)]) == [(0, 10), (30, 50), (60, 100)]
+    assert gaps(0, 100, []) == [(0, 100)] and gaps(0, 100, [(0, 100)]) == []
+    assert gaps(0, 100, [(90, 120), (0, 5)]) == [(5, 90)]

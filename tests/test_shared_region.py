@@ -671,3 +671,19 @@ def test_shared_region_last_rank_killed_after_the_others_released_leaves_the_fil
         again = _rank(shm_dir, 2, 3).open(SimBackend())
     assert again.is_creator and f"Found stale mmap file {again.path}" in " ".join(messages(caplog))
     again.release()
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.rule("R18")
+def test_shared_region_quarantine_by_registration_keeps_the_whole_mapping(shm_dir: str) -> None:
+    """R29: a shared region's pages are the file's, shared with the other ranks: its quarantine keeps the whole
+    mapping and every registration, whatever chunks it is given (docs/shared-region.md)."""
+    be0, be1 = SimBackend(), SimBackend()
+    r0, r1 = _rank(shm_dir, 0, 3).open(be0), _rank(shm_dir, 1, 3).open(be1)
+    r0.pin(r0.nbytes // 4)
+    pins = be0.registrations()
+    r0.adopt()
+    assert len(pins) > 1 and r0.quarantine_by_owner("test", chunks=[0]) == []
+    assert r0.kept_ranges == (kv.KeptRange(0, r0.nbytes, "test"),) and r0.quarantined_bytes == r0.nbytes
+    assert be0.registrations() == pins and be0.ledger.quarantined()["pinned"] == len(pins)
+    r1.release()

@@ -155,8 +155,9 @@ def test_shutdown_fault_matrix_release_steps(point: str, every: bool, worker: st
                                              caplog: Any) -> None:
     """A release step that fails (the first call at its point, or every one) is logged, listed in the report's
     errors and leaked -- and every other release step still runs: nothing else stays live (R3, R10, R16). A
-    quarantined region makes no region release call (nothing fails); under the release policy a hung load makes the
-    sim see the hazard vLLM #51622 has (R12), whatever fails."""
+    quarantined region gives back what no late copy may touch through the same steps (R29): a failed unregister
+    there is leaked too, a failed unmap leaves its pages kept (nothing leaked); under the release policy a hung
+    load makes the sim see the hazard vLLM #51622 has (R12), whatever fails."""
     kinds, text = RELEASE_STEPS[point]
     plan = kv.FaultPlan([kv.Fault("copy", "hang", direction="load", job_id=4)] if hung else [])
     be, w = _busy_worker(plan, on_unproven, create=CREATE[worker], pin_chunk_bytes=16 << 10)
@@ -169,11 +170,12 @@ def test_shutdown_fault_matrix_release_steps(point: str, every: bool, worker: st
     assert report.device_sync == ("timeout" if hung else "not_needed")
     _assert_accounted(be, report)  # R16: nothing else live; leaked and quarantined exactly as reported
     assert not be.violations or (hung and on_unproven == "release"), "R12: nothing released under DMA"
-    fails = any(f.point == point for f in plan.fired)
-    assert fails == (not quarantined or point not in ("host_unregister", "unmap")), "the release step failed"
+    assert any(f.point == point for f in plan.fired), "the release step failed"
     leaked = dict(report.leaked)
-    if not fails:
-        assert not leaked
+    if quarantined and point == "unmap":  # R29: pages that could not be given back stay kept; nothing leaked
+        pinned = sum(end - start for start, end in be.registrations())  # the registrations kept
+        assert not leaked and sum(k.length for k in report.kept) > pinned, "the pages not given back are kept"
+        assert any("unmap of" in e for e in report.errors), report.errors
         return
     assert leaked and set(leaked) <= kinds, f"only what failed is leaked: {leaked}"
     if not every:

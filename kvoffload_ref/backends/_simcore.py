@@ -13,9 +13,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import mmap
 import threading
 from collections.abc import Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Final, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -65,6 +66,11 @@ from kvoffload_ref.validate import INT64_MAX, check_int, check_positive, check_s
 __all__ = ["SimCore", "checked_shape", "describe", "tag_of", "transfer_name"]
 
 T = TypeVar("T")
+
+#: The page size: the unit of :meth:`SimCore.untrack_host_pages` (R29).
+PAGE: Final = mmap.PAGESIZE
+#: Up to this many pending copies, a release checks them one by one; beyond, in one vectorized pass.
+SMALL_PENDING: Final = 16
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -203,14 +209,49 @@ class SimCore:
         with self._lock:
             self._release_fault("unmap")
             self._catch_up()
-            span = self._memory.host_span_at(ptr)
-            if span is None:
+            pieces = self._memory.mapping_pieces(ptr)
+            if not pieces:
                 self._violate("invalid_release", f"untrack_host({ptr:#x}): no tracked mapping starts there")
                 return
-            where = f"mapping [{span.start:#x}, {span.end:#x})"
-            self._poison_pending(span.start, span.end, "unmap_under_dma", f"{where} was untracked")
-            self._memory.remove(ptr)
+            for span in pieces:  # the mapping whole, or what untrack_host_pages left of it (R29)
+                where = f"mapping [{span.start:#x}, {span.end:#x})"
+                self._poison_pending(span.start, span.end, "unmap_under_dma", f"{where} was untracked")
+                self._memory.remove(span.start)
             self._ledger.release("mapping", ptr)
+
+    def untrack_host_pages(self, ptr: int, nbytes: int) -> None:
+        """Forget the page-aligned piece ``[ptr, ptr+nbytes)`` of one tracked host mapping (R29: a page-granular
+        unmap; fault point ``unmap``). The rest of the mapping stays tracked, and the mapping stays one ledger
+        "mapping" (key: its start) until :meth:`untrack_host` of its start forgets what is left of it.
+
+        Pending copies touching the piece are recorded (``unmap_under_dma``) and poisoned, as for
+        :meth:`untrack_host`; a copy submitted later that touches it touches memory outside every live span
+        (``illegal_address``). A piece not inside one tracked mapping is recorded (``invalid_release``). Ranges
+        pinned inside the piece stay registered (as after a failed unregister).
+
+        Raises:
+            InvalidTransferError: ``ptr`` or ``nbytes`` is not an int >= 1, or ``ptr`` is not page-aligned, or
+                the piece ends neither on a page boundary nor at the end of its mapping (R7).
+            DeviceError: an injected ``unmap`` fault (nothing happens).
+        """
+        ptr = check_int("untrack_host_pages: ptr", ptr, minimum=1, maximum=INT64_MAX)
+        nbytes = check_int("untrack_host_pages: nbytes", nbytes, minimum=1, maximum=INT64_MAX - ptr)
+        if self.on_call is not None:
+            self.on_call("untrack_host", None)
+        with self._lock:
+            self._release_fault("unmap")
+            self._catch_up()
+            span = self._memory.span_holding(ptr, nbytes)
+            end = ptr + nbytes
+            if span is None or not span.is_host:
+                self._violate("invalid_release", f"untrack_host_pages({ptr:#x}, {nbytes}): not inside one tracked "
+                              "mapping")
+                return
+            if ptr % PAGE or (end % PAGE and end != span.end):
+                raise InvalidTransferError(f"untrack_host_pages({ptr:#x}, {nbytes}): a piece begins on a page "
+                                           f"boundary ({PAGE} bytes) and ends on one or at its mapping's end")
+            self._poison_pending(ptr, end, "unmap_under_dma", f"pages [{ptr:#x}, {end:#x}) were untracked")
+            self._memory.cut(ptr, end)
 
     def host_register(self, ptr: int, nbytes: int) -> None:
         """Pin [ptr, ptr+nbytes) of a tracked mapping (ledger kind "pinned", key ptr). Fault point.
@@ -467,10 +508,21 @@ class SimCore:
             self._trace.violation(kind, detail, self._sched.now, pair)
 
     def _poison_pending(self, lo: int, hi: int, kind: ViolationKind, why: str) -> None:
-        for op in self._pending:
-            if op.touches(lo, hi):
-                self._violate(kind, f"copy {op.tag} is pending while {why}", op.tag)
-                op.poison = op.poison or f"{why} while the copy was pending"
+        for op in self._pending_touching(lo, hi):
+            self._violate(kind, f"copy {op.tag} is pending while {why}", op.tag)
+            op.poison = op.poison or f"{why} while the copy was pending"
+
+    def _pending_touching(self, lo: int, hi: int) -> list[CopyOp]:
+        """The pending copies with a descriptor touching [lo, hi), in pending order: one vectorized pass over all
+        their descriptors (a release of many ranges under thousands of pending copies, R29, stays cheap)."""
+        ops = list(self._pending)
+        if len(ops) <= SMALL_PENDING:
+            return [op for op in ops if op.touches(lo, hi)]
+        parts = [op.descriptors() for op in ops]
+        src, dst, sizes = (np.concatenate([p[k] for p in parts]) for k in range(3))
+        owner = np.repeat(np.arange(len(ops)), [len(p[2]) for p in parts])
+        hit = (sizes > 0) & (((src < hi) & (src + sizes > lo)) | ((dst < hi) & (dst + sizes > lo)))
+        return [ops[i] for i in np.unique(owner[hit]).tolist()]
 
     def _op_duration(self, op: Op) -> float:
         if isinstance(op, SlowOp):

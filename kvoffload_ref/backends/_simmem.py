@@ -139,6 +139,9 @@ class Memory:
     def __init__(self) -> None:
         # Invariant: start -> span for every live span; spans never overlap.
         self._spans: dict[int, Span] = {}
+        # Invariant: start of a host span that is a piece of a larger mapping (what untrack_host_pages left of it)
+        # -> that mapping's start (its ledger key); a span without an entry is a whole mapping (R29).
+        self.mapping_of: dict[int, int] = {}
         # Invariant: start -> end for every pinned range; each lies in a host mapping when pinned; none overlap.
         self.pinned: dict[int, int] = {}
         # Invariant: caches of sorted indexes over _spans / pinned; None when stale.
@@ -165,7 +168,29 @@ class Memory:
     def remove(self, start: int) -> None:
         """Forget the span starting at ``start``."""
         del self._spans[start]
+        self.mapping_of.pop(start, None)
         self._span_index = self._slow = None
+
+    def mapping_pieces(self, mapping: int) -> list[Span]:
+        """The host spans left of the mapping tracked at ``mapping`` (itself whole, or its pieces), by address."""
+        return sorted((s for start, s in self._spans.items() if s.is_host and self.mapping_of.get(start, start) ==
+                       mapping), key=lambda s: s.start)
+
+    def cut(self, lo: int, hi: int) -> Span | None:
+        """Forget ``[lo, hi)`` of the host span holding it whole (R29: a page-granular unmap); what is left of the
+        span stays live as up to two pieces of the same mapping. Returns the span cut, or None (nothing changed)
+        when no host span holds the range whole."""
+        span = self.span_holding(lo, hi - lo)
+        if span is None or not span.is_host:
+            return None
+        mapping = self.mapping_of.pop(span.start, span.start)
+        del self._spans[span.start]
+        for a, b in ((span.start, lo), (hi, span.end)):
+            if a < b:
+                self._spans[a] = Span(a, b, True, span.data[a - span.start: b - span.start])
+                self.mapping_of[a] = mapping
+        self._span_index = self._slow = None
+        return span
 
     def host_span_at(self, start: int) -> Span | None:
         """The host mapping starting exactly at ``start``."""

@@ -82,7 +82,8 @@ CALL_POINTS: Final[dict[str, str]] = {
     "host_register": "host_register", "host_unregister": "host_unregister",
     "record": "record", "wait_event": "wait_event", "destroy_stream": "destroy_stream",
     "destroy_event": "destroy_event", "free_descriptors": "free_descriptors", "track_host": "track_host",
-    "untrack_host": "untrack_host", "current_stream": "current_stream", "compute_stream": "compute_stream",
+    "untrack_host": "untrack_host", "untrack_host_pages": "untrack_host",
+    "current_stream": "current_stream", "compute_stream": "compute_stream",
     "elapsed": "elapsed", "monotonic": "monotonic", "sleep": "sleep", "empty_device": "empty_device",
     "from_host": "from_host", "to_host": "to_host", "array_info": "array_info",
 }
@@ -352,6 +353,10 @@ class Backend(Protocol):
     ``free_descriptors_many``, ``query_prefix``) are an optional extension: :class:`~kvoffload_ref.backends.
     batched.BatchedBackend`; callers go through :mod:`kvoffload_ref.backends.batched`, which falls back to one call
     each for a backend without them.
+
+    ``untrack_host_pages(ptr, nbytes)`` is optional too: a backend that models a page-granular unmap of part of a
+    tracked mapping (the sim) offers it; a quarantine by registration (R29) announces each unmapped piece through it
+    where it exists, and the rest of the mapping stays tracked.
     """
 
     name: str

@@ -11,7 +11,9 @@ are viewed through numpy arrays built from their raw address. Each is a *span* i
 the copy engine is ``_simcopy.py``). A copy reads its descriptors when it starts and moves the bytes when it
 finishes, all sources read before any destination is written; every range must lie inside one live span. The
 sim never touches an address outside a live span: a copy whose range was unmapped or unpinned while it was
-pending is *poisoned* and is stopped at execution.
+pending is *poisoned* and is stopped at execution. ``untrack_host_pages`` unmaps a page-aligned piece of a tracked
+mapping (R29: the platform's page-granular unmap); the rest of the mapping stays live, and stays one ledger
+"mapping" until ``untrack_host`` of its start.
 
 *Violations.* Misuse that real hardware punishes late or silently is recorded in :attr:`SimBackend.violations`:
 unmapping or unpinning memory a pending copy touches, freeing a descriptor buffer a pending copy reads, a copy

@@ -86,7 +86,7 @@ ROWS: tuple[Row, ...] = (
 
 def _busy(be: SimBackend, policy: str) -> CPUOffloadingWorker:
     gpu = [be.empty_device((64, 512)) for _ in range(2)]
-    w = create_worker(be, gpu, _LAYOUT, blocks_per_chunk=1, num_cpu_chunks=16,
+    w = create_worker(be, gpu, _LAYOUT, blocks_per_chunk=1, num_cpu_chunks=64,  # 4 registrations per tensor (R29)
                       policy=ShutdownPolicy(TIMEOUT, policy), pin_chunk_bytes=8192)
     for job, direction in ((1, "store"), (2, "store"), (3, "load"), (4, "load")):
         gspec = GPULoadStoreSpec([job], group_sizes=(1,), block_indices=(0,))
@@ -104,6 +104,8 @@ def _summary(be: SimBackend, report: ShutdownReport) -> str:
              f"proof {report.device_sync}", f"region **{report.region}**"]
     if report.quarantined:
         parts.append("quarantined " + ", ".join(f"{k} {v}" for k, v in sorted(report.quarantined.items())))
+    if report.kept:  # R29: only the registrations an unproven copy may touch
+        parts.append(f"kept {sum(k.length for k in report.kept) >> 10} KiB in {len(report.kept)} range(s)")
     if report.leaked:
         parts.append("leaked " + ", ".join(f"{k} {v}" for k, v in sorted(report.leaked.items())))
     if report.interrupted:
@@ -306,6 +308,8 @@ def render() -> str:
         "(`kvoffload_ref/docgen/failure_modes.py`; regenerate with `kvoffload-ref failure-modes --write`, CI checks",
         "it).",
         "\"use-after-free\" counts the sim's violations: copies touching memory released under them.",
+        "The worker's region is 64 KiB in 8 registrations; a quarantine keeps only those an unproven copy may",
+        "still touch (\"kept\", R29) and gives back the rest.",
         "",
         "| fault | vLLM before #51622 | vLLM after #51622 | kvoffload_ref (quarantine policy) | "
         "kvoffload_ref (release policy) |",

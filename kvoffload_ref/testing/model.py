@@ -213,6 +213,9 @@ class Model:
         self.copies = 0
         self.any_hung = False
         self.any_failed = False
+        # Invariant: a copy was queued whose submission then failed (a ghost) and it moves bytes: it may touch the
+        # CPU region at any time, unproven (R29: the region is never released for it).
+        self.ghost_touches = False
         self._next_index = 0
 
     # -- queries --------------------------------------------------------------------------------------------------
@@ -296,6 +299,7 @@ class Model:
         never known again) and it reads its source unordered with later writes (nothing reported reads it)."""
         target = self.sides["cpu" if direction == "store" else "gpu"]
         self.copies += 1
+        self.ghost_touches |= any(m.size for m in moves)
         for move in moves:
             row, lo, hi = move.at(target.name)
             target.poison[move.tensor][row, lo:hi] = True

@@ -14,7 +14,8 @@ from kvoffload_ref.testing.adapter import ReportLike, SimDevice
 from kvoffload_ref.testing.model import Model
 from kvoffload_ref.worker import ShutdownPolicy
 
-__all__ = ["MARGIN", "SLACK", "Expectations", "Problem", "expectations", "interrupted_problems", "report_problems"]
+__all__ = ["MARGIN", "SLACK", "Expectations", "Problem", "expectations", "interrupted_problems", "may_release_unproven",
+           "report_problems"]
 
 #: Virtual seconds a bounded call (shutdown, wait with a timeout) may run past its timeout (R11).
 SLACK: Final = 0.01
@@ -71,25 +72,40 @@ def expectations(model: Model, device: SimDevice, policy: ShutdownPolicy) -> Exp
                         failed or model.any_hung)
 
 
+def may_release_unproven(report: ReportLike, model: Model) -> bool:
+    """R29: whether the region may be released although the device was not proven idle: no copy the worker never
+    proved -- reported failed, or neither drained nor proven-unreaped in the report, or a ghost -- moves a byte.
+    (A job id reused after a failure hides the older transfer from the model; the sim's violation check still
+    catches a region given back under a copy.)"""
+    proven = {o.result.job_id for part in (report.store, report.load) for o in getattr(part, "jobs", ())
+              if o.ended == "drained" or (o.ended == "unreaped" and o.result.success)}
+    return not model.ghost_touches and not any(
+        t.status != "succeeded" and t.job_id not in proven and any(m.size for m in t.moves)
+        for t in model.transfers.values())
+
+
 def report_problems(report: ReportLike, *, model: Model, device: SimDevice, policy: ShutdownPolicy,
                     elapsed: float, expect: Expectations) -> Iterator[Problem]:
     """Every way the report (and the ledger after it) contradicts the rules and the model."""
     limit = policy.timeout + SLACK
     if not (elapsed <= limit and report.elapsed <= limit):
         yield "R11", f"shutdown took {elapsed} s (report: {report.elapsed}) with timeout {policy.timeout}"
-    yield from _fate(report, policy, expect)
+    yield from _fate(report, policy, expect, may_release_unproven(report, model))
     if not (device.lost() or device.violations()):  # else queries failed without a recorded firing
         yield from _drains(report, model)
     yield from _ledger(report, device)
 
 
 def interrupted_problems(report: ReportLike, *, device: SimDevice, policy: ShutdownPolicy,
-                         elapsed: float) -> Iterator[Problem]:
+                         elapsed: float, model: Model | None = None) -> Iterator[Problem]:
     """R14: an interrupted shutdown waited for nothing more, skipped the proof, quarantined what was not proven
-    idle (the region: the interrupt hit a wait on unproven work), released the rest, and says so."""
+    idle (the region: the interrupt hit a wait on unproven work -- unless, per R29, no unproven copy touches it:
+    then it is released), released the rest, and says so."""
     if not report.interrupted:
         yield "R14", "the report of an interrupted shutdown is not marked interrupted"
-    if report.device_sync != "skipped" or report.region != "quarantined":
+    fates = ("quarantined", "released") if model is not None and may_release_unproven(report, model) else (
+        "quarantined",)
+    if report.device_sync != "skipped" or report.region not in fates:
         # Released unproven under the quarantine policy: R12's breach too.
         unproven = report.region == "released" and policy.on_unproven == "quarantine"
         yield "R12/R14" if unproven else "R14", (
@@ -100,16 +116,20 @@ def interrupted_problems(report: ReportLike, *, device: SimDevice, policy: Shutd
     yield from _ledger(report, device)
 
 
-def _fate(report: ReportLike, policy: ShutdownPolicy, expect: Expectations) -> Iterator[Problem]:
-    """R12/R13: release iff provable (or policy release); the proof only off the clean path."""
+def _fate(report: ReportLike, policy: ShutdownPolicy, expect: Expectations,
+          may_release: bool) -> Iterator[Problem]:
+    """R12/R13: release iff provable (or policy release; R29: or no unproven copy touches the region); the proof
+    only off the clean path."""
     sync, region = report.device_sync, report.region
     if policy.on_unproven == "release":
         if region != "released":
             yield "R12", f"policy 'release' left the region {region}"
     else:
-        if region != ("released" if sync in ("not_needed", "ok") else "quarantined"):
-            yield "R12", f"region {region} with device_sync={sync!r} under policy 'quarantine'"
-        if expect.must_quarantine and region != "quarantined":
+        fates = ("released",) if sync in ("not_needed", "ok") else (
+            ("quarantined", "released") if may_release else ("quarantined",))
+        if region not in fates:
+            yield "R12/R29", f"region {region} with device_sync={sync!r} under policy 'quarantine'"
+        if expect.must_quarantine and region != "quarantined" and not may_release:
             yield "R12", "released the region although a hung transfer may still touch it"
         if expect.must_release and region != "released":
             yield "R12", f"quarantined (device_sync={sync!r}) although everything could be proven idle in time"
