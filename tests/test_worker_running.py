@@ -241,3 +241,50 @@ def test_running_hung_load_expires_and_the_direction_serves_new_loads_on_a_fresh
     assert report.region == "quarantined"  # the hung copy may still run: what it touches is kept
     assert report.quarantined.get("stream") == 1  # the retired stream could not be proven idle (R28, R16)
     assert report.load.retired_streams == 1
+
+
+# -- the whole story: R26-R29 together -----------------------------------------------------------------------------
+@pytest.mark.rule("R26")
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R28")
+@pytest.mark.rule("R29")
+@pytest.mark.parametrize("kind", WORKERS)
+def test_running_engine_survives_a_hung_load_and_quarantines_only_what_a_stuck_copy_touches(kind: str) -> None:
+    """A hung load expires; the direction serves new loads on a fresh stream with the right bytes; the held blocks
+    are refused, then released once the late copy lands; a second load stuck at shutdown keeps only the
+    registrations holding the chunk it reads."""
+    plan = kv.FaultPlan([kv.Fault("copy", "hang", direction="load", job_id=11),
+                         kv.Fault("copy", "hang", direction="load", job_id=20)])
+    be, w, gpu = build(kind, SimBackend(plan), pin_chunk_bytes=4096)  # one registration per 4 KiB
+    for job, chunk in enumerate(range(8)):
+        w.submit_store(job, gspec([3 * chunk, 3 * chunk + 1, 3 * chunk + 2]), cspec([chunk]))
+    w.wait(range(8))
+    assert all(r.success for r in w.get_finished())
+    w.submit_load(11, cspec([1]), gspec([40, 41, 42]), deadline=0.01)  # hangs on the device
+    be.clock_advance(0.001)
+    assert w.get_finished() == []  # this poll sees it started
+    be.clock_advance(0.02)
+    (expired,) = w.get_finished()
+    assert (expired.job_id, expired.error.reason, expired.invalid_blocks) == (11, "deadline", (40, 41, 42))
+    w.submit_load(12, cspec([2]), gspec([50, 51, 52]))  # a fresh stream: served while job 11 still hangs
+    w.wait({12}, timeout=1.0)
+    (ok,) = w.get_finished()
+    assert ok.success
+    assert all(np.array_equal(be.to_host(g)[[50, 51, 52]], be.to_host(g)[[6, 7, 8]]) for g in gpu)
+    with pytest.raises(kv.BlocksHeldError):
+        w.submit_load(13, cspec([3]), gspec([40, 60, 61]))  # GPU 40 may still be written by job 11
+    assert be.end_hangs(direction="load", job_id=11) == 1  # the late copy runs now ...
+    assert w.get_finished() == [] and w.take_released() == []  # ... and takes its time on the slow link
+    be.clock_advance(0.01)  # it landed
+    assert w.get_finished() == []
+    assert [(r.job_id, r.gpu_blocks) for r in w.take_released()] == [(11, (40, 41, 42))]
+    w.submit_load(13, cspec([3]), gspec([40, 60, 61]))  # the blocks are free again
+    w.wait({13}, timeout=1.0)
+    assert w.get_finished()[0].success
+    assert all(np.array_equal(be.to_host(g)[[40, 60, 61]], be.to_host(g)[[9, 10, 11]]) for g in gpu)
+    w.submit_load(20, cspec([5]), gspec([30, 31, 32]))  # stuck at shutdown
+    report = w.shutdown()
+    assert report.region == "quarantined" and report.kept  # only what job 20 may touch: chunk 5's rows
+    assert len(report.kept) == 2 and w.stats().quarantined_bytes == sum(k.length for k in report.kept)  # R30
+    assert 0 < w.stats().quarantined_bytes < CPU_CHUNKS * 2 * BPC * 512 // 2  # well under half the region
+    assert be.violations == []
