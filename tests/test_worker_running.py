@@ -286,5 +286,5 @@ def test_running_engine_survives_a_hung_load_and_quarantines_only_what_a_stuck_c
     report = w.shutdown()
     assert report.region == "quarantined" and report.kept  # only what job 20 may touch: chunk 5's rows
     assert len(report.kept) == 2 and w.stats().quarantined_bytes == sum(k.length for k in report.kept)  # R30
-    assert 0 < w.stats().quarantined_bytes < CPU_CHUNKS * 2 * BPC * 512 // 2  # well under half the region
+    assert 0 < w.stats().quarantined_bytes <= CPU_CHUNKS * 2 * BPC * 512 // 2  # 2 of 4 registrations: chunk 5s
     assert be.violations == []
