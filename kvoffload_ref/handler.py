@@ -59,7 +59,7 @@ from kvoffload_ref.results import (
     failed_in_order,
     stopped_outcomes,
 )
-from kvoffload_ref.running import Holds, Mark, Retired, Running, expire, started_age
+from kvoffload_ref.running import Holds, Mark, Retired, Running, expire, head_age, started_age
 from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import Int64Array
@@ -636,15 +636,16 @@ class DirectionHandler:
 
     # -- snapshots and helpers ------------------------------------------------------------------------------------
     def stats(self) -> HandlerStats:
-        """A frozen snapshot of this handler."""
+        """A snapshot of this handler. R30: the pending head's start event is asked once if no poll saw it start
+        (a failure there fails the head, R5), so the health fields are read after it."""
+        open_ = self.state is HandlerState.ACCEPTING
+        age = head_age(self._backend, self._queue[0] if open_ and self._queue else None, self._head_failed)
+        health = self._retired.health(age, self._backend.monotonic(), len(self._unproven_streams))
         c = self._counts
         return HandlerStats(
-            direction=self.direction, state=self.state.value, queued=len(self._queue),
-            unreported=len(self._resolved), submitted=c["submitted"], completed=c["completed"],
-            failed=c["failed"], abandoned=c["abandoned"], unproven=len(self._unproven) + self._retired.late_count(),
-            pooled_streams=int(self._stream is not None), pooled_events=len(self._events),
-            pooled_descriptors=len(self._descriptors),
-        )
+            self.direction, self.state.value, len(self._queue), len(self._resolved), c["submitted"], c["completed"],
+            c["failed"], c["abandoned"], len(self._unproven) + self._retired.late_count(),
+            int(self._stream is not None), len(self._events), len(self._descriptors), *health)
 
     def _step(self, event: HandlerInput) -> Action:
         self.state, action = tables.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)

@@ -145,7 +145,8 @@ class JobOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class HandlerStats:
-    """A frozen snapshot of one handler (never a view of its private fields)."""
+    """A frozen snapshot of one handler (never a view of its private fields). ``stats()`` polls like
+    ``get_finished()``: it may ask the queue head's start event (R30's age), and a failure there fails the head (R5)."""
 
     direction: str
     state: str
@@ -159,6 +160,13 @@ class HandlerStats:
     pooled_streams: int  # the handler's own stream (1 until released)
     pooled_events: int
     pooled_descriptors: int
+    # R30: health (at the end, with defaults: positional callers keep working).
+    oldest_unproven_age: float | None = None  # seconds (backend clock) since the device start of the oldest queued
+    # transfer not yet proven (its start event asked, or as last seen on a retired stream); None: none has started
+    held_gpu_blocks: int = 0  # R27: distinct GPU blocks held by this direction's late copies
+    held_cpu_chunks: int = 0  # R27: distinct CPU chunks held by this direction's late copies
+    oldest_hold_age: float | None = None  # seconds since the oldest of this direction's holds began, or None
+    retired_streams: int = 0  # R28: retired streams not yet proven idle
 
 
 DEFAULT_TIMEOUT: Final = 5.0

@@ -31,7 +31,7 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, Generic, Protocol, TypeVar
+from typing import Final, Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -43,7 +43,7 @@ from kvoffload_ref.shield import Leaks
 from kvoffload_ref.specs import Direction
 from kvoffload_ref.validate import Int64Array
 
-__all__ = ["REASONS", "Holds", "LateTransfer", "Mark", "Retired", "Running", "expire", "started_age"]
+__all__ = ["REASONS", "Health", "Holds", "LateTransfer", "Mark", "Retired", "Running", "expire", "head_age", "started_age"]
 
 logger = logging.getLogger("kvoffload_ref.worker")
 
@@ -322,6 +322,19 @@ class Retired(Generic[T]):
         """The backend time the oldest held transfer became late (R30), or None."""
         return min((t.late for t in self.transfers() if t.late is not None), default=None)
 
+    def health(self, head_age: float | None, now: float, unproven_streams: int = 0) -> Health:
+        """R30: this direction's health at ``now``: ``head_age`` is the current stream's head's device age (None:
+        no head, or not started); the live heads of retired streams count as last seen started; the holds are this
+        direction's late copies'; ``unproven_streams`` retired streams the shutdown drain could not prove idle."""
+        ages = [now - lane.queue[0].started for lane in self.lanes
+                if lane.queue[0].late is None and lane.queue[0].started is not None]
+        if head_age is not None:
+            ages.append(head_age)
+        late = [t for t in self.transfers() if t.late is not None]
+        oldest = self.oldest_hold()
+        return Health(max(ages, default=None), _distinct(t.gpu_ids for t in late), _distinct(t.cpu_ids for t in late),
+                      None if oldest is None else now - oldest, len(self.lanes) + unproven_streams)
+
     def _destroy(self, stream: Stream) -> None:
         """A retired stream proven idle (nothing left on it) is destroyed; a failure is leaked (R16)."""
         self._leaks.release(self._backend.destroy_stream, "stream", stream,
@@ -329,6 +342,33 @@ class Retired(Generic[T]):
 
 
 # -- health (R30) -------------------------------------------------------------------------------------------------
+class Health(NamedTuple):
+    """R30: the health fields of one direction's ``HandlerStats`` (its last five, in order)."""
+
+    oldest_unproven_age: float | None  # device age of the oldest queued transfer not yet proven, or None
+    held_gpu_blocks: int  # distinct GPU blocks this direction's late copies hold
+    held_cpu_chunks: int  # distinct CPU chunks this direction's late copies hold
+    oldest_hold_age: float | None  # seconds since the oldest of them became late, or None
+    retired_streams: int  # retired streams not yet proven idle
+
+
+def _distinct(ids: Iterable[Int64Array]) -> int:
+    arrays = list(ids)
+    return len(np.unique(np.concatenate(arrays))) if arrays else 0
+
+
+def head_age(backend: Backend, head: LateTransfer | None, failed: Callable[[DeviceError], None]) -> float | None:
+    """R30: the device age of the current stream's pending head (None: no head, or not started), asking its start
+    event once if no poll saw it start yet (like a deadline check); a failed query fails the head (``failed``, R5)."""
+    if head is None:
+        return None
+    try:
+        return started_age(backend, head, backend.monotonic())
+    except DeviceError as exc:
+        failed(exc)
+        return None
+
+
 class Running:
     """What both handlers of one worker share of a running engine: the holds (R27) and the stall warning (R30)."""
 
