@@ -155,3 +155,17 @@ def test_worker_stall_warning_spares_a_job_that_completes_in_time(kind: str,
     (message,) = _stalls(caplog)
     assert "store job 2" in message and "job 1 " not in message
     w.shutdown()
+
+
+@pytest.mark.rule("R30")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_stats_start_query_failure_fails_the_head(kind: str) -> None:
+    """stats() polls: the first query of job 2's events is its start event's, asked by stats(); its failure is the
+    job's (R5: reported failed, with what it poisoned), never swallowed by the snapshot."""
+    be, w = _worker(kind, [kv.Fault("event_query", "error", direction="load", job_id=2, nth=1)])
+    w.submit_load(2, cspec([0]), gspec([5, 6]))
+    stats = w.stats().load
+    assert (stats.queued, stats.unreported, stats.oldest_unproven_age, stats.retired_streams) == (0, 1, None, 1)
+    (result,) = w.get_finished()
+    assert not result.success and result.invalid_blocks == (5, 6)
+    w.shutdown()
