@@ -31,10 +31,13 @@ from kvoffload_ref.region import HostRegion
 from kvoffload_ref.results import (
     HeldBlocks,
     JobOutcome,
+    PoisonedBlocks,
     ReleasedHold,
     TransferResult,
+    poisoned_by_tag,
     poisoned_cpu_chunks,
     poisoned_gpu_blocks,
+    poisoned_gpu_blocks_by_group,
 )
 from kvoffload_ref.shared_region import SharedRegion
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
@@ -69,6 +72,7 @@ __all__ = [
     "LifecycleError",
     "OffloadError",
     "OwnershipError",
+    "PoisonedBlocks",
     "QuarantinedItem",
     "ReferenceWorker",
     "ReleasedHold",
@@ -86,8 +90,10 @@ __all__ = [
     "create_reference_worker",
     "create_worker",
     "get_backend",
+    "poisoned_by_tag",
     "poisoned_cpu_chunks",
     "poisoned_gpu_blocks",
+    "poisoned_gpu_blocks_by_group",
     "quarantined",
 ]
 

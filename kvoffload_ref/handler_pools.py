@@ -27,7 +27,7 @@ from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import Direction
 from kvoffload_ref.validate import Int64Array
 
-__all__ = ["DESCRIPTORS", "END", "EVENTS", "JOB_ID", "NBYTES", "Taken", "Transfer", "release_pools"]
+__all__ = ["DESCRIPTORS", "END", "EVENTS", "JOB_ID", "NBYTES", "USER_TAG", "Taken", "Transfer", "release_pools"]
 
 _T = TypeVar("_T")
 
@@ -87,6 +87,7 @@ class Transfer:
     # by that event, so it fails when it reaches the head); None normally.
     broken: DeviceError | None = None
     user_tag: object = None  # the submission's tag=, returned on its result
+    dst_groups: tuple[int, ...] = ()  # R22: a load's GPU spec's group_sizes (its destination's groups); () for a store
     deadline: float | None = None  # R26: seconds from its start on the device, or None
     started: float | None = None  # Invariant: the backend time a poll first saw its start event done
     late: float | None = None  # Invariant: the backend time it became late (reported failed, held, R27)
@@ -95,6 +96,7 @@ class Transfer:
 
 EVENTS = operator.attrgetter("start", "end")
 JOB_ID = operator.attrgetter("job_id")
+USER_TAG = operator.attrgetter("user_tag")
 NBYTES = operator.attrgetter("nbytes")
 DESCRIPTORS = operator.attrgetter("descriptors")
 END = operator.attrgetter("end")

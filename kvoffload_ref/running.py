@@ -38,7 +38,14 @@ import numpy.typing as npt
 
 from kvoffload_ref.backends.base import Backend, Event, Stream
 from kvoffload_ref.errors import BlocksHeldError, DeviceError, TransferExpired
-from kvoffload_ref.results import TRANSFER_TYPE, HeldBlocks, ReleasedHold, TransferResult, destination_blocks
+from kvoffload_ref.results import (
+    TRANSFER_TYPE,
+    HeldBlocks,
+    ReleasedHold,
+    TransferResult,
+    destination_blocks,
+    failure,
+)
 from kvoffload_ref.shield import Leaks
 from kvoffload_ref.specs import Direction
 from kvoffload_ref.validate import Int64Array
@@ -62,6 +69,8 @@ class LateTransfer(Protocol):
     def end(self) -> Event: ...
     @property
     def dst_blocks(self) -> Int64Array: ...  # R22: the destination's ids
+    @property
+    def dst_groups(self) -> tuple[int, ...]: ...  # R22: a load's GPU spec's group_sizes; () for a store
     @property
     def gpu_ids(self) -> Int64Array: ...  # the GPU block ids of its specs
     @property
@@ -185,8 +194,7 @@ def expire(direction: Direction, late: Sequence[LateTransfer], reason: str, canc
             text = f"{direction} job {job} was queued behind job {first}, which {_ENDED[reason]}"
         error = TransferExpired(f"{text}; its copy may still run: its blocks are held until it is observed done "
                                 "(worker.held(), worker.take_released())", why, job, ahead)
-        results.append(TransferResult(job, False, error=error, invalid_blocks=destination_blocks(transfer.dst_blocks),
-                                      transfer_type=kind, tag=transfer.user_tag))
+        results.append(failure(kind, transfer, error))  # R22: its blocks, by group too, and its tag
     return results
 
 
