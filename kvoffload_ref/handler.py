@@ -46,17 +46,7 @@ from kvoffload_ref.backends import batched
 from kvoffload_ref.backends.base import Backend, Backoff, DescriptorBuffer, Event, Stream, Tag, poll_until
 from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError, detached
-from kvoffload_ref.handler_pools import (
-    DESCRIPTORS,
-    END,
-    EVENTS,
-    JOB_ID,
-    NBYTES,
-    USER_TAG,
-    Taken,
-    Transfer,
-    release_pools,
-)
+from kvoffload_ref.handler_pools import DESCRIPTORS, END, EVENTS, JOB_ID, NBYTES, Taken, Transfer, release_pools
 from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
 from kvoffload_ref.planner import Planner, PreparedPlan
 from kvoffload_ref.results import (
@@ -393,7 +383,7 @@ class DirectionHandler:
             self._drained_ids.extend(map(JOB_ID, run))
             self._drained_bytes.extend(map(NBYTES, run))
             if self._tagged:  # an untagged handler keeps no tags (nothing per job)
-                self._drained_tags.extend(map(USER_TAG, run))
+                self._drained_tags += [t.user_tag for t in run]
             self._counts["drained"] += count
         self._leave(run)
         if whole:

@@ -13,6 +13,8 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Literal, Protocol, overload
 
+import numpy as np
+
 from kvoffload_ref.backends.base import ResourceKind
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, detached
 from kvoffload_ref.lifecycle import Policy, ProofOutcome, RegionState
@@ -317,6 +319,8 @@ TRANSFER_TYPE: Final[Mapping[str, tuple[str, str]]] = {"store": ("GPU", "CPU"), 
 
 def destination_blocks(ids: Iterable[int]) -> tuple[int, ...]:
     """R22: a transfer's destination block ids as ``invalid_blocks`` lists them: sorted, distinct."""
+    if isinstance(ids, np.ndarray):  # a record's ids: Python ints in one C call (an expiry builds thousands)
+        return tuple(sorted(set(ids.tolist())))
     return tuple(sorted({int(i) for i in ids}))
 
 
@@ -344,11 +348,22 @@ def by_group(blocks: Int64Array, groups: Sequence[int]) -> tuple[tuple[int, ...]
 
 
 def failure(kind: tuple[str, str], transfer: Unproven, error: BaseException | None) -> TransferResult:
-    """R22: the failed result of ``transfer`` (its blocks, by group too, and its tag) with ``error``."""
-    blocks = transfer.dst_blocks
-    return TransferResult(transfer.job_id, False, error=error, invalid_blocks=destination_blocks(blocks),
-                          transfer_type=kind, tag=transfer.user_tag,
-                          invalid_blocks_by_group=by_group(blocks, transfer.dst_groups) if transfer.dst_groups else ())
+    """R22: the failed result of ``transfer`` (its blocks, by group too, and its tag) with ``error``.
+
+    Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field): an expiry builds one
+    per queued transfer, thousands in one reap. The result is equal to the one ``__init__`` would build (every
+    field is set; ``TransferResult`` has no ``__post_init__``)."""
+    blocks, groups = transfer.dst_blocks, transfer.dst_groups
+    result = _NEW(TransferResult)
+    result.__dict__.update(_FAILED, job_id=transfer.job_id, error=error, invalid_blocks=destination_blocks(blocks),
+                           transfer_type=kind, tag=transfer.user_tag,
+                           invalid_blocks_by_group=by_group(blocks, groups) if groups else ())
+    return result
+
+
+_NEW: Final = object.__new__
+#: Every field of a failed TransferResult, at its default but ``success`` (``failure`` sets the others).
+_FAILED: Final = {**{f.name: f.default for f in dataclasses.fields(TransferResult)}, "success": False}
 
 
 def failed_in_order(direction: str, failed: Sequence[Unproven], exc: DeviceError) -> list[TransferResult]:
