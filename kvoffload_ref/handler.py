@@ -59,7 +59,7 @@ from kvoffload_ref.results import (
     failed_in_order,
     stopped_outcomes,
 )
-from kvoffload_ref.running import Holds, Mark, Retired, Running, expire, head_age, started_age
+from kvoffload_ref.running import Holds, Mark, Retired, Running, expire, started_age
 from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import Int64Array
@@ -646,10 +646,12 @@ class DirectionHandler:
 
     # -- snapshots and helpers ------------------------------------------------------------------------------------
     def stats(self) -> HandlerStats:
-        """A snapshot of this handler. R30: the pending head's start event is asked once if no poll saw it start
-        (a failure there fails the head, R5), so the health fields are read after it."""
+        """A snapshot of this handler. R30: where polls ask the pending head's start event (a deadline, the stall
+        warning), it is asked once if no poll saw it start (a failure there fails the head, R5) before the health
+        fields are read; otherwise no device call."""
         open_ = self.state is HandlerState.ACCEPTING
-        age = head_age(self._backend, self._queue[0] if open_ and self._queue else None, self._head_failed)
+        age = self._running.head_age(self._backend, self._queue[0] if open_ and self._queue else None,
+                                     self._head_failed)
         health = self._retired.health(age, self._backend.monotonic(), len(self._unproven_streams))
         c = self._counts
         return HandlerStats(

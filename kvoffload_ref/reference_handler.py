@@ -24,7 +24,7 @@ from kvoffload_ref.lifecycle import Action, Fate, HandlerInput
 from kvoffload_ref.placement import check_transfer
 from kvoffload_ref.quarantine import keeper
 from kvoffload_ref.results import JobOutcome, TransferResult
-from kvoffload_ref.running import Mark, Retired, Running, expire, head_age, started_age
+from kvoffload_ref.running import Mark, Retired, Running, expire, started_age
 from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import Int64Array
@@ -419,10 +419,10 @@ class ReferenceHandler:
                                      self.kept_streams)
 
     def stats(self) -> results.HandlerStats:
-        """R30: the pending head's device age first (its start event asked once if no poll saw it start; a failure
-        there fails the head, R5), then the snapshot."""
+        """R30: the pending head's device age first (where polls ask its start event -- a deadline, the stall
+        warning -- asked once if no poll saw it start; a failure there fails the head, R5), then the snapshot."""
         head = self.queue[0] if self.state is lifecycle.HandlerState.ACCEPTING and self.queue else None
-        age = head_age(self.backend, head, self._head_failed)
+        age = self.running.head_age(self.backend, head, self._head_failed)
         health = self.retired.health(age, self.backend.monotonic(), len(self.unproven_streams))
         c = self.counts
         return results.HandlerStats(self.direction, self.state.value, len(self.queue), len(self.ready),

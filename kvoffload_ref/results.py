@@ -158,8 +158,9 @@ class JobOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class HandlerStats:
-    """A frozen snapshot of one handler (never a view of its private fields). ``stats()`` polls like
-    ``get_finished()``: it may ask the queue head's start event (R30's age), and a failure there fails the head (R5)."""
+    """A frozen snapshot of one handler (never a view of its private fields). Where a worker's polls ask the queue
+    head's start event (the head has a deadline, or ``stall_warning`` is on), ``stats()`` asks it too if no poll saw
+    it start yet (R30's age; a failure there fails the head, R5); otherwise it makes no device call."""
 
     direction: str
     state: str
@@ -175,7 +176,7 @@ class HandlerStats:
     pooled_descriptors: int
     # R30: health (at the end, with defaults: positional callers keep working).
     oldest_unproven_age: float | None = None  # seconds (backend clock) since the device start of the oldest queued
-    # transfer not yet proven (its start event asked, or as last seen on a retired stream); None: none has started
+    # transfer not yet proven, as polls saw it start (see above); None: none seen started
     held_gpu_blocks: int = 0  # R27: distinct GPU blocks held by this direction's late copies
     held_cpu_chunks: int = 0  # R27: distinct CPU chunks held by this direction's late copies
     oldest_hold_age: float | None = None  # seconds since the oldest of this direction's holds began, or None

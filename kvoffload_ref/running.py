@@ -51,8 +51,7 @@ from kvoffload_ref.shield import Leaks
 from kvoffload_ref.specs import Direction
 from kvoffload_ref.validate import Int64Array
 
-__all__ = ["REASONS", "Health", "Holds", "LateTransfer", "Mark", "Retired", "Running", "expire", "head_age",
-           "started_age"]
+__all__ = ["REASONS", "Health", "Holds", "LateTransfer", "Mark", "Retired", "Running", "expire", "started_age"]
 
 logger = logging.getLogger("kvoffload_ref.worker")
 
@@ -377,18 +376,6 @@ def _distinct(ids: Iterable[Int64Array]) -> int:
     return len(np.unique(np.concatenate(arrays))) if arrays else 0
 
 
-def head_age(backend: Backend, head: LateTransfer | None, failed: Callable[[DeviceError], None]) -> float | None:
-    """R30: the device age of the current stream's pending head (None: no head, or not started), asking its start
-    event once if no poll saw it start yet (like a deadline check); a failed query fails the head (``failed``, R5)."""
-    if head is None:
-        return None
-    try:
-        return started_age(backend, head, backend.monotonic())
-    except DeviceError as exc:
-        failed(exc)
-        return None
-
-
 class Running:
     """What both handlers of one worker share of a running engine: the holds (R27) and the stall warning (R30)."""
 
@@ -400,6 +387,23 @@ class Running:
     def watches(self) -> bool:
         """Whether a pending head's device age matters without a deadline (the stall warning is on)."""
         return self.stall_warning is not None
+
+    def head_age(self, backend: Backend, head: LateTransfer | None, failed: Callable[[DeviceError], None]
+                 ) -> float | None:
+        """R30: the device age of the current stream's pending head (None: no head, or no poll saw it start). Where
+        polls ask its start event (a deadline on it, or the stall warning on) this asks it too if no poll saw it
+        start yet, and a failed query fails the head (``failed``, R5); elsewhere it asks nothing: ``stats()`` then
+        stays a snapshot without device calls (no observation the caller did not make, no fault consumed)."""
+        if head is None:
+            return None
+        now = backend.monotonic()
+        if head.deadline is None and not self.watches:
+            return None if head.started is None else now - head.started
+        try:
+            return started_age(backend, head, now)
+        except DeviceError as exc:
+            failed(exc)
+            return None
 
     def check_stall(self, direction: Direction, head: LateTransfer, age: float) -> None:
         """R30: log a transfer unproven for longer than ``stall_warning`` once, naming it, its direction and age."""

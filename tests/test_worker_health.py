@@ -51,7 +51,7 @@ def test_worker_stats_health_is_empty_on_an_idle_worker(kind: str) -> None:
 @pytest.mark.rule("R30")
 @pytest.mark.parametrize("kind", list(CREATE))
 def test_worker_stats_age_of_a_stuck_load_grows_on_the_backend_clock(kind: str) -> None:
-    be, w = _worker(kind, [_hang("load", 2)])
+    be, w = _worker(kind, [_hang("load", 2)], stall_warning=100.0)  # polls (and stats) watch the head's start
     w.submit_load(2, cspec([0]), gspec([5, 6, 7]))
     assert w.stats().load.oldest_unproven_age == 0.0  # stats asks the start event: it started now
     be.clock_advance(2.5)
@@ -66,7 +66,7 @@ def test_worker_stats_age_of_a_stuck_load_grows_on_the_backend_clock(kind: str) 
 def test_worker_stats_age_counts_from_the_device_start_not_the_submission(kind: str) -> None:
     """Job 2 waits behind job 1's copy (latency 1 s) before it starts: its age starts at the poll that first sees it
     started (a backend sees a start only at a poll, R26), not at its submission."""
-    be, w = _worker(kind, [_hang("load", 2)], latency=1.0)
+    be, w = _worker(kind, [_hang("load", 2)], latency=1.0, stall_warning=100.0)
     w.submit_load(1, cspec([0]), gspec([1]))
     w.submit_load(2, cspec([1]), gspec([2]))
     assert w.stats().load.oldest_unproven_age == 0.0  # job 1, the head, started at once
@@ -160,12 +160,42 @@ def test_worker_stall_warning_spares_a_job_that_completes_in_time(kind: str,
 @pytest.mark.rule("R30")
 @pytest.mark.parametrize("kind", list(CREATE))
 def test_worker_stats_start_query_failure_fails_the_head(kind: str) -> None:
-    """stats() polls: the first query of job 2's events is its start event's, asked by stats(); its failure is the
-    job's (R5: reported failed, with what it poisoned), never swallowed by the snapshot."""
+    """Where polls ask the start event (here: the head's deadline), stats() polls too: the first query of job 2's
+    events is its start event's, asked by stats(); its failure is the job's (R5: reported failed, with what it
+    poisoned), never swallowed by the snapshot."""
     be, w = _worker(kind, [kv.Fault("event_query", "error", direction="load", job_id=2, nth=1)])
-    w.submit_load(2, cspec([0]), gspec([5, 6]))
+    w.submit_load(2, cspec([0]), gspec([5, 6]), deadline=10.0)  # a deadline: polls (and stats) ask its start
     stats = w.stats().load
     assert (stats.queued, stats.unreported, stats.oldest_unproven_age, stats.retired_streams) == (0, 1, None, 1)
     (result,) = w.get_finished()
     assert not result.success and result.invalid_blocks == (5, 6)
+    w.shutdown()
+
+
+@pytest.mark.rule("R30")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_stats_without_deadline_or_stall_warning_makes_no_device_call(kind: str) -> None:
+    """Nothing asks a plain worker's start events (no deadline, no stall warning): stats() stays a snapshot without
+    device calls (it observes nothing the caller did not, consumes no fault) and reports no age."""
+    be, w = _worker(kind, [_hang("load", 2)])
+    w.submit_load(2, cspec([0]), gspec([5, 6, 7]))
+    w.get_finished()
+    be.clock_advance(2.0)
+    calls: list[str] = []
+    be.on_call = lambda point, tag: calls.append(point)
+    stats = w.stats()
+    be.on_call = None
+    assert stats.load.oldest_unproven_age is None and stats.load.queued == 1
+    assert [c for c in calls if c != "monotonic"] == []
+    w.shutdown()
+
+
+@pytest.mark.rule("R30")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_stats_asks_the_start_of_a_head_with_a_deadline(kind: str) -> None:
+    be, w = _worker(kind, [_hang("load", 2)])  # no stall warning: the deadline makes polls ask the start
+    w.submit_load(2, cspec([0]), gspec([5, 6, 7]), deadline=10.0)
+    assert w.stats().load.oldest_unproven_age == 0.0
+    be.clock_advance(2.0)
+    assert w.stats().load.oldest_unproven_age == pytest.approx(2.0)
     w.shutdown()

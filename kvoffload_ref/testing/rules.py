@@ -188,15 +188,10 @@ class TransferRules(MachineBase):
                 self._check(isinstance(exc, ValueError), "R7", "InvalidTransferError must be a ValueError")
             else:
                 self._check(False, "R7", f"accepted an invalid submission ({bad.case})")
-            # stats() polls (R30: it may ask the head's start event), so what the device saw is read before it, and
-            # a snapshot that met a fault itself (it fails the head, R5) is no evidence against the submission.
-            refused = dev.ledger.live() == live and dev.clock() == clock
+            self._check(self._stats() == stats and dev.ledger.live() == live and dev.clock() == clock,
+                        "R7", f"a refused submission ({bad.case}) changed the worker or the device")
             self._check(len(self.current_device.plan.fired) == fired, "R7",
                         f"a refused submission ({bad.case}) made device calls (a fault fired)")
-            fired = len(self.current_device.plan.fired)
-            after = self._stats()
-            self._check(refused and (after == stats or len(self.current_device.plan.fired) != fired),
-                        "R7", f"a refused submission ({bad.case}) changed the worker or the device")
 
     @precondition(worker_open)
     @rule()
