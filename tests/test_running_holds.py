@@ -47,3 +47,23 @@ def test_running_holds_of_no_copies_change_nothing() -> None:
     holds = Holds(4, 4)
     holds.hold_many("store", [], [])
     assert holds.held() == kv.HeldBlocks() and holds.count == 0
+
+
+@pytest.mark.rule("R27")
+@pytest.mark.parametrize(("late", "direction", "gpu", "cpu", "refused"), [
+    ("load", "store", [7], [1], "write CPU chunks [1]"),  # a late load reads chunk 1: a store may not write it
+    ("load", "store", [1], [9], "read GPU blocks [1]"),  # a late load writes block 1: not even a read
+    ("load", "load", [7], [1], None),  # two reads of chunk 1 never conflict
+    ("store", "load", [7], [1], "read CPU chunks [1]"),  # a late store writes chunk 1: not even a read
+    ("store", "load", [1], [9], "write GPU blocks [1]"),  # a late store reads block 1: a load may not write it
+    ("store", "store", [1], [9], None),  # two reads of block 1 never conflict
+])
+def test_running_holds_check_each_access_against_each_hold(late: str, direction: str, gpu: list[int], cpu: list[int],
+                                                           refused: str | None) -> None:
+    holds = Holds(16, 16)
+    holds.hold(late, _ids(1), _ids(1))  # type: ignore[arg-type]
+    if refused is None:
+        holds.check(direction, 5, _ids(*gpu), _ids(*cpu))  # type: ignore[arg-type]
+    else:
+        with pytest.raises(kv.BlocksHeldError, match=refused.replace("[", r"\[").replace("]", r"\]")):
+            holds.check(direction, 5, _ids(*gpu), _ids(*cpu))  # type: ignore[arg-type]
