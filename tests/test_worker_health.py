@@ -199,3 +199,20 @@ def test_worker_stats_asks_the_start_of_a_head_with_a_deadline(kind: str) -> Non
     be.clock_advance(2.0)
     assert w.stats().load.oldest_unproven_age == pytest.approx(2.0)
     w.shutdown()
+
+
+@pytest.mark.rule("R30")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_stats_age_counts_a_live_job_left_on_a_retired_stream(kind: str) -> None:
+    """Cancelling job 3 retires the stream with job 2, still live, ahead of it (R28): job 2 is still the oldest
+    unproven transfer, aged from the start a poll saw."""
+    be, w = _worker(kind, [_hang("load", 2)], stall_warning=100.0)
+    w.submit_load(2, cspec([0]), gspec([5]))
+    w.submit_load(3, cspec([1]), gspec([6]))
+    w.get_finished()  # sees job 2 start
+    w.cancel([3])
+    be.clock_advance(2.0)
+    stats = w.stats().load
+    assert (stats.queued, stats.retired_streams, stats.held_gpu_blocks) == (0, 1, 1)
+    assert stats.oldest_unproven_age == pytest.approx(2.0) and stats.oldest_hold_age == pytest.approx(2.0)
+    w.shutdown()
