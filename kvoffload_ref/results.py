@@ -461,7 +461,8 @@ class PoisonedBlocks:
 
     Attributes:
         gpu_blocks: as :func:`poisoned_gpu_blocks` (failed loads). cpu_chunks: as :func:`poisoned_cpu_chunks`
-            (failed stores). gpu_blocks_by_group: as :func:`poisoned_gpu_blocks_by_group`.
+            (failed stores). gpu_blocks_by_group: as :func:`poisoned_gpu_blocks_by_group` (a dict, so a
+            ``PoisonedBlocks`` compares by value but is not hashable).
     """
 
     gpu_blocks: tuple[int, ...] = ()
