@@ -32,10 +32,13 @@ from kvoffload_ref.results import (
     HeldBlocks,
     JobOutcome,
     KeptRange,
+    PoisonedBlocks,
     ReleasedHold,
     TransferResult,
+    poisoned_by_tag,
     poisoned_cpu_chunks,
     poisoned_gpu_blocks,
+    poisoned_gpu_blocks_by_group,
 )
 from kvoffload_ref.shared_region import SharedRegion
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
@@ -71,6 +74,7 @@ __all__ = [
     "LifecycleError",
     "OffloadError",
     "OwnershipError",
+    "PoisonedBlocks",
     "QuarantinedItem",
     "ReferenceWorker",
     "ReleasedHold",
@@ -88,8 +92,10 @@ __all__ = [
     "create_reference_worker",
     "create_worker",
     "get_backend",
+    "poisoned_by_tag",
     "poisoned_cpu_chunks",
     "poisoned_gpu_blocks",
+    "poisoned_gpu_blocks_by_group",
     "quarantined",
 ]
 

@@ -143,7 +143,8 @@ class TransferExpired(DeviceError):
     ahead: int | None
 
     def __init__(self, message: str, reason: str = "deadline", job_id: int = -1, ahead: int | None = None) -> None:
-        super().__init__(message, CUDA_ERROR_TIMEOUT)
+        Exception.__init__(self, message)  # DeviceError's and OffloadError's own steps, inline: an expiry builds
+        self.status = CUDA_ERROR_TIMEOUT  # one per queued transfer (thousands in one reap)
         self.reason, self.job_id, self.ahead = reason, job_id, ahead
 
     def __reduce__(self) -> tuple[object, ...]:

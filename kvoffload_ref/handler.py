@@ -139,6 +139,10 @@ class DirectionHandler:
         # into a fixed-width array; byte counts fit in int64 (every address range was checked to).
         self._drained_ids: list[int] = []
         self._drained_bytes: array.array[int] = array.array("q")
+        # Invariant: () until a submission carried a tag=; from then on, the drained jobs' tags, one per id (the
+        # drain runs after every submission, so it is one or the other for the whole drain).
+        self._drained_tags: list[object] = []
+        self._tagged = False  # Invariant: some submission carried a tag= (not None)
         self._stopped: list[JobOutcome] = []
         # Invariant: True while some queued transfer is broken (its end event unrecorded): prefixes stop there.
         self._broken = False
@@ -192,6 +196,10 @@ class DirectionHandler:
             self._record_end(transfer, shield)
         self._events.append(taken.marker)  # reusable at once: the stream's wait captured the record it needs
         transfer.user_tag, transfer.deadline = tag, deadline
+        if self.direction == "load":  # R22 by group: a load's destination is its GPU spec
+            transfer.dst_groups = dst.group_sizes  # type: ignore[attr-defined]  # a checked GPU spec
+        if tag is not None:
+            self._tagged = True
         self._queue.append(transfer)
         self._jobs.add(job_id)
         self._counts["submitted"] += 1
@@ -376,6 +384,8 @@ class DirectionHandler:
         if action is Action.COUNT_DRAINED:
             self._drained_ids.extend(map(JOB_ID, run))
             self._drained_bytes.extend(map(NBYTES, run))
+            if self._tagged:  # an untagged handler keeps no tags (nothing per job)
+                self._drained_tags += [t.user_tag for t in run]
             self._counts["drained"] += count
         self._leave(run)
         if whole:
@@ -423,8 +433,7 @@ class DirectionHandler:
     def _failed(self, failed: list[Transfer], exc: DeviceError) -> None:
         """R5/R22: ``failed`` (head first) are reported failed; the caller holds them (their copies may still run)."""
         self._counts["failed"] += len(failed)
-        self._resolved += failed_in_order(self.direction, [(t.job_id, t.dst_blocks, t.user_tag) for t in failed],
-                                          exc)
+        self._resolved += failed_in_order(self.direction, failed, exc)
 
     def _failed_retired(self, failed: list[Transfer], exc: DeviceError, now: float) -> None:
         """R5: live jobs on a retired stream failed: reported failed and held (R27)."""
@@ -442,6 +451,8 @@ class DirectionHandler:
         else:  # COUNT_DRAINED
             self._drained_ids.append(head.job_id)
             self._drained_bytes.append(head.nbytes)
+            if self._tagged:
+                self._drained_tags.append(head.user_tag)
             self._counts["drained"] += 1
         self._free_late(head)
         self._leave([head])
@@ -562,16 +573,15 @@ class DirectionHandler:
         remaining = self._take_queue()
         self._counts["abandoned"] += len(remaining)
         self._drain_error = self._drain_error or error
-        self._stopped += stopped_outcomes(self.direction, [(t.job_id, t.dst_blocks, t.user_tag) for t in remaining],
-                                          error,
-                                   head_failed=head_failed)
+        self._stopped += stopped_outcomes(self.direction, remaining, error, head_failed=head_failed)
         if error is not None and remaining:
             logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
                          len(remaining) - 1, exc_info=error)
 
     def report(self) -> HandlerReport:
         """What the shutdown drain established so far (also after an interrupt)."""
-        jobs = JobOutcomes(self._outcomes, self._drained_ids, self._drained_bytes, self._kind, self._stopped)
+        jobs = JobOutcomes(self._outcomes, self._drained_ids, self._drained_bytes, self._kind, self._stopped,
+                           self._drained_tags)
         return HandlerReport(self._counts["drained"], self._counts["abandoned"], self._drain_error, jobs,
                              self._kept_streams)
 
@@ -640,15 +650,18 @@ class DirectionHandler:
 
     # -- snapshots and helpers ------------------------------------------------------------------------------------
     def stats(self) -> HandlerStats:
-        """A frozen snapshot of this handler."""
+        """A snapshot of this handler. R30: where polls ask the pending head's start event (a deadline, the stall
+        warning), it is asked once if no poll saw it start (a failure there fails the head, R5) before the health
+        fields are read; otherwise no device call."""
+        open_ = self.state is HandlerState.ACCEPTING
+        age = self._running.head_age(self._backend, self._queue[0] if open_ and self._queue else None,
+                                     self._head_failed)
+        health = self._retired.health(age, self._backend.monotonic(), len(self._unproven_streams))
         c = self._counts
         return HandlerStats(
-            direction=self.direction, state=self.state.value, queued=len(self._queue),
-            unreported=len(self._resolved), submitted=c["submitted"], completed=c["completed"],
-            failed=c["failed"], abandoned=c["abandoned"], unproven=len(self._unproven) + self._retired.late_count(),
-            pooled_streams=int(self._stream is not None), pooled_events=len(self._events),
-            pooled_descriptors=len(self._descriptors),
-        )
+            self.direction, self.state.value, len(self._queue), len(self._resolved), c["submitted"], c["completed"],
+            c["failed"], c["abandoned"], len(self._unproven) + self._retired.late_count(),
+            int(self._stream is not None), len(self._events), len(self._descriptors), *health)
 
     def _step(self, event: HandlerInput) -> Action:
         self.state, action = tables.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)

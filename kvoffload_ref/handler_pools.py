@@ -87,6 +87,7 @@ class Transfer:
     # by that event, so it fails when it reaches the head); None normally.
     broken: DeviceError | None = None
     user_tag: object = None  # the submission's tag=, returned on its result
+    dst_groups: tuple[int, ...] = ()  # R22: a load's GPU spec's group_sizes (its destination's groups); () for a store
     deadline: float | None = None  # R26: seconds from its start on the device, or None
     started: float | None = None  # Invariant: the backend time a poll first saw its start event done
     late: float | None = None  # Invariant: the backend time it became late (reported failed, held, R27)

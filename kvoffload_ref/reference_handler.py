@@ -51,6 +51,7 @@ class _Transfer:
     broken: errors.DeviceError | None = None  # Invariant: its end event could not be recorded: it fails at the head
     resolved: bool = False  # Invariant: True once it left the queue (proven, failed, abandoned or late)
     warned: bool = False  # Invariant: R30's stall warning was logged for it
+    dst_groups: tuple[int, ...] = ()  # R22: a load's GPU spec's group_sizes (its destination's groups); () for a store
 
     @property
     def start(self) -> Event:
@@ -114,6 +115,8 @@ class ReferenceHandler:
         backend, tag_, stream = self.backend, (self.direction, job_id), self.stream
         transfer = _Transfer(job_id, [], None, sum(m.size for m in moves), dst.block_ids,  # type: ignore[attr-defined]
                              gpu_ids, cpu_ids, tag, deadline)
+        if self.direction == "load":  # R22 by group: a load's destination is its GPU spec
+            transfer.dst_groups = dst.group_sizes  # type: ignore[attr-defined]  # a checked GPU spec
         try:
             if moves:
                 buf = transfer.descriptors = backend.alloc_descriptors(len(moves), tag=tag_)
@@ -261,8 +264,7 @@ class ReferenceHandler:
         for t in failed:
             t.resolved = True
         self.counts["failed"] += len(failed)
-        self.ready += results.failed_in_order(self.direction, [(t.job_id, t.dst_blocks, t.user_tag) for t in failed],
-                                              exc)  # R22
+        self.ready += results.failed_in_order(self.direction, failed, exc)  # R22
 
     def _expire(self, index: int, reason: str, cancelled: set[int] | frozenset[int] = frozenset()) -> None:
         """R26-R28: the queue's transfer at ``index`` and everything behind it are late: reported failed with
@@ -358,8 +360,7 @@ class ReferenceHandler:
         remaining = self._take_queue()
         self.counts["abandoned"] += len(remaining)
         self.drain_error = self.drain_error or error
-        self.outcomes += results.stopped_outcomes(
-            self.direction, [(t.job_id, t.dst_blocks, t.user_tag) for t in remaining], error, head_failed=head_failed)
+        self.outcomes += results.stopped_outcomes(self.direction, remaining, error, head_failed=head_failed)
         if error is not None and remaining:
             logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
                          len(remaining) - 1, exc_info=error)
@@ -418,8 +419,13 @@ class ReferenceHandler:
                                      self.kept_streams)
 
     def stats(self) -> results.HandlerStats:
+        """R30: the pending head's device age first (where polls ask its start event -- a deadline, the stall
+        warning -- asked once if no poll saw it start; a failure there fails the head, R5), then the snapshot."""
+        head = self.queue[0] if self.state is lifecycle.HandlerState.ACCEPTING and self.queue else None
+        age = self.running.head_age(self.backend, head, self._head_failed)
+        health = self.retired.health(age, self.backend.monotonic(), len(self.unproven_streams))
         c = self.counts
         return results.HandlerStats(self.direction, self.state.value, len(self.queue), len(self.ready),
                                     c["submitted"], c["completed"], c["failed"], c["abandoned"],
                                     len(self.unproven) + self.retired.late_count(),
-                                    int(self.stream is not None), 0, 0)
+                                    int(self.stream is not None), 0, 0, *health)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Final, Literal, overload
+from typing import Final, Literal, Protocol, overload
+
+import numpy as np
 
 from kvoffload_ref.backends.base import ResourceKind
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, detached
 from kvoffload_ref.lifecycle import Policy, ProofOutcome, RegionState
-from kvoffload_ref.validate import check_seconds
+from kvoffload_ref.validate import Int64Array, check_seconds
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -37,8 +40,14 @@ __all__ = [
     "WorkerStats",
     "destination_blocks",
     "failed_in_order",
+    "PoisonedBlocks",
+    "Unproven",
+    "by_group",
+    "failure",
+    "poisoned_by_tag",
     "poisoned_cpu_chunks",
     "poisoned_gpu_blocks",
+    "poisoned_gpu_blocks_by_group",
     "stopped_outcomes",
 ]
 
@@ -57,6 +66,9 @@ class TransferResult:
             distinct -- for a load the GPU block ids it was to write, for a store the CPU chunk ids; () on success.
         transfer_type: ("GPU", "CPU") for a store, ("CPU", "GPU") for a load (as vLLM's older results had it).
         tag: the opaque ``tag=`` the submission carried (None if none), returned as given.
+        invalid_blocks_by_group: R22 by KV-cache group: for a failed load, one tuple per group of its GPU spec
+            (``group_sizes``), each that group's GPU block ids, sorted and distinct (an empty group gives ());
+            () on success and for a store (its CPU chunks hold every group's pages, so they are not per group).
     """
 
     job_id: int
@@ -67,6 +79,7 @@ class TransferResult:
     invalid_blocks: tuple[int, ...] = ()
     transfer_type: tuple[str, str] | None = None
     tag: object = None
+    invalid_blocks_by_group: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +159,9 @@ class JobOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class HandlerStats:
-    """A frozen snapshot of one handler (never a view of its private fields)."""
+    """A frozen snapshot of one handler (never a view of its private fields). Where a worker's polls ask the queue
+    head's start event (the head has a deadline, or ``stall_warning`` is on), ``stats()`` asks it too if no poll saw
+    it start yet (R30's age; a failure there fails the head, R5); otherwise it makes no device call."""
 
     direction: str
     state: str
@@ -160,6 +175,13 @@ class HandlerStats:
     pooled_streams: int  # the handler's own stream (1 until released)
     pooled_events: int
     pooled_descriptors: int
+    # R30: health (at the end, with defaults: positional callers keep working).
+    oldest_unproven_age: float | None = None  # seconds (backend clock) since the device start of the oldest queued
+    # transfer not yet proven, as polls saw it start (see above); None: none seen started
+    held_gpu_blocks: int = 0  # R27: distinct GPU blocks held by this direction's late copies
+    held_cpu_chunks: int = 0  # R27: distinct CPU chunks held by this direction's late copies
+    oldest_hold_age: float | None = None  # seconds since the oldest of this direction's holds began, or None
+    retired_streams: int = 0  # R28: retired streams not yet proven idle
 
 
 DEFAULT_TIMEOUT: Final = 5.0
@@ -269,21 +291,24 @@ class ShutdownReport:
 
 class JobOutcomes(Sequence[JobOutcome]):
     """A handler's ``HandlerReport.jobs``, built when first read: the jobs known before the drain (``head``), those
-    the drain proved (their ids, Python ints of any size (R7), and their byte counts, an int64 array), and those it
-    stopped at (``tail``), in submission order. A teardown of thousands of transfers so allocates no outcome nobody
-    reads."""
+    the drain proved (their ids, Python ints of any size (R7), their byte counts, an int64 array, and their tags:
+    () when no job of the handler carried one, else one per id), and those it stopped at (``tail``), in submission
+    order. A teardown of thousands of transfers so allocates no outcome nobody reads."""
 
     def __init__(self, head: Sequence[JobOutcome], drained_ids: Sequence[int], drained_bytes: array.array[int],
-                 kind: tuple[str, str], tail: Sequence[JobOutcome]) -> None:
-        # Invariant: copies (the handler keeps appending to its own); len(drained_ids) == len(drained_bytes).
+                 kind: tuple[str, str], tail: Sequence[JobOutcome], drained_tags: Sequence[object] = ()) -> None:
+        # Invariant: copies (the handler keeps appending to its own); len(drained_ids) == len(drained_bytes), and
+        # drained_tags is () (all None) or as long.
         self._parts = (tuple(head), tuple(drained_ids), array.array("q", drained_bytes), kind, tuple(tail))
+        self._tags = tuple(drained_tags)
         self._built: tuple[JobOutcome, ...] | None = None  # Invariant: the whole list once built
 
     def _all(self) -> tuple[JobOutcome, ...]:
         if self._built is None:
             head, ids, nbytes, kind, tail = self._parts
-            drained = (JobOutcome(TransferResult(job, True, size, transfer_type=kind), "drained")
-                       for job, size in zip(ids, nbytes, strict=True))
+            tags = self._tags or itertools.repeat(None, len(ids))
+            drained = (JobOutcome(TransferResult(job, True, size, transfer_type=kind, tag=tag), "drained")
+                       for job, size, tag in zip(ids, nbytes, tags, strict=True))
             self._built = (*head, *drained, *tail)
         return self._built
 
@@ -314,51 +339,94 @@ TRANSFER_TYPE: Final[Mapping[str, tuple[str, str]]] = {"store": ("GPU", "CPU"), 
 
 def destination_blocks(ids: Iterable[int]) -> tuple[int, ...]:
     """R22: a transfer's destination block ids as ``invalid_blocks`` lists them: sorted, distinct."""
+    if isinstance(ids, np.ndarray):  # a record's ids: Python ints in one C call (an expiry builds thousands)
+        return tuple(sorted(set(ids.tolist())))
     return tuple(sorted({int(i) for i in ids}))
 
 
-def failed_in_order(direction: str, failed: Sequence[tuple[int, Iterable[int], object]],
-                    exc: DeviceError) -> list[TransferResult]:
+class Unproven(Protocol):
+    """What a failed result is built from: the fields both handlers' transfer records have."""
+
+    @property
+    def job_id(self) -> int: ...
+    @property
+    def dst_blocks(self) -> Int64Array: ...  # R22: the destination's ids (GPU blocks of a load, CPU chunks of a store)
+    @property
+    def dst_groups(self) -> tuple[int, ...]: ...  # a load's GPU spec's group_sizes; () for a store
+    @property
+    def user_tag(self) -> object: ...  # the submission's tag=
+
+
+def by_group(blocks: Int64Array, groups: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """R22 by KV-cache group: ``blocks`` (group after group, ``groups`` the group sizes) as one sorted, distinct
+    tuple per group; () when ``groups`` is () (a store)."""
+    result, at = [], 0
+    for size in groups:
+        result.append(destination_blocks(blocks[at:at + size]))
+        at += size
+    return tuple(result)
+
+
+def failure(kind: tuple[str, str], transfer: Unproven, error: BaseException | None) -> TransferResult:
+    """R22: the failed result of ``transfer`` (its blocks, by group too, and its tag) with ``error``.
+
+    Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field): an expiry builds one
+    per queued transfer, thousands in one reap. The result is equal to the one ``__init__`` would build (every
+    field is set; ``TransferResult`` has no ``__post_init__``)."""
+    blocks, groups = transfer.dst_blocks, transfer.dst_groups
+    result = _NEW(TransferResult)
+    result.__dict__.update(_FAILED, job_id=transfer.job_id, error=error, invalid_blocks=destination_blocks(blocks),
+                           transfer_type=kind, tag=transfer.user_tag,
+                           invalid_blocks_by_group=by_group(blocks, groups) if groups else ())
+    return result
+
+
+_NEW: Final = object.__new__
+#: Every field of a failed TransferResult, at its default but ``success`` (``failure`` sets the others).
+_FAILED: Final = {**{f.name: f.default for f in dataclasses.fields(TransferResult)}, "success": False}
+
+
+def failed_in_order(direction: str, failed: Sequence[Unproven], exc: DeviceError) -> list[TransferResult]:
     """R5/R22: a failed head and every transfer queued behind it, as failed results naming what they poisoned.
 
     Args:
-        direction: "store" or "load". failed: (job id, destination block ids, tag) of each, head first.
+        direction: "store" or "load". failed: the transfer records, head first.
         exc: the head's error. It is stored without its tracebacks (a stored error must not keep the frames it was
             raised through); each transfer behind the head gets a DeviceError caused by it.
     """
     exc = detached(exc)
-    head, kind = failed[0][0], TRANSFER_TYPE[direction]
+    head, kind = failed[0].job_id, TRANSFER_TYPE[direction]
     results = []
-    for job, blocks, tag in failed:
+    for transfer in failed:
         error: DeviceError = exc
-        if job != head:
-            error = DeviceError(f"{direction} job {job} was queued behind job {head}, which failed: its data "
-                                "cannot be trusted", exc.status)
+        if transfer.job_id != head:
+            error = DeviceError(f"{direction} job {transfer.job_id} was queued behind job {head}, which failed: its "
+                                "data cannot be trusted", exc.status)
             error.__cause__ = exc
-        results.append(TransferResult(job, False, error=error, invalid_blocks=destination_blocks(blocks),
-                                      transfer_type=kind, tag=tag))
+        results.append(failure(kind, transfer, error))
     return results
 
 
-def stopped_outcomes(direction: str, stopped: Sequence[tuple[int, Iterable[int], object]],
-                     error: BaseException | None, *,
+def stopped_outcomes(direction: str, stopped: Sequence[Unproven], error: BaseException | None, *,
                      head_failed: bool) -> list[JobOutcome]:
     """R10/R22: the jobs a shutdown drain stopped at, as the report lists them: each a failure naming the blocks it
     poisoned, ended "abandoned" (completion unknown) -- the first "failed" if its own end event reported ``error``.
 
     Args:
-        direction: "store" or "load". stopped: (job id, destination block ids, tag) of each, head first.
+        direction: "store" or "load". stopped: the transfer records, head first.
         error: why the drain stopped (None: an interrupt before the drain began). head_failed: the head failed.
     """
     kind = TRANSFER_TYPE[direction]
-    return [JobOutcome(TransferResult(job, False, error=error, invalid_blocks=destination_blocks(blocks),
-                                      transfer_type=kind, tag=tag), "failed" if head_failed and i == 0 else "abandoned")
-            for i, (job, blocks, tag) in enumerate(stopped)]
+    return [JobOutcome(failure(kind, transfer, error), "failed" if head_failed and i == 0 else "abandoned")
+            for i, transfer in enumerate(stopped)]
+
+
+def _results(source: Iterable[TransferResult] | ShutdownReport) -> list[TransferResult]:
+    return [o.result for o in source.unreported] if isinstance(source, ShutdownReport) else list(source)
 
 
 def _poisoned(source: Iterable[TransferResult] | ShutdownReport, kind: tuple[str, str]) -> tuple[int, ...]:
-    results = [o.result for o in source.unreported] if isinstance(source, ShutdownReport) else list(source)
-    return destination_blocks(b for r in results if not r.success and r.transfer_type == kind
+    return destination_blocks(b for r in _results(source) if not r.success and r.transfer_type == kind
                               for b in r.invalid_blocks)
 
 
@@ -384,6 +452,67 @@ def poisoned_cpu_chunks(source: Iterable[TransferResult] | ShutdownReport) -> tu
         The sorted, distinct CPU chunk ids of every failed store in ``source``.
     """
     return _poisoned(source, TRANSFER_TYPE["store"])
+
+
+def poisoned_gpu_blocks_by_group(source: Iterable[TransferResult] | ShutdownReport) -> dict[int, tuple[int, ...]]:
+    """R22 by KV-cache group: the GPU blocks failed loads left undefined, per group (a model with several KV-cache
+    groups recomputes each group's blocks on its own).
+
+    Args:
+        source: results from ``get_finished()``, or a shutdown report (its ``unreported`` jobs).
+
+    Returns:
+        Group index (the position in the GPU spec's ``group_sizes``) -> the sorted, distinct GPU block ids of that
+        group over every failed load in ``source``; only groups with such a block are keys.
+    """
+    groups: dict[int, list[int]] = {}
+    for result in _results(source):
+        if not result.success and result.transfer_type == TRANSFER_TYPE["load"]:
+            for group, blocks in enumerate(result.invalid_blocks_by_group):
+                if blocks:
+                    groups.setdefault(group, []).extend(blocks)
+    return {group: destination_blocks(blocks) for group, blocks in sorted(groups.items())}
+
+
+@dataclasses.dataclass(frozen=True)
+class PoisonedBlocks:
+    """R22 for one tag (``poisoned_by_tag``): what the failed jobs submitted with it poisoned.
+
+    Attributes:
+        gpu_blocks: as :func:`poisoned_gpu_blocks` (failed loads). cpu_chunks: as :func:`poisoned_cpu_chunks`
+            (failed stores). gpu_blocks_by_group: as :func:`poisoned_gpu_blocks_by_group` (a dict, so a
+            ``PoisonedBlocks`` compares by value but is not hashable).
+    """
+
+    gpu_blocks: tuple[int, ...] = ()
+    cpu_chunks: tuple[int, ...] = ()
+    gpu_blocks_by_group: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+
+def poisoned_by_tag(source: Iterable[TransferResult] | ShutdownReport) -> dict[object, PoisonedBlocks]:
+    """R22 per submission tag: what each tag's failed jobs poisoned (an engine that tags each transfer with its
+    request recomputes per request, vLLM #54733).
+
+    Args:
+        source: results from ``get_finished()``, or a shutdown report (its ``unreported`` jobs).
+
+    Returns:
+        Tag -> its :class:`PoisonedBlocks`, for every tag (None for untagged jobs) with a failed job in
+        ``source``, in the order the tags first failed.
+
+    Raises:
+        TypeError: a failed job's tag is not hashable (it cannot be a key).
+    """
+    failed: dict[object, list[TransferResult]] = {}
+    for result in _results(source):
+        if not result.success:
+            try:
+                failed.setdefault(result.tag, []).append(result)
+            except TypeError:
+                raise TypeError(f"poisoned_by_tag needs hashable tags; job {result.job_id} has a "
+                                f"{type(result.tag).__name__}") from None
+    return {tag: PoisonedBlocks(poisoned_gpu_blocks(results), poisoned_cpu_chunks(results),
+                                poisoned_gpu_blocks_by_group(results)) for tag, results in failed.items()}
 
 
 _REGION_FATE: Final[dict[RegionState, RegionFate]] = {

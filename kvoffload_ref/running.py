@@ -29,21 +29,29 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, Generic, Protocol, TypeVar
+from typing import Final, Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends.base import Backend, Event, Stream
 from kvoffload_ref.errors import BlocksHeldError, DeviceError, TransferExpired
-from kvoffload_ref.results import TRANSFER_TYPE, HeldBlocks, ReleasedHold, TransferResult, destination_blocks
+from kvoffload_ref.results import (
+    TRANSFER_TYPE,
+    HeldBlocks,
+    ReleasedHold,
+    TransferResult,
+    destination_blocks,
+    failure,
+)
 from kvoffload_ref.shield import Leaks
 from kvoffload_ref.specs import Direction
 from kvoffload_ref.validate import Int64Array
 
-__all__ = ["REASONS", "Holds", "LateTransfer", "Mark", "Retired", "Running", "expire", "started_age"]
+__all__ = ["REASONS", "Health", "Holds", "LateTransfer", "Mark", "Retired", "Running", "expire", "started_age"]
 
 logger = logging.getLogger("kvoffload_ref.worker")
 
@@ -62,6 +70,8 @@ class LateTransfer(Protocol):
     def end(self) -> Event: ...
     @property
     def dst_blocks(self) -> Int64Array: ...  # R22: the destination's ids
+    @property
+    def dst_groups(self) -> tuple[int, ...]: ...  # R22: a load's GPU spec's group_sizes; () for a store
     @property
     def gpu_ids(self) -> Int64Array: ...  # the GPU block ids of its specs
     @property
@@ -90,31 +100,34 @@ class Holds:
     """
 
     def __init__(self, gpu_blocks: int, cpu_chunks: int) -> None:
-        # Invariant: per id, the number of live holds that may write it (_any) or only read it (_read).
+        # Invariant: per id, the number of live holds that may write it (_any), and of all live holds (_all: those
+        # that may write it and those that only read it).
         self._gpu_any = np.zeros(gpu_blocks, np.int32)
-        self._gpu_read = np.zeros(gpu_blocks, np.int32)
+        self._gpu_all = np.zeros(gpu_blocks, np.int32)
         self._cpu_any = np.zeros(cpu_chunks, np.int32)
-        self._cpu_read = np.zeros(cpu_chunks, np.int32)
+        self._cpu_all = np.zeros(cpu_chunks, np.int32)
         # Invariant: the number of live holds (0: the check costs one comparison).
         self.count = 0
         # Invariant: ended holds not yet handed out by take_released, in the order they ended.
         self._released: list[ReleasedHold] = []
 
     def check(self, direction: Direction, job_id: int, gpu_ids: Int64Array, cpu_ids: Int64Array) -> None:
-        """R27: refuse a submission that would touch a held block the wrong way.
+        """R27: refuse a submission that would touch a held block the wrong way. With holds present a submission that
+        conflicts with none costs two gathers (``kvoffload-ref bench``: running_held_submit).
 
         Raises:
             BlocksHeldError: a block it writes is held at all, or a block it reads is held for any access.
         """
         if not self.count:
             return
-        if direction == "store":  # reads GPU blocks, writes CPU chunks
-            reads = ("read", "GPU block", gpu_ids[self._gpu_any[gpu_ids] > 0])
-            writes = ("write", "CPU chunk", cpu_ids[(self._cpu_any[cpu_ids] | self._cpu_read[cpu_ids]) > 0])
-        else:  # reads CPU chunks, writes GPU blocks
-            reads = ("read", "CPU chunk", cpu_ids[self._cpu_any[cpu_ids] > 0])
-            writes = ("write", "GPU block", gpu_ids[(self._gpu_any[gpu_ids] | self._gpu_read[gpu_ids]) > 0])
-        for access, what, hit in (reads, writes):
+        store = direction == "store"  # a store reads GPU blocks and writes CPU chunks; a load the other way round
+        reads, writes = (gpu_ids, cpu_ids) if store else (cpu_ids, gpu_ids)
+        held_any, held_all = (self._gpu_any, self._cpu_all) if store else (self._cpu_any, self._gpu_all)
+        if not np.count_nonzero(held_any.take(reads)) and not np.count_nonzero(held_all.take(writes)):
+            return  # the common case: no conflict
+        read_hit, write_hit = held_any[reads] > 0, held_all[writes] > 0
+        names = ("GPU block", "CPU chunk") if store else ("CPU chunk", "GPU block")
+        for access, what, hit in (("read", names[0], reads[read_hit]), ("write", names[1], writes[write_hit])):
             if len(hit):
                 raise BlocksHeldError(
                     f"{direction} job {job_id} would {access} {what}s {sorted({int(i) for i in hit})}, held by a late "
@@ -123,8 +136,12 @@ class Holds:
 
     def hold(self, direction: Direction, gpu_ids: Int64Array, cpu_ids: Int64Array) -> None:
         """Hold a late copy's blocks."""
-        self._add(direction, gpu_ids, cpu_ids, 1)
-        self.count += 1
+        self.hold_many(direction, [gpu_ids], [cpu_ids])
+
+    def hold_many(self, direction: Direction, gpu_ids: Sequence[Int64Array], cpu_ids: Sequence[Int64Array]) -> None:
+        """Hold the blocks of ``len(gpu_ids)`` late copies (one entry per copy in each list), in one update."""
+        self._add(direction, _joined(gpu_ids), _joined(cpu_ids), 1)
+        self.count += len(gpu_ids)
 
     def end(self, direction: Direction, transfer: LateTransfer) -> None:
         """The late copy was observed done: its hold ends, and a release record waits for take_released."""
@@ -134,23 +151,27 @@ class Holds:
                                            destination_blocks(transfer.cpu_ids), transfer.user_tag))
 
     def _add(self, direction: Direction, gpu_ids: Int64Array, cpu_ids: Int64Array, delta: int) -> None:
-        gpu, cpu = (self._gpu_read, self._cpu_any) if direction == "store" else (self._gpu_any, self._cpu_read)
-        np.add.at(gpu, gpu_ids, delta)
-        np.add.at(cpu, cpu_ids, delta)
+        np.add.at(self._gpu_all, gpu_ids, delta)
+        np.add.at(self._cpu_all, cpu_ids, delta)
+        written, ids = (self._cpu_any, cpu_ids) if direction == "store" else (self._gpu_any, gpu_ids)
+        np.add.at(written, ids, delta)  # a store's late copy may write CPU chunks; a load's, GPU blocks
 
     def held(self) -> HeldBlocks:
         """A snapshot of what is held (R27)."""
         def ids(mask: npt.NDArray[np.bool_]) -> tuple[int, ...]:
             return tuple(int(i) for i in np.flatnonzero(mask))
-        gpu_any, gpu_read = self._gpu_any > 0, self._gpu_read > 0
-        cpu_any, cpu_read = self._cpu_any > 0, self._cpu_read > 0
-        return HeldBlocks(ids(gpu_any | gpu_read), ids(cpu_any | cpu_read), ids(gpu_read & ~gpu_any),
-                          ids(cpu_read & ~cpu_any))
+        gpu_any, gpu_all = self._gpu_any > 0, self._gpu_all > 0
+        cpu_any, cpu_all = self._cpu_any > 0, self._cpu_all > 0
+        return HeldBlocks(ids(gpu_all), ids(cpu_all), ids(gpu_all & ~gpu_any), ids(cpu_all & ~cpu_any))
 
     def take_released(self) -> list[ReleasedHold]:
         """Hand out each ended hold once (R27)."""
         released, self._released = self._released, []
         return released
+
+
+def _joined(arrays: Sequence[Int64Array]) -> Int64Array:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
 
 
 # -- deadlines (R26) ----------------------------------------------------------------------------------------------
@@ -171,25 +192,24 @@ def started_age(backend: Backend, head: LateTransfer, now: float) -> float | Non
 def expire(direction: Direction, late: Sequence[LateTransfer], reason: str, cancelled: Iterable[int] = ()
            ) -> list[TransferResult]:
     """R26/R22: the results of transfers that became late, in queue order: the first with ``reason``, those behind it
-    "behind" naming it, unless cancelled themselves (``cancelled``)."""
-    first, kind, asked = late[0].job_id, TRANSFER_TYPE[direction], set(cancelled)
-    results = []
-    for transfer in late:
+    "behind" naming it, unless cancelled themselves (``cancelled``). One loop, its texts prepared once: expiring the
+    head of 10,000 queued transfers is one reap (``kvoffload-ref bench``: running_expiry)."""
+    kind, asked, head = TRANSFER_TYPE[direction], set(cancelled), late[0]
+    first, held = head.job_id, _HELD_TEXT
+    text = (f"{direction} job {first} passed its deadline of {head.deadline} s on the device"
+            if reason == "deadline" else f"{direction} job {first} was cancelled")
+    results = [failure(kind, head, TransferExpired(text + held, reason, first))]  # R22: blocks, groups, tag
+    behind = f" was queued behind job {first}, which {_ENDED[reason]}{held}"
+    for transfer in itertools.islice(late, 1, None):
         job = transfer.job_id
-        if transfer is late[0] or job in asked:
-            why, ahead = (reason if transfer is late[0] else "cancel"), None
-            text = (f"{direction} job {job} passed its deadline of {transfer.deadline} s on the device"
-                    if why == "deadline" else f"{direction} job {job} was cancelled")
-        else:
-            why, ahead = "behind", first
-            text = f"{direction} job {job} was queued behind job {first}, which {_ENDED[reason]}"
-        error = TransferExpired(f"{text}; its copy may still run: its blocks are held until it is observed done "
-                                "(worker.held(), worker.take_released())", why, job, ahead)
-        results.append(TransferResult(job, False, error=error, invalid_blocks=destination_blocks(transfer.dst_blocks),
-                                      transfer_type=kind, tag=transfer.user_tag))
+        error = (TransferExpired(f"{direction} job {job} was cancelled{held}", "cancel", job) if job in asked else
+                 TransferExpired(f"{direction} job {job}{behind}", "behind", job, first))
+        results.append(failure(kind, transfer, error))
     return results
 
 
+_HELD_TEXT: Final = ("; its copy may still run: its blocks are held until it is observed done (worker.held(), "
+                     "worker.take_released())")
 _ENDED: Final = {"deadline": "passed its deadline", "cancel": "was cancelled"}
 
 
@@ -238,11 +258,13 @@ class Retired(Generic[T]):
         self.lanes.append(_Lane(stream, collections.deque([*live, *late])))
 
     def hold(self, late: Iterable[T], now: float) -> None:
-        """Mark transfers late (their results are reported by the caller) and hold their blocks (R27)."""
-        for transfer in late:
-            if transfer.late is None:
-                transfer.late = now
-                self._holds.hold(self._direction, transfer.gpu_ids, transfer.cpu_ids)
+        """Mark transfers late (their results are reported by the caller) and hold their blocks (R27), all of them
+        in one vectorized update."""
+        new = [t for t in late if t.late is None]
+        for transfer in new:
+            transfer.late = now
+        if new:
+            self._holds.hold_many(self._direction, [t.gpu_ids for t in new], [t.cpu_ids for t in new])
 
     def poll(self, observe: Callable[[Event], bool], proven: Callable[[T], None],
              failed: Callable[[list[T], DeviceError, float], None], free: Callable[[T], None], now: float) -> None:
@@ -322,6 +344,19 @@ class Retired(Generic[T]):
         """The backend time the oldest held transfer became late (R30), or None."""
         return min((t.late for t in self.transfers() if t.late is not None), default=None)
 
+    def health(self, head_age: float | None, now: float, unproven_streams: int = 0) -> Health:
+        """R30: this direction's health at ``now``: ``head_age`` is the current stream's head's device age (None:
+        no head, or not started); the live heads of retired streams count as last seen started; the holds are this
+        direction's late copies'; ``unproven_streams`` retired streams the shutdown drain could not prove idle."""
+        ages = [now - lane.queue[0].started for lane in self.lanes
+                if lane.queue[0].late is None and lane.queue[0].started is not None]
+        if head_age is not None:
+            ages.append(head_age)
+        late = [t for t in self.transfers() if t.late is not None]
+        oldest = self.oldest_hold()
+        return Health(max(ages, default=None), _distinct(t.gpu_ids for t in late), _distinct(t.cpu_ids for t in late),
+                      None if oldest is None else now - oldest, len(self.lanes) + unproven_streams)
+
     def _destroy(self, stream: Stream) -> None:
         """A retired stream proven idle (nothing left on it) is destroyed; a failure is leaked (R16)."""
         self._leaks.release(self._backend.destroy_stream, "stream", stream,
@@ -329,6 +364,21 @@ class Retired(Generic[T]):
 
 
 # -- health (R30) -------------------------------------------------------------------------------------------------
+class Health(NamedTuple):
+    """R30: the health fields of one direction's ``HandlerStats`` (its last five, in order)."""
+
+    oldest_unproven_age: float | None  # device age of the oldest queued transfer not yet proven, or None
+    held_gpu_blocks: int  # distinct GPU blocks this direction's late copies hold
+    held_cpu_chunks: int  # distinct CPU chunks this direction's late copies hold
+    oldest_hold_age: float | None  # seconds since the oldest of them became late, or None
+    retired_streams: int  # retired streams not yet proven idle
+
+
+def _distinct(ids: Iterable[Int64Array]) -> int:
+    arrays = list(ids)
+    return len(np.unique(np.concatenate(arrays))) if arrays else 0
+
+
 class Running:
     """What both handlers of one worker share of a running engine: the holds (R27) and the stall warning (R30)."""
 
@@ -340,6 +390,23 @@ class Running:
     def watches(self) -> bool:
         """Whether a pending head's device age matters without a deadline (the stall warning is on)."""
         return self.stall_warning is not None
+
+    def head_age(self, backend: Backend, head: LateTransfer | None, failed: Callable[[DeviceError], None]
+                 ) -> float | None:
+        """R30: the device age of the current stream's pending head (None: no head, or no poll saw it start). Where
+        polls ask its start event (a deadline on it, or the stall warning on) this asks it too if no poll saw it
+        start yet, and a failed query fails the head (``failed``, R5); elsewhere it asks nothing: ``stats()`` then
+        stays a snapshot without device calls (no observation the caller did not make, no fault consumed)."""
+        if head is None:
+            return None
+        now = backend.monotonic()
+        if head.deadline is None and not self.watches:
+            return None if head.started is None else now - head.started
+        try:
+            return started_age(backend, head, now)
+        except DeviceError as exc:
+            failed(exc)
+            return None
 
     def check_stall(self, direction: Direction, head: LateTransfer, age: float) -> None:
         """R30: log a transfer unproven for longer than ``stall_warning`` once, naming it, its direction and age."""

@@ -26,6 +26,7 @@ KEYS = [
     "shutdown_drain_phase", "shutdown_drain_total", "shutdown_pending_total",
     "fuzz",
     "racecheck_4k", "racecheck_64k", "locking",
+    "running_held_submit", "running_expiry", "running_deadline_submit",
 ]
 FIELDS = {"key", "metric", "value", "unit", "reference", "reference_unit", "reference_label", "ratio", "goal",
           "met", "note"}
@@ -78,3 +79,18 @@ def test_the_teardown_and_small_job_goals_are_checked_by_ratio() -> None:
     assert datapath.small_job_result(90e-6, 110e-6, 20e-6).met is False   # 5.5x
     doc = {"results": [dataclasses.asdict(pending(0.3, 1.0)), dataclasses.asdict(pending(0.1, 1.0))]}
     assert missed_goals(doc) == ["shutdown_pending_total"]
+
+
+def test_running_engine_figures_run_at_tiny_sizes() -> None:
+    """The running-engine group (R26-R28) at tiny sizes: each figure runs its rig (the held one holds the blocks,
+    the expiring reap expires the whole queue and retires the stream: the bench checks both); no timing asserted."""
+    from kvoffload_ref.bench import running
+
+    held = running.bench_held_submit(8, 1, held=40)
+    expiry = running.bench_expiry(20, 1)
+    deadline = running.bench_deadline_submit(8, 1)
+    assert [r.key for r in (held, expiry, deadline)] == ["running_held_submit", "running_expiry",
+                                                          "running_deadline_submit"]
+    assert "40 GPU blocks held" in held.metric and "20 queued stores" in expiry.metric
+    assert expiry.unit == "s" and running.GOAL_EXPIRY_SECONDS == 0.05 and running.GOAL_HELD_SUBMIT == 1.1
+    assert all(r.value is not None and r.value > 0 and r.met in (True, False) for r in (held, expiry, deadline))

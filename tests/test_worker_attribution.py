@@ -89,3 +89,107 @@ def test_worker_hung_transfer_at_shutdown_is_abandoned_with_its_blocks(kind: str
     assert [(o.result.job_id, o.ended, o.result.invalid_blocks) for o in report.unreported] == [
         (3, "abandoned", (5,)), (6, "abandoned", (6,))]
     assert kv.poisoned_cpu_chunks(report) == (5, 6)
+
+
+# -- by KV-cache group and by tag (engine-shaped failure reports) ---------------------------------------------------
+def _two_groups(kind: str, faults: list[kv.Fault], timeout: float = 0.01) -> tuple[SimBackend, Any]:
+    """Two KV-cache groups over two tensors (a model with, e.g., full and sliding-window attention)."""
+    be = SimBackend(faults=kv.FaultPlan(faults))
+    page = 512
+    layout = kv.KVCacheLayout((page, page), [[kv.LayerRef(0, page)], [kv.LayerRef(1, page)]])
+    worker = CREATE[kind](be, patterned_gpu(be, layout), layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS,
+                          policy=kv.ShutdownPolicy(timeout=timeout))
+    return be, worker
+
+
+def _groups(ids: list[int], sizes: tuple[int, ...]) -> kv.GPULoadStoreSpec:
+    return kv.GPULoadStoreSpec(ids, group_sizes=sizes, block_indices=(0,) * len(sizes))
+
+
+@pytest.mark.rule("R22")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_failed_load_names_its_gpu_blocks_per_kv_group(kind: str) -> None:
+    be, w = _two_groups(kind, [kv.Fault("event_query", "error", direction="load", job_id=2)])
+    w.submit_load(2, cspec([0, 1]), _groups([9, 7, 7, 3, 8], (2, 3)), tag="request-a")  # group 1 names 7 and 3 too
+    w.submit_load(3, cspec([2]), _groups([5, 4], (0, 2)), tag="request-b")  # behind it; its group 0 is empty
+    w.submit_store(4, _groups([1, 2], (1, 1)), cspec([3, 4]))
+    w.wait([2, 3, 4])
+    results = {r.job_id: r for r in w.get_finished()}
+    assert results[2].invalid_blocks == (3, 7, 8, 9) and results[2].invalid_blocks_by_group == ((7, 9), (3, 7, 8))
+    assert results[3].invalid_blocks_by_group == ((), (4, 5))
+    assert results[4].success and results[4].invalid_blocks_by_group == ()
+    assert kv.poisoned_gpu_blocks_by_group(results.values()) == {0: (7, 9), 1: (3, 4, 5, 7, 8)}
+    w.shutdown()
+
+
+@pytest.mark.rule("R22")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_failed_store_has_no_blocks_by_group(kind: str) -> None:
+    """A store's CPU chunks hold every group's pages: its poisoned chunks are not per group."""
+    be, w = _two_groups(kind, [kv.Fault("event_query", "error", direction="store", job_id=1)])
+    w.submit_store(1, _groups([1, 2], (1, 1)), cspec([2, 3]), tag="r")  # a chunk per group
+    w.wait([1])
+    (result,) = w.get_finished()
+    assert not result.success and result.invalid_blocks == (2, 3) and result.invalid_blocks_by_group == ()
+    assert kv.poisoned_gpu_blocks_by_group([result]) == {}
+    assert kv.poisoned_by_tag([result]) == {"r": kv.PoisonedBlocks((), (2, 3), {})}
+    w.shutdown()
+
+
+@pytest.mark.rule("R22")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_poisoned_by_tag_groups_each_requests_blocks(kind: str) -> None:
+    be, w = _two_groups(kind, [kv.Fault("event_query", "error", direction="load", job_id=2),
+                               kv.Fault("event_query", "error", direction="store", job_id=6)])
+    w.submit_store(6, _groups([0, 1], (1, 1)), cspec([3, 4]), tag="b")
+    w.submit_load(2, cspec([0, 1]), _groups([9, 8], (1, 1)), tag="a")
+    w.submit_load(3, cspec([5, 6]), _groups([5, 4], (1, 1)), tag="b")  # behind job 2: fails too
+    w.submit_load(5, cspec([7]), _groups([10, 11], (2, 0)))  # behind too, untagged
+    w.wait([2, 3, 5, 6])
+    results = w.get_finished()
+    by_tag = kv.poisoned_by_tag(results)
+    assert by_tag == {"b": kv.PoisonedBlocks((4, 5), (3, 4), {0: (5,), 1: (4,)}),
+                      "a": kv.PoisonedBlocks((8, 9), (), {0: (9,), 1: (8,)}),
+                      None: kv.PoisonedBlocks((10, 11), (), {0: (10, 11)})}
+    assert kv.poisoned_by_tag([r for r in results if r.success]) == {}
+    w.shutdown()
+
+
+@pytest.mark.rule("R22")
+def test_poisoned_by_tag_refuses_an_unhashable_tag() -> None:
+    result = kv.TransferResult(1, False, invalid_blocks=(1,), transfer_type=("CPU", "GPU"), tag=["not", "hashable"])
+    with pytest.raises(TypeError, match="hashable tags; job 1 has a list"):
+        kv.poisoned_by_tag([result])
+
+
+@pytest.mark.rule("R22")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_report_carries_tags_and_groups_of_every_unhanded_job(kind: str) -> None:
+    """The shutdown report's entries carry their tags -- unreaped, drained, failed, abandoned -- and a failed load's
+    blocks by group; a report is a source for the per-group and per-tag forms."""
+    be, w = _two_groups(kind, [kv.Fault("event_query", "error", direction="load", job_id=4)])
+    w.submit_store(1, _groups([0, 1], (1, 1)), cspec([0, 1]), tag=("req", 1))
+    w.wait([1])  # proven, never reaped
+    w.submit_store(2, _groups([2, 3], (1, 1)), cspec([2, 3]), tag=("req", 2))  # proven by the drain
+    w.submit_store(3, _groups([4, 5], (1, 1)), cspec([4, 5]))  # proven by the drain, untagged
+    w.submit_load(4, cspec([0, 1]), _groups([10, 11], (1, 1)), tag=("req", 4))  # fails in the drain
+    w.submit_load(5, cspec([6]), _groups([12, 13], (2, 0)), tag=("req", 5))  # abandoned behind it
+    report = w.shutdown()
+    ended = {o.result.job_id: (o.ended, o.result.tag, o.result.invalid_blocks_by_group) for o in report.unreported}
+    assert ended == {1: ("unreaped", ("req", 1), ()), 2: ("drained", ("req", 2), ()), 3: ("drained", None, ()),
+                     4: ("failed", ("req", 4), ((10,), (11,))), 5: ("abandoned", ("req", 5), ((12, 13), ()))}
+    assert kv.poisoned_gpu_blocks_by_group(report) == {0: (10, 12, 13), 1: (11,)}
+    assert set(kv.poisoned_by_tag(report)) == {("req", 4), ("req", 5)}
+
+
+@pytest.mark.rule("R22")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_expired_load_names_its_blocks_by_group(kind: str) -> None:
+    be, w = _two_groups(kind, [kv.Fault("copy", "hang", direction="load", job_id=2)])
+    w.submit_load(2, cspec([0, 1]), _groups([9, 8], (1, 1)), deadline=0.5, tag="a")
+    w.get_finished()  # sees it start
+    be.clock_advance(0.5)
+    (result,) = w.get_finished()
+    assert isinstance(result.error, kv.TransferExpired) and result.invalid_blocks_by_group == ((9,), (8,))
+    assert result.tag == "a"
+    w.shutdown()

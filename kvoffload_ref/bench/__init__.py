@@ -20,6 +20,8 @@ Module map (one module per figure group; :data:`FIGURE_GROUPS` runs them in this
 * :mod:`~kvoffload_ref.bench.fuzz` -- the conformance kit's steps/s (when Hypothesis is installed);
 * :mod:`~kvoffload_ref.bench.overhead` -- the race detector (R20) and the worker's lock (R19) against the same
   code without them;
+* :mod:`~kvoffload_ref.bench.running` -- a running engine (R26-R28): submission with blocks held, one reap
+  expiring the head of a long queue, submission with a deadline;
 * :mod:`~kvoffload_ref.bench.report` -- the markdown table and the machine description.
 
 A new figure goes into the module of its group (or a new module with a ``figures(run: BenchRun) ->
@@ -39,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Final, TextIO, cast
 
-from kvoffload_ref.bench import calibration, datapath, fuzz, overhead, planner, shutdown
+from kvoffload_ref.bench import calibration, datapath, fuzz, overhead, planner, running, shutdown
 from kvoffload_ref.bench.common import FULL, QUICK, BenchRun, Result, captured_logs
 from kvoffload_ref.bench.report import finite, machine, render
 
@@ -62,6 +64,7 @@ FIGURE_GROUPS: Final[tuple[FigureGroup, ...]] = (
     FigureGroup("shutdown", shutdown.figures),
     FigureGroup("fuzz", fuzz.figures),
     FigureGroup("overhead of the race detector and the lock", overhead.figures),
+    FigureGroup("running engine: holds, deadline expiry", running.figures),
 )
 
 
