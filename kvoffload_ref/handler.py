@@ -61,7 +61,7 @@ from kvoffload_ref.results import (
     failed_in_order,
     stopped_outcomes,
 )
-from kvoffload_ref.running import Holds, Mark, Retired, Running, expire, started_age
+from kvoffload_ref.running import Holds, Mark, Retired, Running
 from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import Int64Array
@@ -125,7 +125,7 @@ class DirectionHandler:
         # Invariant: what a release call of this handler failed to release, marked leaked in the ledger (R16).
         self.leaks = Leaks(backend.ledger)
         # Invariant: the retired streams and what is still queued on them (R28).
-        self._retired: Retired[Transfer] = Retired(backend, direction, self._running.holds, self.leaks)
+        self._retired: Retired[Transfer] = Retired(backend, direction, self._running, self.leaks)
         # Invariant: retired streams the drain could not prove idle, kept for the proof and the release (R28).
         self._unproven_streams: list[Stream] = []
         self._kept_streams = 0  # Invariant: retired streams release() kept (not proven idle, R28)
@@ -302,7 +302,7 @@ class DirectionHandler:
         (R28); a pending head past its deadline expires (R26)."""
         if self._retired:
             self._retired.poll(self._backend.query, self._proven_retired, self._failed_retired, self._free_late,
-                               self._backend.monotonic())
+                               self._backend.monotonic(), self._expired)
         while self._queue and (mark is None or not mark.resolved):
             if mark is self._queue[0]:   # a wait's own job at the head: its one query settles it (no prefix)
                 if not self._observe_head(self._backend.query):
@@ -318,16 +318,12 @@ class DirectionHandler:
     def _check_head(self, head: Transfer) -> None:
         """R26/R30: the head is pending: its age on the device decides its deadline and the stall warning."""
         try:
-            age = started_age(self._backend, head, self._backend.monotonic())
+            late = self._running.overdue(self._backend, self.direction, head)
         except DeviceError as exc:  # its start event failed: the head fails as its end event would (R5)
             self._head_failed(exc)
             return
-        if age is None:
-            return
-        if head.deadline is not None and age >= head.deadline:
+        if late:
             self._expire(0, "deadline")
-        else:
-            self._running.check_stall(self.direction, head, age)
 
     def _prove_prefix(self, mark: Transfer | None = None) -> int:
         """Prove, with one backend call, the run of heads whose own end events are done (R5, R10); the head that
@@ -471,23 +467,25 @@ class DirectionHandler:
         self._step(HandlerInput.EXPIRE)  # REPORT_EXPIRED
         queued = list(self._queue)
         self._queue.clear()
-        ahead, late = queued[:index], queued[index:]
+        self._report_expired(*self._retired.end_stream(self._stream, queued, index, reason, cancelled, now))
+        self._stream = None
+
+    def _expired(self, late: list[Transfer], results: list[TransferResult]) -> None:
+        """R26: live jobs on a retired stream became late (cancelled, or past their deadline): reported."""
+        self._step(HandlerInput.EXPIRE)  # REPORT_EXPIRED
+        self._report_expired(late, results)
+
+    def _report_expired(self, late: list[Transfer], results: list[TransferResult]) -> None:
         self._leave(late)
         self._counts["expired"] += len(late)
-        self._resolved += expire(self.direction, late, reason, cancelled)
-        self._retired.retire(self._stream, ahead, late, now)
-        self._stream = None
+        self._resolved += results
 
     def cancel(self, job_ids: set[int]) -> None:
         """R26: query first (never wait): a done job is reported as done; then every listed job still queued, and
         the jobs behind it on its stream, are late ("cancel"/"behind"); unknown or reported ids are ignored."""
         self._reap()
-        if self._retired:
-            for late in self._retired.cancel(job_ids, self._backend.monotonic()):  # live jobs on retired streams
-                self._step(HandlerInput.EXPIRE)
-                self._leave(late)
-                self._counts["expired"] += len(late)
-                self._resolved += expire(self.direction, late, "cancel", job_ids)
+        if self._retired:  # live jobs on retired streams
+            self._retired.cancel(job_ids, self._backend.monotonic(), self._expired)
         index = next((i for i, t in enumerate(self._queue) if t.job_id in job_ids), None)
         if index is not None:
             self._expire(index, "cancel", job_ids)

@@ -24,7 +24,7 @@ from kvoffload_ref.lifecycle import Action, Fate, HandlerInput
 from kvoffload_ref.placement import check_transfer
 from kvoffload_ref.quarantine import keeper
 from kvoffload_ref.results import JobOutcome, TransferResult
-from kvoffload_ref.running import Mark, Retired, Running, expire, started_age
+from kvoffload_ref.running import Mark, Retired, Running
 from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import Int64Array
@@ -84,7 +84,7 @@ class ReferenceHandler:
         self.stream: Stream | None = backend.create_stream()
         self.state = lifecycle.HandlerState.ACCEPTING  # Invariant: changed only through tables.step
         self.queue: collections.deque[_Transfer] = collections.deque()  # Invariant: on self.stream, in order, live
-        self.retired: Retired[_Transfer] = Retired(backend, direction, running.holds, self.leaks)  # R28
+        self.retired: Retired[_Transfer] = Retired(backend, direction, running, self.leaks)  # R28
         self.ready: list[TransferResult] = []  # Invariant: results known, not yet handed over (R5), in order
         self.jobs: set[int] = set()  # Invariant: the ids queued live (here or retired) or in ready: R7's "in flight"
         self.spent: list[tuple[Callable[[Any], object], str, object]] = []  # Invariant: proven idle, not yet freed
@@ -174,7 +174,7 @@ class ReferenceHandler:
         a pending head past its deadline expires (R26); free what is proven."""
         if self.retired:  # R28: their results are never held back by the current stream, nor hold it back
             self.retired.poll(self.backend.query, self._proven_retired, self._failed_retired, self._free_late,
-                              self.backend.monotonic())
+                              self.backend.monotonic(), self._expired)
         while self.queue and not (mark is not None and mark.resolved):
             if not self._observe_head(self.backend.query):
                 self._check_head()
@@ -201,20 +201,13 @@ class ReferenceHandler:
 
     def _check_head(self) -> None:
         """R26/R30: the head is pending: its age on the device decides its deadline and the stall warning."""
-        head = self.queue[0]
-        if head.deadline is None and not self.running.watches:
-            return
         try:
-            age = started_age(self.backend, head, self.backend.monotonic())
+            late = self.running.overdue(self.backend, self.direction, self.queue[0])
         except errors.DeviceError as exc:  # its start event failed: the head fails as its end event would (R5)
             self._head_failed(exc)
             return
-        if age is None:
-            return
-        if head.deadline is not None and age >= head.deadline:
+        if late:
             self._expire(0, "deadline")
-        else:
-            self.running.check_stall(self.direction, head, age)
 
     def _book_proven(self, head: _Transfer) -> None:
         """R5/R10: the head's own end event is done: reported (open) or counted drained (shutting down). The timing
@@ -272,22 +265,23 @@ class ReferenceHandler:
         now = self.backend.monotonic()  # the only backend call: before anything changes (R14)
         self.step(HandlerInput.EXPIRE)  # REPORT_EXPIRED
         queued, self.queue = list(self.queue), collections.deque()
-        ahead, late = queued[:index], queued[index:]
-        for t in late:
-            t.resolved = True
-        self.counts["expired"] += len(late)
-        self.ready += expire(self.direction, late, reason, cancelled)
-        self.retired.retire(self.stream, ahead, late, now)
+        self._report_expired(*self.retired.end_stream(self.stream, queued, index, reason, cancelled, now))
         self.stream = None
+
+    def _expired(self, late: list[_Transfer], results: list[TransferResult]) -> None:
+        """R26: live jobs on a retired stream became late (cancelled, or past their deadline): reported."""
+        self.step(HandlerInput.EXPIRE)  # REPORT_EXPIRED
+        self._report_expired(late, results)
+
+    def _report_expired(self, late: list[_Transfer], results: list[TransferResult]) -> None:
+        self.counts["expired"] += len(late)
+        self.ready += results
 
     def cancel(self, job_ids: set[int]) -> None:
         """R26: query first (never wait): a done job is reported as done; then every listed job still queued, and
         the jobs behind it on its stream, are late ("cancel"/"behind"); unknown or reported ids are ignored."""
         self.reap()
-        for late in self.retired.cancel(job_ids, self.backend.monotonic()):  # live jobs on retired streams
-            self.step(HandlerInput.EXPIRE)
-            self.counts["expired"] += len(late)
-            self.ready += expire(self.direction, late, "cancel", job_ids)
+        self.retired.cancel(job_ids, self.backend.monotonic(), self._expired)  # live jobs on retired streams
         index = next((i for i, t in enumerate(self.queue) if t.job_id in job_ids), None)
         if index is not None:
             self._expire(index, "cancel", job_ids)

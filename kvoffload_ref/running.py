@@ -239,8 +239,9 @@ class _Lane(Generic[T]):
 class Retired(Generic[T]):
     """One handler's retired streams and what is still queued on them (see the module docstring)."""
 
-    def __init__(self, backend: Backend, direction: Direction, holds: Holds, leaks: Leaks) -> None:
-        self._backend, self._direction, self._holds, self._leaks = backend, direction, holds, leaks
+    def __init__(self, backend: Backend, direction: Direction, running: Running, leaks: Leaks) -> None:
+        self._backend, self._direction, self._leaks = backend, direction, leaks
+        self._running, self._holds = running, running.holds
         # Invariant: oldest first; each has something queued (an emptied lane's stream is destroyed at once).
         self.lanes: list[_Lane[T]] = []
 
@@ -267,11 +268,14 @@ class Retired(Generic[T]):
             self._holds.hold_many(self._direction, [t.gpu_ids for t in new], [t.cpu_ids for t in new])
 
     def poll(self, observe: Callable[[Event], bool], proven: Callable[[T], None],
-             failed: Callable[[list[T], DeviceError, float], None], free: Callable[[T], None], now: float) -> None:
+             failed: Callable[[list[T], DeviceError, float], None], free: Callable[[T], None], now: float,
+             expired: Callable[[list[T], list[TransferResult]], None] | None = None) -> None:
         """Observe each retired stream head first until a head is pending: a live head proven goes to ``proven``
         (reported or counted drained by the handler's table, before it leaves its stream: R14), a late one ends its
         hold and goes to ``free``; a head whose observation fails hands the live transfers of that stream to
-        ``failed`` (with ``now``, when the poll began) and the stream waits for the next poll."""
+        ``failed`` (with ``now``, when the poll began) and the stream waits for the next poll. With ``expired`` (a
+        running engine's polls, not a drain's), a pending live head past its deadline (R26) makes it and the live
+        ones behind it late: their results go to ``expired``, then they are held."""
         for lane in list(self.lanes):
             queue = lane.queue
             while queue:
@@ -280,6 +284,9 @@ class Retired(Generic[T]):
                     if head.broken is not None:
                         raise head.broken
                     done = observe(head.end)
+                    if not done and expired is not None and head.late is None and self._running.overdue(
+                            self._backend, self._direction, head):
+                        self._end(queue, head, "deadline", (), now, expired)
                 except DeviceError as exc:
                     live = [t for t in queue if t.late is None]
                     if live:
@@ -299,20 +306,36 @@ class Retired(Generic[T]):
                 self._destroy(lane.stream)  # destroy leaves it listed: the next poll, or shutdown, releases it, R14)
                 self.lanes.remove(lane)
 
-    def cancel(self, job_ids: set[int], now: float) -> list[list[T]]:
-        """R26: on each retired stream, the first listed live job and the live ones behind it become late (held);
-        returns them, one list per stream, for the handler to report."""
-        ended = []
+    def end_stream(self, stream: Stream | None, queued: Sequence[T], index: int, reason: str,
+                   cancelled: Iterable[int], now: float) -> tuple[list[T], list[TransferResult]]:
+        """R26-R28: ``queued[index:]`` (the live transfers of the current ``stream``, in order) became late: their
+        results (``expire``), held; the stream is retired with the ones ahead, still live. Returns (late, results)
+        for the handler to report (its table step taken)."""
+        ahead, late = list(queued[:index]), list(queued[index:])
+        for transfer in late:
+            transfer.resolved = True
+        results = expire(self._direction, late, reason, cancelled)
+        self.retire(stream, ahead, late, now)
+        return late, results
+
+    def cancel(self, job_ids: set[int], now: float, expired: Callable[[list[T], list[TransferResult]], None]
+               ) -> None:
+        """R26: on each retired stream, the first listed live job and the live ones behind it become late: their
+        results go to ``expired`` (the handler reports them), then they are held."""
         for lane in self.lanes:
-            live = [t for t in lane.queue if t.late is None]
-            first = next((i for i, t in enumerate(live) if t.job_id in job_ids), None)
-            if first is not None:
-                late = live[first:]
-                for transfer in late:
-                    transfer.resolved = True
-                self.hold(late, now)
-                ended.append(late)
-        return ended
+            head = next((t for t in lane.queue if t.late is None and t.job_id in job_ids), None)
+            if head is not None:
+                self._end(lane.queue, head, "cancel", job_ids, now, expired)
+
+    def _end(self, queue: Iterable[T], first: T, reason: str, cancelled: Iterable[int], now: float,
+             expired: Callable[[list[T], list[TransferResult]], None]) -> None:
+        """``first`` and the live transfers behind it on a retired stream became late: reported, then held."""
+        live = [t for t in queue if t.late is None]
+        late = live[live.index(first):]
+        for transfer in late:
+            transfer.resolved = True
+        expired(late, expire(self._direction, late, reason, cancelled))
+        self.hold(late, now)
 
     def has_live(self) -> bool:
         """Whether a live (unreported) transfer is still queued on a retired stream."""
@@ -407,6 +430,23 @@ class Running:
         except DeviceError as exc:
             failed(exc)
             return None
+
+    def overdue(self, backend: Backend, direction: Direction, head: LateTransfer) -> bool:
+        """R26/R30: whether a pending head passed its deadline (counted from the first poll that saw it start); a
+        head unproven longer than the stall warning is logged once. Asks nothing without either.
+
+        Raises:
+            DeviceError: its start event's query failed (the head fails as its end event's would, R5).
+        """
+        if head.deadline is None and not self.watches:
+            return False
+        age = started_age(backend, head, backend.monotonic())
+        if age is None:
+            return False
+        if head.deadline is not None and age >= head.deadline:
+            return True
+        self.check_stall(direction, head, age)
+        return False
 
     def check_stall(self, direction: Direction, head: LateTransfer, age: float) -> None:
         """R30: log a transfer unproven for longer than ``stall_warning`` once, naming it, its direction and age."""

@@ -288,3 +288,22 @@ def test_running_engine_survives_a_hung_load_and_quarantines_only_what_a_stuck_c
     assert len(report.kept) == 2 and w.stats().quarantined_bytes == sum(k.length for k in report.kept)  # R30
     assert 0 < w.stats().quarantined_bytes <= CPU_CHUNKS * 2 * BPC * 512 // 2  # 2 of 4 registrations: chunk 5s
     assert be.violations == []
+
+
+@pytest.mark.rule("R26")
+@pytest.mark.rule("R28")
+@pytest.mark.parametrize("kind", WORKERS)
+def test_running_a_live_job_left_on_a_retired_stream_still_expires_at_its_deadline(kind: str) -> None:
+    be, w, _ = build(kind, SimBackend(kv.FaultPlan([kv.Fault("copy", "hang", direction="store", job_id=1)])))
+    w.submit_store(1, gspec([0, 1, 2]), cspec([0]), deadline=0.5)  # hangs
+    w.submit_store(2, gspec([3, 4, 5]), cspec([1]))
+    assert w.get_finished() == []  # job 1 seen started
+    w.cancel([2])  # job 2 late; the stream retired with job 1 still live on it
+    (cancelled,) = w.get_finished()
+    assert (cancelled.job_id, cancelled.error.reason) == (2, "cancel")
+    w.submit_store(3, gspec([6, 7, 8]), cspec([2]))  # a fresh stream
+    be.clock_advance(0.6)
+    results = {r.job_id: r for r in w.get_finished()}
+    assert results[3].success
+    assert results[1].error.reason == "deadline" and w.held().cpu_chunks == (0, 1)
+    w.shutdown()
