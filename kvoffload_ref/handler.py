@@ -21,12 +21,11 @@ counted as drained and a failure abandons the rest. Proven transfers give their 
 back to the pools; failed and abandoned ones go to the *unproven* bin: never reused, released at shutdown only if
 the device-level proof succeeds (R13), else their descriptor buffers are quarantined (a copy may still read them).
 
-``drain`` is the shutdown half: head first, each wait bounded by the one shutdown deadline (R11), one backoff for
-the whole drain (the pause between polls carries over from head to head, as in the reference), and each poll
-proves the run of completed heads with one prefix query that stops at the first pending event. ``release``
-frees the transfer-side resources in a few batched backend calls and reports what must be quarantined; a
-BaseException arriving in the middle does not stop it (R14). The handler never holds the region (R1): it gets
-tensor geometries only.
+``drain`` is the shutdown half (:mod:`kvoffload_ref.handler_drain`, a base of this class): head first, each wait
+bounded by the one shutdown deadline (R11), then what retired streams still hold (R28); ``release`` frees the
+transfer-side resources in a few batched backend calls and reports what must be quarantined. The running engine's
+rules -- deadlines, cancel, held blocks, retired streams (R26-R28) -- are :mod:`kvoffload_ref.running`'s, carried
+out here. The handler never holds the region (R1): it gets tensor geometries only.
 
 The handler is not thread-safe by itself: the worker serialises every call into it (R19). The transfer record,
 what a submission took and the batched release of the pools live in :mod:`kvoffload_ref.handler_pools`.
@@ -41,28 +40,25 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
-import numpy as np
-
 from kvoffload_ref import lifecycle, tables
 from kvoffload_ref.backends import batched
-from kvoffload_ref.backends.base import Backend, Backoff, DescriptorBuffer, Event, Stream, Tag, poll_until
+from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream, Tag
 from kvoffload_ref.canonical_plan import CanonicalLayout
-from kvoffload_ref.errors import DeadlineExceeded, DeviceError, detached
-from kvoffload_ref.handler_pools import DESCRIPTORS, END, EVENTS, JOB_ID, NBYTES, Taken, Transfer, release_pools
-from kvoffload_ref.lifecycle import Action, Fate, HandlerInput, HandlerState
+from kvoffload_ref.errors import DeviceError, detached
+from kvoffload_ref.handler_drain import DrainHalf
+from kvoffload_ref.handler_pools import DESCRIPTORS, END, EVENTS, JOB_ID, NBYTES, Taken, Transfer
+from kvoffload_ref.lifecycle import Action, HandlerInput, HandlerState
 from kvoffload_ref.planner import Planner, PreparedPlan
 from kvoffload_ref.results import (
     TRANSFER_TYPE,
     HandlerReport,
     HandlerStats,
     JobOutcome,
-    JobOutcomes,
     TransferResult,
     failed_in_order,
-    stopped_outcomes,
 )
 from kvoffload_ref.running import Holds, Mark, Retired, Running
-from kvoffload_ref.shield import Leaks, Shield, each, finish_all
+from kvoffload_ref.shield import Leaks, Shield
 from kvoffload_ref.specs import Direction, KVCacheLayout, TensorGeometry
 from kvoffload_ref.validate import Int64Array
 
@@ -75,7 +71,7 @@ logger = logging.getLogger("kvoffload_ref.handler")
 PREFIX_WINDOW = 512
 
 
-class DirectionHandler:
+class DirectionHandler(DrainHalf):
     """One direction (store: GPU->CPU, or load: CPU->GPU) of a worker. Built and driven by the worker."""
 
     def __init__(self, backend: Backend, direction: Direction, layout: KVCacheLayout,
@@ -489,162 +485,6 @@ class DirectionHandler:
         index = next((i for i, t in enumerate(self._queue) if t.job_id in job_ids), None)
         if index is not None:
             self._expire(index, "cancel", job_ids)
-
-    def _take_queue(self) -> list[Transfer]:
-        """Empty the queue, and the retired streams' (their live transfers first), into the unproven bin; returns
-        the live ones (late ones were reported already); the retired streams are kept for the proof (R13, R28)."""
-        live, late, streams = self._retired.take() if self._retired else ([], [], [])
-        taken = [*live, *self._queue]
-        self._leave(taken)
-        self._queue.clear()
-        self._unproven += taken
-        self._unproven += late
-        self._unproven_streams += streams
-        return taken
-
-    # -- shutdown -------------------------------------------------------------------------------------------------
-    def drain(self, deadline: float, *, interrupted: bool = False) -> HandlerReport:
-        """Shutdown drain (R10): prove transfers head first within the deadline; stop at the first failure.
-
-        Args:
-            deadline: absolute time on the backend clock shared by the whole shutdown (R11). Each wait polls at
-                least once, so completed work is still proven when the budget is spent.
-            interrupted: a BaseException already stopped the shutdown (R14): abandon everything, wait for nothing.
-
-        Returns:
-            The drain's report. A BaseException raised while waiting abandons the rest and is re-raised (R14);
-            :meth:`report` then still says what was drained before it.
-        """
-        self._step(HandlerInput.BEGIN_DRAIN)  # DROP_RESULTS: nothing is reported after shutdown began (R8)
-        self._outcomes += [JobOutcome(r, "unreaped") for r in self._resolved]  # ... but the report lists them
-        self._resolved, self._jobs = [], set()
-        try:
-            if interrupted and (self._queue or self._retired):
-                self._stop_drain(HandlerInput.INTERRUPT, None)
-            backend, backoff = self._backend, Backoff()
-
-            def observe(event: Event) -> bool:  # R11; the backoff carries over from head to head (the reference's)
-                return poll_until(backend, lambda: backend.query(event), deadline, backoff)
-
-            while self._queue:
-                if self._prove_prefix():
-                    continue
-                head = self._queue[0]
-                if not self._observe_head(observe):
-                    self._stop_drain(HandlerInput.DEADLINE, DeadlineExceeded(
-                        f"{self.direction} job {head.job_id} was not proven complete within the shutdown timeout"))
-            if self._retired:  # R28: what retired streams still hold, within the same deadline
-                self._drain_retired(observe)
-            self._take_queue()  # late copies not observed done: unproven (R13), their streams kept for the proof
-        except BaseException as exc:
-            self._stop_drain(HandlerInput.INTERRUPT, exc)
-            raise
-        finally:
-            self._step(HandlerInput.QUEUE_EMPTY)
-        return self.report()
-
-    def _drain_retired(self, observe: Callable[[Event], bool]) -> None:
-        """R10/R28: prove what retired streams hold within the drain's deadline: a live job proven is drained; a
-        live job failed, or pending at the deadline, abandons the rest; late copies proven end their holds."""
-        failures: list[DeviceError] = []
-        self._retired.poll(observe, self._proven_retired, lambda _live, exc, _now: failures.append(exc),
-                           self._free_late, self._backend.monotonic())
-        if failures and self._step(HandlerInput.HEAD_FAILED) is Action.ABANDON:
-            self._abandon(failures[0], head_failed=True)
-        elif self._retired.has_live():
-            self._stop_drain(HandlerInput.DEADLINE, DeadlineExceeded(
-                f"a {self.direction} job on a retired stream was not proven complete within the shutdown timeout"))
-
-    def abandon_undrained(self) -> None:
-        """R14: an interrupt arrived before this handler's drain began: begin it now and abandon everything, without
-        a wait (the table says whether the drain can still begin)."""
-        if tables.allows(lifecycle.HANDLER_TABLE, self.state, HandlerInput.BEGIN_DRAIN):
-            self.drain(0.0, interrupted=True)
-
-    def _stop_drain(self, event: HandlerInput, error: BaseException | None) -> None:
-        if self._step(event) is Action.ABANDON:
-            self._abandon(error)
-
-    def _abandon(self, error: BaseException | None, *, head_failed: bool = False) -> None:
-        """Stop draining: every queued transfer's completion is unknown (R10), but a failed head's; each names the
-        blocks it poisoned (R22)."""
-        remaining = self._take_queue()
-        self._counts["abandoned"] += len(remaining)
-        self._drain_error = self._drain_error or error
-        self._stopped += stopped_outcomes(self.direction, remaining, error, head_failed=head_failed)
-        if error is not None and remaining:
-            logger.error("Failed to synchronize transfer end event; skipping %d remaining transfers",
-                         len(remaining) - 1, exc_info=error)
-
-    def report(self) -> HandlerReport:
-        """What the shutdown drain established so far (also after an interrupt)."""
-        jobs = JobOutcomes(self._outcomes, self._drained_ids, self._drained_bytes, self._kind, self._stopped,
-                           self._drained_tags)
-        return HandlerReport(self._counts["drained"], self._counts["abandoned"], self._drain_error, jobs,
-                             self._kept_streams)
-
-    @property
-    def drain_error(self) -> BaseException | None:
-        """The first failure of the shutdown drain (None before it or if there was none)."""
-        return self._drain_error
-
-    @property
-    def clean(self) -> bool:
-        """Every transfer ever submitted here was proven complete by its own event (R13's clean path)."""
-        return not self._unproven and not self._queue and not self._retired
-
-    def unproven_chunks(self) -> set[int]:
-        """R29: the CPU chunks an unproven copy of this handler (queued, late on a retired stream, failed or
-        abandoned) may still touch: one concatenation and one ``np.unique`` however many transfers are unproven."""
-        ids = [t.cpu_ids for t in itertools.chain(self._unproven, self._queue, self._retired.transfers())]
-        return set(np.unique(np.concatenate(ids)).tolist()) if ids else set()
-
-    def streams_in_use(self) -> list[Stream]:
-        """The streams this handler still holds, retired ones included: what the device-level proof covers."""
-        current = [] if self._stream is None else [self._stream]
-        return [*current, *self._retired.streams(), *self._unproven_streams]
-
-    def release(self, fate: Fate, shield: Shield | None = None, *,
-                reason: str = "device not proven idle") -> tuple[int, list[str]]:
-        """Release the transfer-side resources after the drain (R10); idempotent.
-
-        The stream, the events and the descriptor buffers of proven transfers are always released. The descriptor
-        buffers of unproven transfers are freed if ``fate`` is RELEASE, else quarantined: marked quarantined in the
-        ledger and kept alive in the quarantine registry (:func:`kvoffload_ref.quarantine.quarantine`) until
-        process exit. Every step runs, whatever an earlier one raised (R14).
-
-        Args:
-            fate: what happens to the unproven transfers' descriptor buffers.
-            shield: collects the interrupts that arrive meanwhile, for the caller to re-raise once its own release
-                is done (R14); None: they are dropped after the release finished.
-            reason: why the kept buffers are quarantined (for the registry).
-
-        Returns:
-            (how many descriptor buffers were quarantined, descriptions of the steps that failed).
-        """
-        if self._step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
-            return 0, []
-        # The pools' own lists are taken over (a copy of thousands would touch each); the handler holds none after.
-        stream, events, freed, unproven = self._stream, self._events, self._descriptors, self._unproven
-        retired, self._unproven_streams = self._unproven_streams, []
-        self._kept_streams = 0 if fate is Fate.RELEASE else len(retired)
-        self._stream, self._events, self._descriptors, self._unproven = None, [], [], []
-        return release_pools(self._backend, self.direction, self.leaks, stream, events, freed, unproven, fate, shield,
-                             reason, retired)
-
-    def discard(self) -> None:
-        """Construction rollback (R2): destroy what the constructor created; nothing was ever submitted. An
-        interrupt meanwhile does not stop it (R14); it propagates once everything is destroyed. What cannot be
-        destroyed is leaked (R16)."""
-        events, streams = self._events, [] if self._stream is None else [self._stream]
-        self._stream, self._events = None, []
-        backend = self._backend
-        _, interrupt = finish_all([(f"destroy {self.direction} events",
-                                    lambda: each(backend.destroy_event, events, self.leaks.of("event"))),
-                                   (f"destroy the {self.direction} stream",
-                                    lambda: each(backend.destroy_stream, streams, self.leaks.of("stream")))])
-        if interrupt is not None:
-            raise interrupt
 
     # -- snapshots and helpers ------------------------------------------------------------------------------------
     def stats(self) -> HandlerStats:
