@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -30,15 +30,20 @@ __all__ = [
     "Capabilities",
     "DeviceLike",
     "Firing",
+    "RUNNING_CALLS",
     "HandlerReportLike",
+    "HeldLike",
     "JobOutcomeLike",
     "RecordingPlan",
+    "ReleasedLike",
     "ReportLike",
     "ResultLike",
+    "RunningLike",
     "Setup",
     "SimDevice",
     "WorkerFactory",
     "WorkerLike",
+    "has_running_calls",
     "initial_gpu_bytes",
     "reference_factory",
     "reference_worker_factory",
@@ -221,7 +226,11 @@ class ReportLike(Protocol):
 
 
 class WorkerLike(Protocol):
-    """The worker API the machine drives (the public API of ``kvoffload_ref.CPUOffloadingWorker``)."""
+    """The worker API the machine drives (the public API of ``kvoffload_ref.CPUOffloadingWorker``).
+
+    A running engine's calls (R26-R28: ``cancel``, ``held``, ``take_released``, ``deadline=`` on the submissions)
+    are optional: see :class:`RunningLike` and ``Capabilities.running``.
+    """
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec) -> object:
         """Queue a GPU -> CPU transfer; InvalidTransferError / WorkerClosedError / DeviceError as documented."""
@@ -256,6 +265,65 @@ class WorkerLike(Protocol):
     def shutdown(self) -> ReportLike:
         """Bounded, idempotent shutdown (R8-R14)."""
         ...
+
+
+class HeldLike(Protocol):
+    """What ``held()`` returns (R27; see ``kvoffload_ref.HeldBlocks``): sorted ids, and which are held for writes
+    only (a late copy only reads them)."""
+
+    @property
+    def gpu_blocks(self) -> Sequence[int]: ...
+
+    @property
+    def cpu_chunks(self) -> Sequence[int]: ...
+
+    @property
+    def gpu_blocks_writes_only(self) -> Sequence[int]: ...
+
+    @property
+    def cpu_chunks_writes_only(self) -> Sequence[int]: ...
+
+
+class ReleasedLike(Protocol):
+    """One record of ``take_released()`` (R27; see ``kvoffload_ref.ReleasedHold``)."""
+
+    @property
+    def job_id(self) -> int: ...
+
+    @property
+    def direction(self) -> str: ...
+
+    @property
+    def gpu_blocks(self) -> Sequence[int]: ...
+
+    @property
+    def cpu_chunks(self) -> Sequence[int]: ...
+
+
+class RunningLike(WorkerLike, Protocol):
+    """A worker with a running engine's calls (R26-R28), checked when ``Capabilities.running`` is set and the
+    worker has them (else the kit says once that it skips them)."""
+
+    def cancel(self, job_ids: Iterable[int]) -> None:
+        """R26: end the listed jobs now (queried first, never waits)."""
+        ...
+
+    def held(self) -> HeldLike:
+        """R27: what late copies still hold."""
+        ...
+
+    def take_released(self) -> Sequence[ReleasedLike]:
+        """R27: each ended hold, once."""
+        ...
+
+
+#: The calls a worker needs for ``Capabilities.running``.
+RUNNING_CALLS: Final = ("cancel", "held", "take_released")
+
+
+def has_running_calls(worker: object) -> bool:
+    """Whether ``worker`` offers every call of :data:`RUNNING_CALLS`."""
+    return all(callable(getattr(worker, name, None)) for name in RUNNING_CALLS)
 
 
 class DeviceLike(Protocol):
@@ -323,6 +391,9 @@ class Capabilities:
         attribution: results carry ``invalid_blocks`` and ``transfer_type``, the report lists ``unreported``
             jobs (R22): the machine predicts and checks both, and that every accepted job is accounted for once.
         ordering: ``order_after`` (R23): the rule that orders compute work after queued transfers is drawn.
+        running: a running engine (R26-R28): ``held()`` is asked before each submission (a conflicting one must
+            raise ``BlocksHeldError``), ``take_released()`` after each step, ``cancel`` and ``deadline=`` are drawn.
+            A worker without ``cancel``/``held``/``take_released`` is run without them (the kit says so once).
     """
 
     finalizer: bool = True
@@ -331,6 +402,7 @@ class Capabilities:
     threads: bool = True
     attribution: bool = True
     ordering: bool = True
+    running: bool = True
 
 
 def _tag_of(event: object) -> tuple[str, int] | None:
@@ -376,6 +448,9 @@ class SimDevice:
         self._interrupt_in = 0
         # Invariant: one label per memory op the sim numbered, in its order (Violation.pair indexes it).
         self.op_labels: list[Tag | tuple[str, int] | None] = []
+        # Invariant: per transfer tag, the label of the (non-compute) stream its latest record went to: the stream
+        # it was queued on (R28: a fresh one after a retirement).
+        self.streams: dict[Tag, str] = {}
         # Invariant: observations not yet taken, in order, each with the number of ops labelled when it was made.
         self._observed: list[tuple[int, tuple[str, int] | None]] = []
         self._computes = 0
@@ -411,7 +486,13 @@ class SimDevice:
             cls.copy_batch(sim, stream, buf, count, tag=tag)
             self.op_labels.append(tag)
 
+        def record(event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
+            if isinstance(tag, tuple) and not getattr(stream, "compute", True):
+                self.streams[tag] = str(getattr(stream, "label", stream))
+            cls.record(sim, event, stream, tag=tag)
+
         sim.query = query  # type: ignore[method-assign]
+        sim.record = record  # type: ignore[method-assign]
         sim.synchronize = synchronize  # type: ignore[method-assign]
         sim.copy_batch = copy_batch  # type: ignore[method-assign]
 

@@ -4,7 +4,9 @@ balances, every accepted job accounted for once).
 
 Run after every step: :meth:`Checks.no_violation` (R3/R10/R12; the release policy's accepted hazards are
 explained in :mod:`kvoffload_ref.testing.machine`), :meth:`Checks.races_match` (R4/R20/R23),
-:meth:`Checks.ledger_balances` (R16) and :meth:`Checks.jobs_accounted_once` (R14/R22). The shutdown report's job
+:meth:`Checks.ledger_balances` (R16), :meth:`Checks.jobs_accounted_once` (R14/R22) and, for a running engine,
+:meth:`Checks.holds_match` (R27: each ``take_released()`` record, then ``held()``, against the model; see
+:mod:`kvoffload_ref.testing.holds`). The shutdown report's job
 list is checked against the model by :mod:`kvoffload_ref.testing.outcomes`.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+from hypothesis import note
 from hypothesis.stateful import invariant
 
 from kvoffload_ref.backends.base import RESOURCE_KINDS
@@ -19,7 +22,9 @@ from kvoffload_ref.errors import DeviceError
 from kvoffload_ref.testing.adapter import (
     ReportLike,
     ResultLike,
+    RunningLike,
 )
+from kvoffload_ref.testing.holds import held_problems, held_sets, release_problems
 from kvoffload_ref.testing.machine_base import MachineBase
 from kvoffload_ref.testing.model import ModelTransfer
 from kvoffload_ref.testing.outcomes import accounting_problems, attribution_problems, outcome_problems
@@ -72,6 +77,8 @@ class Checks(MachineBase):
                                                    "hung transfer of its direction")
         self._check(not transfer.must_fail, "R5", f"job {job} reported success although an injected error fired "
                                                   "on its end event (or on the one it was queued behind)")
+        self._check(not transfer.released, "R27", f"job {job} reported success although take_released() handed out "
+                                                  "its hold (only a late copy is held)")
         self._check(self.current_race.is_observed((transfer.direction, job)), "R5/R20",
                     f"job {job} reported success although the device never saw its completion observed (no query "
                     "of its end event returned True)")
@@ -184,6 +191,27 @@ class Checks(MachineBase):
         if self.model is None or self.report is None or not self.capabilities.attribution:
             return
         for rules, message in accounting_problems(self.report, self.model, self.handed):
+            self._check(False, rules, message)
+
+    @invariant()
+    def holds_match(self) -> None:
+        """R27: each hold ``take_released()`` hands out is a late job's, once, after its copy was observed done;
+        then ``held()`` lists what the late jobs not released touch, as they touch it (checked while the worker
+        is open and has a running engine's calls)."""
+        if self.phase != "open" or not self.running or self.failed:
+            return
+        worker: RunningLike = self.current_worker  # type: ignore[assignment]
+        model, race = self.current_model, self.current_race
+        records = list(worker.take_released())
+        if records:
+            note(f"# take_released() -> {[(r.direction, r.job_id) for r in records]}")
+        for record in records:
+            for rules, message in release_problems(record, model, race.is_observed((record.direction,
+                                                                                    record.job_id))):
+                self._check(False, rules, message)
+            model.release(model.transfers[record.job_id])
+            type(self).counters.released += 1
+        for rules, message in held_problems(held_sets(worker.held()), model):
             self._check(False, rules, message)
 
     @invariant()

@@ -8,9 +8,11 @@ calls the vectorized planner.
 
 *Memory.* Each side (GPU, CPU) is a :class:`Side`: per tensor the *eventual* bytes (``value``: what the memory
 holds once all work submitted so far has run, in the order the rules guarantee), ``known`` (the eventual value is
-determined), ``writers`` (pending transfers that may still write the byte), ``poison`` (a failed transfer may
-write it at any later time, so it is never known again) and ``last`` (the transfer that last wrote it). A byte is
-*settled* when it is known and no pending transfer may write it: only settled bytes are compared with memory.
+determined), ``writers`` (pending transfers that may still write the byte), ``lingering`` (late copies -- failed,
+expired or cancelled transfers, R26/R27 -- that may still write it until their hold is released), ``poison``
+(something may write it at any later time, so it is never known again) and ``last`` (the transfer that last wrote
+it). A byte is *settled* when it is known and no pending transfer may write it: only settled bytes are compared
+with memory. A byte a late copy wrote stays unknown after its release until something writes it again.
 
 *Transfers.* A submitted transfer captures its source bytes at once (R4: it runs after the compute work queued
 so far and after its direction's previous transfer) and applies them to its destination at once; bytes are
@@ -26,9 +28,16 @@ with the pending transfers it is not ordered after. Compute work on a named stre
 worker queues: its rows are poisoned (they may be written at any time), as a failed transfer's are.
 
 *Outcomes.* The model never predicts *when* a transfer completes. It knows which transfers can never be proven
-(a hang selected them, or they wait behind one: ``blocked``) and which must fail (an injected error fired on
-their end event, or on the one they are queued behind, R5). ``chain`` mirrors each handler's queue. A failed
-result names the transfer's destination ids (``dst_ids``: GPU blocks of a load, CPU chunks of a store, R22).
+(a hang selected them, or they wait behind one on the same stream: ``blocked``) and which must fail (an injected
+error fired on their end event, or on the one they are queued behind on their stream, R5). ``chain`` holds each
+direction's live queued transfers, in submission order; ``lane`` is the device stream each was queued on (the
+kit's device says which): after a failure the worker retires the stream and queues new work on a fresh one
+(R28), which waits for nothing of the retired one. A failed result names the transfer's destination ids
+(``dst_ids``: GPU blocks of a load, CPU chunks of a store, R22).
+
+*Holds (R27).* A transfer reported failed (or released) is *late*: its copy may still run, so the worker holds
+its blocks (``gpu_ids``, ``cpu_ids``: what it writes for any access, what it reads against writes) until a
+``take_released()`` record says its copy was observed done (``released``).
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ class Side:
         self.value = [np.zeros(s, np.uint8) if initial is None else initial[t].copy() for t, s in enumerate(shapes)]
         self.known = [np.full(s, initial is not None) for s in shapes]
         self.poison = [np.zeros(s, np.bool_) for s in shapes]
+        self.lingering = [np.zeros(s, np.int32) for s in shapes]
         self.writers = [np.zeros(s, np.int32) for s in shapes]
         self.last = [np.full(s, NOBODY, np.int64) for s in shapes]
 
@@ -102,18 +112,29 @@ class Side:
         row, lo, hi = move.at(self.name)
         t = move.tensor
         self.value[t][row, lo:hi] = data
-        self.known[t][row, lo:hi] = certain & ~self.poison[t][row, lo:hi]
+        self.known[t][row, lo:hi] = certain & self.clear(t, row, lo, hi)
         self.writers[t][row, lo:hi] += 1
         self.last[t][row, lo:hi] = writer
 
+    def clear(self, tensor: int, row: int | list[int], lo: int = 0, hi: int | None = None) -> Mask:
+        """Bytes nothing may write at an unknown time (no poison, no late copy lingering)."""
+        cols = slice(lo, hi)
+        mask: Mask = ~self.poison[tensor][row, cols] & (self.lingering[tensor][row, cols] == 0)
+        return mask
+
     def finish(self, move: Move, failed: bool) -> None:
-        """A pending write resolved; a failed one may still land at any time: poison its bytes forever."""
+        """A pending write resolved; a failed one is a late copy that may still land until it is released."""
         row, lo, hi = move.at(self.name)
         t = move.tensor
         self.writers[t][row, lo:hi] -= 1
         if failed:
-            self.poison[t][row, lo:hi] = True
+            self.lingering[t][row, lo:hi] += 1
             self.known[t][row, lo:hi] = False
+
+    def release(self, move: Move) -> None:
+        """R27: a late copy was observed done: it writes nothing more (its bytes stay unknown until rewritten)."""
+        row, lo, hi = move.at(self.name)
+        self.lingering[move.tensor][row, lo:hi] -= 1
 
     def forget(self, move: Move, lost: Mask, writer: int) -> None:
         """The bytes of a move that ``writer`` wrote from an invalidated capture are unknown (if still its)."""
@@ -135,6 +156,9 @@ class ModelTransfer:
         status: "pending" until reported; then "succeeded" or "failed".
         dst_ids: R22: the sorted, distinct destination ids a failed result names (GPU blocks of a load, CPU chunks
             of a store).
+        gpu_ids, cpu_ids: R27: the sorted, distinct GPU block and CPU chunk ids it touches (what a hold keeps).
+        lane: R28: the stream it was queued on, as the kit's device names it (its direction when unknown).
+        released: R27: a ``take_released()`` record said its late copy was observed done.
     """
 
     job_id: int
@@ -145,6 +169,10 @@ class ModelTransfer:
     data: list[Bytes]
     certain: list[Mask]
     dst_ids: tuple[int, ...] = ()
+    gpu_ids: tuple[int, ...] = ()
+    cpu_ids: tuple[int, ...] = ()
+    lane: str = ""
+    released: bool = False
     hung: bool = False
     blocked: bool = False
     must_fail: bool = False
@@ -154,6 +182,11 @@ class ModelTransfer:
     def stuck(self) -> bool:
         """It can never be proven complete."""
         return self.hung or self.blocked
+
+    @property
+    def late(self) -> bool:
+        """R27: reported failed (or released): its copy may have been left running, its blocks held until released."""
+        return self.status == "failed" or self.released
 
     @property
     def reads(self) -> str:
@@ -199,13 +232,17 @@ class Model:
         self.awaited: set[int] = set()
         # Invariant: virtual time at which the compute stream has run everything enqueued so far.
         self.compute_busy_until = 0.0
-        # Invariant: a hang fired inside a submission that then failed; its stream may be reused, so any later
-        # transfer of that direction may hang without being selected (no liveness is predicted for it).
+        # Invariant: directions where a hang fired inside a submission that then failed (shutdown predicts less).
         self.tainted: set[str] = set()
-        # Invariant: directions where a transfer that can never complete (hung, or blocked behind one) was failed
-        # out of the chain by an error on its end event: its work still sits on the handler's one stream, and
-        # every later transfer of that direction is queued behind it (R4 keeps the chain after a failure).
-        self.wedged: set[str] = set()
+        # Invariant: the lanes (streams) of such submissions: they may be reused, so any later transfer queued
+        # there may hang without being selected (no liveness is predicted for it).
+        self.tainted_lanes: set[str] = set()
+        # Invariant: lanes a transfer that can never complete (hung, or blocked behind one) was queued on: every
+        # later transfer queued there waits behind it for good (R4), failed or not.
+        self.stuck_lanes: set[str] = set()
+        # Invariant: lanes (streams) the worker must have retired (R28): a job queued there became late (an error
+        # fired on it, or it was reported failed); no new work may be queued there.
+        self.retired_lanes: set[str] = set()
         # Invariant: per direction, the submission index of the newest transfer the worker's compute stream was
         # made to wait for (order_after, R23): later compute work there is ordered after it and all before it.
         self.compute_after: dict[str, int] = {"store": -1, "load": -1}
@@ -230,20 +267,34 @@ class Model:
 
     def can_finish(self, transfer: ModelTransfer) -> bool:
         """Nothing the model knows keeps the transfer from resolving (proven or failed)."""
-        return not transfer.stuck and transfer.direction not in self.tainted
+        return not transfer.stuck and transfer.lane not in self.tainted_lanes
+
+    def next_lane(self, direction: Direction) -> str | None:
+        """The stream the next transfer of ``direction`` goes to as far as the model knows: its latest transfer's,
+        unless that one was retired (None: a fresh stream, R28)."""
+        lane = next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
+        return None if lane is None or lane in self.retired_lanes else lane
+
+    def holding(self) -> list[ModelTransfer]:
+        """R27: the late transfers not yet released (their blocks must be held)."""
+        return [t for t in self.transfers.values() if t.status == "failed" and not t.released]
 
     # -- events ---------------------------------------------------------------------------------------------------
     def submit(self, direction: Direction, job_id: int, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec,
-               *, hung: bool) -> ModelTransfer:
-        """A submission succeeded: capture, invalidate what it races with, apply, and queue it (R4)."""
+               *, hung: bool, lane: str | None = None) -> ModelTransfer:
+        """A submission succeeded: capture, invalidate what it races with, apply, and queue it (R4) on ``lane``
+        (the stream the device saw it queued on; None: unknown, its direction's one)."""
         moves = plan_moves(self.layout, self.bpc, gpu_spec, cpu_spec)
         source = self.sides["gpu" if direction == "store" else "cpu"]
         captured = [source.capture(m) for m in moves]
         destination = cpu_spec if direction == "store" else gpu_spec
+        lane = direction if lane is None else lane
         transfer = ModelTransfer(job_id, direction, self._next_index, moves, sum(m.size for m in moves),
                                  [d for d, _ in captured], [c for _, c in captured],
-                                 tuple(sorted({int(i) for i in destination.block_ids})), hung=hung,
-                                 blocked=direction in self.wedged or any(t.stuck for t in self.chain[direction]))
+                                 _ids(destination.block_ids), _ids(gpu_spec.block_ids), _ids(cpu_spec.block_ids),
+                                 lane, hung=hung, blocked=lane in self.stuck_lanes)
+        if transfer.stuck:
+            self.stuck_lanes.add(lane)
         self._next_index += 1
         self.copies += 1
         self.any_hung |= hung
@@ -277,7 +328,7 @@ class Model:
         for load in self.pending("load"):
             if load.index > ordered:
                 racing |= self._mask("gpu", load.moves)[tensor][picked, :]
-        gpu.known[tensor][picked, :] = ~gpu.poison[tensor][picked, :] & ~racing
+        gpu.known[tensor][picked, :] = gpu.clear(tensor, picked) & ~racing
         gpu.last[tensor][picked, :] = COMPUTE
         self.compute_busy_until = max(self.compute_busy_until, now) + delay
 
@@ -302,28 +353,40 @@ class Model:
             target.known[move.tensor][row, lo:hi] = False
 
     def error_fired(self, direction: str, job_id: int) -> None:
-        """An injected error fired on a job's end event: it and everything queued behind it must fail (R5). If one
-        of them can never complete, later transfers of the direction still wait behind it (R4)."""
+        """An injected error fired on a job's end event: it and everything queued behind it on its stream must fail
+        (R5), and that stream is retired (R28: later work goes to a fresh one)."""
         chain = self.chain[direction]
         for i, transfer in enumerate(chain):
             if transfer.job_id == job_id:
-                for failed in chain[i:]:
-                    failed.must_fail = True
-                    if failed.stuck:
-                        self.wedged.add(direction)
-                del chain[i:]
+                failed = [t for t in chain[i:] if t.lane == transfer.lane]
+                for t in failed:
+                    t.must_fail = True
+                self.chain[direction] = [t for t in chain if t not in failed]
+                self.retired_lanes.add(transfer.lane)
                 return
+
+    def release(self, transfer: ModelTransfer) -> None:
+        """R27: the worker handed out the release of a late transfer's hold: its copy writes nothing more."""
+        transfer.released = True
+        if transfer.status == "failed":  # else its writes still count as pending: released once reported
+            target = self.sides[transfer.writes]
+            for move in transfer.moves:
+                target.release(move)
 
     def resolve(self, transfer: ModelTransfer, success: bool) -> None:
         """The worker reported the transfer (checks are the machine's; this only updates the model)."""
         transfer.status = "succeeded" if success else "failed"
         self.any_failed |= not success
+        if not success:
+            self.retired_lanes.add(transfer.lane)
         self.last_reported[transfer.direction] = transfer.index
         if transfer in self.chain[transfer.direction]:
             self.chain[transfer.direction].remove(transfer)
         target = self.sides[transfer.writes]
         for move in transfer.moves:
             target.finish(move, failed=not success)
+            if transfer.released and not success:  # released before it was reported (by a wait's polls)
+                target.release(move)
 
     # -- internals ------------------------------------------------------------------------------------------------
     def _mask(self, side: str, moves: Sequence[Move]) -> list[Mask]:
@@ -347,3 +410,8 @@ class Model:
                 if hit.any():
                     reader.certain[i] = reader.certain[i] & ~hit
                     target.forget(move, hit, reader.index)
+
+
+def _ids(block_ids: object) -> tuple[int, ...]:
+    """Sorted, distinct ids."""
+    return tuple(sorted({int(i) for i in block_ids}))  # type: ignore[attr-defined]

@@ -12,11 +12,14 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
+from kvoffload_ref.errors import BlocksHeldError, DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
 from kvoffload_ref.fault_plan import TRANSFER_HANG_POINTS
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload_ref.testing.adapter import (
+    RunningLike,
     initial_gpu_bytes,
 )
+from kvoffload_ref.testing.holds import conflict, held_sets
 from kvoffload_ref.testing.machine_base import MachineBase, worker_open
 from kvoffload_ref.testing.model import Model, ModelTransfer, plan_moves
 from kvoffload_ref.testing.races import Label, RaceModel
@@ -109,6 +112,7 @@ class TransferRules(MachineBase):
             return
         self._new_firings()
         self.phase = "open"
+        self._check_running()
         pages = setup.layout.tensor_page_bytes
         self.model = Model(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks, setup.num_cpu_chunks,
                            [initial_gpu_bytes(setup, t)[:, :p] for t, p in enumerate(pages)],
@@ -133,35 +137,65 @@ class TransferRules(MachineBase):
         gpu, cpu = data.draw(self.specs, label="specs")
         setup = self.current_setup
         moves = plan_moves(setup.layout, setup.blocks_per_chunk, gpu, cpu)
-        if not self._ordered(lambda: self.current_race.partners_of_transfer(direction, moves)):
+        lane = self.current_model.next_lane(direction)  # type: ignore[arg-type]
+        if not self._ordered(lambda: self.current_race.partners_of_transfer(direction, moves, lane)):
             return
         job = self._fresh_job()
         src, dst = (gpu, cpu) if direction == "store" else (cpu, gpu)
-        self._say(f"w.submit_{direction}({job}, {src!r}, {dst!r})")
+        refused = self._held_conflict(direction, gpu, cpu)
+        self._say(f"w.submit_{direction}({job}, {src!r}, {dst!r})" + (f"  # R27: {refused}" if refused else ""))
         live = self.current_device.ledger.live()
         submit = self.current_worker.submit_store if direction == "store" else self.current_worker.submit_load
+        before = (self._stats(), live, self.current_device.clock(), len(self.current_device.plan.fired))
         try:
             submit(job, src, dst)  # type: ignore[arg-type]
+        except BlocksHeldError as exc:
+            self._raised("BlocksHeldError")
+            self._refused_held(refused, exc, before)
+            return
         except DeviceError:
             self._raised("DeviceError")
             firings = self._new_firings()
             if self.current_device.copied((direction, job)):  # failed after its copy was queued: it still runs
-                self.current_race.transfer(direction, job, moves)
+                self.current_race.transfer(direction, job, moves, self.current_device.streams.get((direction, job)))
                 self.current_model.ghost(moves, direction)  # type: ignore[arg-type]
             if any(f.fault.kind == "hang" and f.tag == (direction, job) for f in firings):
                 self.current_model.tainted.add(direction)
+                self.current_model.tainted_lanes.add(self.current_device.streams.get((direction, job), direction))
             after = self.current_device.ledger.live()
             self._check(all(n <= live.get(kind, 0) for kind, n in after.items()), "R16",
                         f"a failed submission left resources live: {live} -> {after}")
             self._absorb(firings)
             return
+        self._check(refused is None, "R27", f"{direction} job {job} was accepted although {refused} (R27 refuses it)")
         firings = self._new_firings()
         hung = any(f.fault.kind == "hang" and f.point in TRANSFER_HANG_POINTS and f.tag == (direction, job)
                    for f in firings)
-        self.current_model.submit(direction, job, gpu, cpu, hung=hung)  # type: ignore[arg-type]
-        self.current_race.transfer(direction, job, moves)
+        lane = self.current_device.streams.get((direction, job))
+        self._check(lane is None or lane not in self.current_model.retired_lanes, "R28",
+                    f"{direction} job {job} was queued on stream {lane}, retired after a job on it became late")
+        self.current_model.submit(direction, job, gpu, cpu, hung=hung, lane=lane)  # type: ignore[arg-type]
+        self.current_race.transfer(direction, job, moves, lane)
         self._absorb(firings)
         type(self).counters.submitted += 1
+
+    def _held_conflict(self, direction: str, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec) -> str | None:
+        """R27: why the holds the worker lists now refuse this submission (None: they do not, or no holds)."""
+        if not self.running:
+            return None
+        worker: RunningLike = self.current_worker  # type: ignore[assignment]
+        return conflict(direction, [int(i) for i in gpu.block_ids], [int(i) for i in cpu.block_ids],
+                        held_sets(worker.held()))
+
+    def _refused_held(self, refused: str | None, exc: BlocksHeldError, before: tuple[object, ...]) -> None:
+        """R27: a submission refused for holds must conflict with them, be an InvalidTransferError, and change
+        nothing (R7)."""
+        self._check(refused is not None, "R27", f"a submission was refused with {exc!r} although it touches no held "
+                                                "block the wrong way")
+        dev = self.current_device
+        after = (self._stats(), dev.ledger.live(), dev.clock(), len(dev.plan.fired))
+        self._check(after == before, "R7/R27", "a submission refused for held blocks changed the worker or the device")
+        type(self).counters.refused_held += 1
 
     @precondition(worker_open)
     @rule(data=st.data())
