@@ -30,7 +30,7 @@ __all__ = ["main"]
 #: The factory ``fuzz`` checks when none is named: kvoffload_ref's own worker.
 REFERENCE_FACTORY = "kvoffload_ref.testing.adapter:reference_factory"
 #: Capabilities a factory may lack (``fuzz --without``).
-CAPABILITIES = ("finalizer", "stats", "interrupts", "threads", "attribution", "ordering")
+CAPABILITIES = ("finalizer", "stats", "interrupts", "threads", "attribution", "ordering", "running")
 
 
 def _checkout(root: str, needs: Sequence[str], command: str) -> pathlib.Path | None:

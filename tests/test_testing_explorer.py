@@ -54,10 +54,11 @@ def test_explorer_every_call_point_of_every_method_breaks_no_rule(worker: str, c
 @pytest.mark.parametrize("worker", WORKERS)
 def test_explorer_reaches_the_paths_of_shutdown(worker: str) -> None:
     """The configurations differ where they must: a failure and a hang make shutdown longer (the proof, the
-    drain's polls), and the hang makes wait() poll until its deadline."""
+    drain's polls: of a late copy held since its failure, R27, or of a hung one), and the hang makes wait() poll
+    until its deadline."""
     factory, _ = FACTORIES[worker]
     points = {c: explorer.count_points(c, "shutdown", factory) for c in CONFIGS}
-    assert points["clean"] < points["failed"] < points["hung"]
+    assert points["clean"] < min(points["failed"], points["hung"])
     assert explorer.count_points("hung", "wait", factory) > explorer.count_points("clean", "wait", factory)
 
 

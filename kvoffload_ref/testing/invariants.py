@@ -18,12 +18,13 @@ from hypothesis import note
 from hypothesis.stateful import invariant
 
 from kvoffload_ref.backends.base import RESOURCE_KINDS
-from kvoffload_ref.errors import DeviceError
+from kvoffload_ref.errors import DeviceError, TransferExpired
 from kvoffload_ref.testing.adapter import (
     ReportLike,
     ResultLike,
     RunningLike,
 )
+from kvoffload_ref.testing.expiry import failure_problems
 from kvoffload_ref.testing.holds import held_problems, held_sets, release_problems
 from kvoffload_ref.testing.machine_base import MachineBase
 from kvoffload_ref.testing.model import ModelTransfer
@@ -49,19 +50,28 @@ class Checks(MachineBase):
         self._check(transfer is not None, "R5", f"reported job {job}, which was never (successfully) submitted")
         assert transfer is not None
         self._check(transfer.status == "pending", "R5", f"job {job} reported twice")
-        self._check(transfer.index > model.last_reported[transfer.direction], "R5",
-                    f"{transfer.direction} job {job} reported out of submission order")
+        self._check(transfer.index > model.last_reported.get(transfer.lane, -1), "R5/R28",
+                    f"{transfer.direction} job {job} reported out of submission order (on its stream)")
         if result.success:
             self._check_success(transfer, result)
         else:
-            cause = transfer.must_fail or self.current_device.lost() or bool(self.current_device.violations())
-            self._check(cause, "R5", f"job {job} reported failed although nothing failed")
+            error = getattr(result, "error", None)
+            for rules, message in failure_problems(model, transfer, error, self.current_device.clock(),
+                                                   unreliable=self._unreliable(), running=self.running):
+                self._check(False, rules, message)
+            if isinstance(error, TransferExpired):
+                transfer.expired = error.reason
+                type(self).counters.expired += 1
         self._check_attribution(transfer, result)
         self.handed[job] += 1
         counters = type(self).counters
         counters.succeeded += result.success
         counters.failed += not result.success
         model.resolve(transfer, result.success)
+
+    def _unreliable(self) -> bool:
+        """The device was lost or saw misuse: queries may fail without a recorded firing."""
+        return self.current_device.lost() or bool(self.current_device.violations())
 
     def _check_attribution(self, transfer: ModelTransfer, result: ResultLike) -> None:
         """R22 (when the worker has attribution): which side the ids index, and the blocks a failure poisoned."""
@@ -133,7 +143,8 @@ class Checks(MachineBase):
         model, device = self.current_model, self.current_device
         unreliable = device.lost() or bool(device.violations())
         for rules, message in outcome_problems(report, model, settled, unreliable=unreliable,
-                                               proven_in_time=proven_in_time):
+                                               proven_in_time=proven_in_time, running=self.running,
+                                               now=device.clock()):
             self._check(False, rules, message)
         for outcome in report.unreported:
             transfer = model.transfers[outcome.result.job_id]

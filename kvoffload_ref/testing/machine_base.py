@@ -74,6 +74,10 @@ class Counters:
     first_failure_step: int = 0
     refused_held: int = 0
     released: int = 0
+    deadlines: int = 0
+    cancels: int = 0
+    expired: int = 0
+    cancels_after_completion: int = 0
 
     def line(self) -> str:
         """A one-line summary."""

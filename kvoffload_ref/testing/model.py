@@ -35,6 +35,12 @@ kit's device says which): after a failure the worker retires the stream and queu
 (R28), which waits for nothing of the retired one. A failed result names the transfer's destination ids
 (``dst_ids``: GPU blocks of a load, CPU chunks of a store, R22).
 
+*Deadlines and cancel (R26).* A transfer may carry a ``deadline`` (seconds from its start on the device, which
+is no earlier than its submission, ``submitted_at``) and may be listed in a ``cancel`` (``cancelled``). Either
+may end it -- and those behind it on its stream -- as a late failure (``TransferExpired``), or it may be proven
+first: the model does not know which (:meth:`Model.may_be_late`), except when the machine let its copy complete
+on the device before the cancel (``proven_first``: it must be reported as it is, a success).
+
 *Holds (R27).* A transfer reported failed (or released) is *late*: its copy may still run, so the worker holds
 its blocks (``gpu_ids``, ``cpu_ids``: what it writes for any access, what it reads against writes) until a
 ``take_released()`` record says its copy was observed done (``released``).
@@ -159,6 +165,11 @@ class ModelTransfer:
         gpu_ids, cpu_ids: R27: the sorted, distinct GPU block and CPU chunk ids it touches (what a hold keeps).
         lane: R28: the stream it was queued on, as the kit's device names it (its direction when unknown).
         released: R27: a ``take_released()`` record said its late copy was observed done.
+        deadline, submitted_at: R26: its deadline (None: none) and the device clock when it was submitted.
+        cancelled: R26: a ``cancel`` listed it while it was pending.
+        proven_first: R26: its copy had completed on the device when a ``cancel`` listed it (the cancel must
+            report it as it is).
+        expired: R26: the ``TransferExpired.reason`` it was reported with ("" when none).
     """
 
     job_id: int
@@ -173,6 +184,11 @@ class ModelTransfer:
     cpu_ids: tuple[int, ...] = ()
     lane: str = ""
     released: bool = False
+    deadline: float | None = None
+    submitted_at: float = 0.0
+    cancelled: bool = False
+    proven_first: bool = False
+    expired: str = ""
     hung: bool = False
     blocked: bool = False
     must_fail: bool = False
@@ -226,8 +242,9 @@ class Model:
         # Invariant: per direction, the transfers still queued in the worker as far as the model knows: submitted,
         # not reported, and not failed by a fired error (R4/R5's FIFO).
         self.chain: dict[str, list[ModelTransfer]] = {"store": [], "load": []}
-        # Invariant: per direction, the submission index of the last reported job (R5: in submission order).
-        self.last_reported: dict[str, int] = {"store": -1, "load": -1}
+        # Invariant: per lane (stream), the submission index of the last reported job (R5: in submission order;
+        # R28: per stream generation, a retired stream never holds a newer one's results back).
+        self.last_reported: dict[str, int] = {}
         # Invariant: jobs a wait() returned for while pending: the next get_finished must report them (R6).
         self.awaited: set[int] = set()
         # Invariant: virtual time at which the compute stream has run everything enqueued so far.
@@ -275,13 +292,20 @@ class Model:
         lane = next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
         return None if lane is None or lane in self.retired_lanes else lane
 
+    def may_be_late(self, transfer: ModelTransfer) -> bool:
+        """R26: a deadline or a cancel may have ended it (or one ahead of it on its stream) without the model
+        knowing yet: it, or one ahead of it on its stream not reported a success, has a deadline or was cancelled."""
+        return any(t.lane == transfer.lane and t.index <= transfer.index and t.status != "succeeded"
+                   and (t.cancelled or t.deadline is not None) for t in self.transfers.values())
+
     def holding(self) -> list[ModelTransfer]:
         """R27: the late transfers not yet released (their blocks must be held)."""
         return [t for t in self.transfers.values() if t.status == "failed" and not t.released]
 
     # -- events ---------------------------------------------------------------------------------------------------
     def submit(self, direction: Direction, job_id: int, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec,
-               *, hung: bool, lane: str | None = None) -> ModelTransfer:
+               *, hung: bool, lane: str | None = None, deadline: float | None = None,
+               now: float = 0.0) -> ModelTransfer:
         """A submission succeeded: capture, invalidate what it races with, apply, and queue it (R4) on ``lane``
         (the stream the device saw it queued on; None: unknown, its direction's one)."""
         moves = plan_moves(self.layout, self.bpc, gpu_spec, cpu_spec)
@@ -292,7 +316,7 @@ class Model:
         transfer = ModelTransfer(job_id, direction, self._next_index, moves, sum(m.size for m in moves),
                                  [d for d, _ in captured], [c for _, c in captured],
                                  _ids(destination.block_ids), _ids(gpu_spec.block_ids), _ids(cpu_spec.block_ids),
-                                 lane, hung=hung, blocked=lane in self.stuck_lanes)
+                                 lane, deadline=deadline, submitted_at=now, hung=hung, blocked=lane in self.stuck_lanes)
         if transfer.stuck:
             self.stuck_lanes.add(lane)
         self._next_index += 1
@@ -379,7 +403,7 @@ class Model:
         self.any_failed |= not success
         if not success:
             self.retired_lanes.add(transfer.lane)
-        self.last_reported[transfer.direction] = transfer.index
+        self.last_reported[transfer.lane] = transfer.index
         if transfer in self.chain[transfer.direction]:
             self.chain[transfer.direction].remove(transfer)
         target = self.sides[transfer.writes]

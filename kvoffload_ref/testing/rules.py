@@ -39,12 +39,16 @@ from kvoffload_ref.testing.strategies import (
 if TYPE_CHECKING:
     from kvoffload_ref.testing.adapter import ResultLike
 
-__all__ = ["CLOCK_STEPS", "COMPLETION_SLOTS", "COMPUTE_DELAYS", "FAULT_SLOTS", "WAIT_TIMEOUTS", "TransferRules"]
+__all__ = ["CLOCK_STEPS", "COMPLETION_SLOTS", "COMPUTE_DELAYS", "DEADLINES", "FAULT_SLOTS", "WAIT_TIMEOUTS",
+           "TransferRules"]
 
 
 CLOCK_STEPS: Final = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0)
 COMPUTE_DELAYS: Final = (0.0, 1e-6, 1e-4, 1e-3, 0.02, 0.3)
 WAIT_TIMEOUTS: Final = (0.0, 1e-4, 1e-3, 0.05, 0.5)
+#: R26: a submission's deadline (seconds from its start on the device): mostly none; else about a copy's time on
+#: the kit's device (a few microseconds) or more, against clock steps that pass it.
+DEADLINES: Final = (None, None, None, None, 1e-5, 1e-4, 1e-3, 0.05)
 #: Any fault; its job_id, if any, is a slot (0-7) the machine maps to one of the next or pending jobs.
 FAULT_SLOTS: Final = faults(range(8))
 #: An error at a transfer's completion (its end event's query or sync); its job_id, if any, is a slot (0-7) the
@@ -143,12 +147,16 @@ class TransferRules(MachineBase):
         job = self._fresh_job()
         src, dst = (gpu, cpu) if direction == "store" else (cpu, gpu)
         refused = self._held_conflict(direction, gpu, cpu)
-        self._say(f"w.submit_{direction}({job}, {src!r}, {dst!r})" + (f"  # R27: {refused}" if refused else ""))
+        deadline = data.draw(st.sampled_from(DEADLINES), label="deadline") if self.running else None
+        options = {} if deadline is None else {"deadline": deadline}
+        given = "" if deadline is None else f", deadline={deadline!r}"
+        self._say(f"w.submit_{direction}({job}, {src!r}, {dst!r}{given})" + (f"  # R27: {refused}" if refused else ""))
         live = self.current_device.ledger.live()
         submit = self.current_worker.submit_store if direction == "store" else self.current_worker.submit_load
-        before = (self._stats(), live, self.current_device.clock(), len(self.current_device.plan.fired))
+        now = self.current_device.clock()
+        before = (self._stats(), live, now, len(self.current_device.plan.fired))
         try:
-            submit(job, src, dst)  # type: ignore[arg-type]
+            submit(job, src, dst, **options)  # type: ignore[arg-type]
         except BlocksHeldError as exc:
             self._raised("BlocksHeldError")
             self._refused_held(refused, exc, before)
@@ -174,10 +182,12 @@ class TransferRules(MachineBase):
         lane = self.current_device.streams.get((direction, job))
         self._check(lane is None or lane not in self.current_model.retired_lanes, "R28",
                     f"{direction} job {job} was queued on stream {lane}, retired after a job on it became late")
-        self.current_model.submit(direction, job, gpu, cpu, hung=hung, lane=lane)  # type: ignore[arg-type]
+        self.current_model.submit(direction, job, gpu, cpu, hung=hung, lane=lane,  # type: ignore[arg-type]
+                                  deadline=deadline, now=now)
         self.current_race.transfer(direction, job, moves, lane)
         self._absorb(firings)
         type(self).counters.submitted += 1
+        type(self).counters.deadlines += deadline is not None
 
     def _held_conflict(self, direction: str, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec) -> str | None:
         """R27: why the holds the worker lists now refuse this submission (None: they do not, or no holds)."""
@@ -290,7 +300,7 @@ class TransferRules(MachineBase):
         # Every query fails now: jobs resolve as failed.
         resolvable = self.current_device.lost() or bool(self.current_device.violations())
         for t in listed:
-            if t.status == "pending" and not t.must_fail and not resolvable:
+            if t.status == "pending" and not t.must_fail and not resolvable and not model.may_be_late(t):
                 self._check(not t.stuck, "R6", f"wait() returned although job {t.job_id} can never be proven")
         model.awaited.update(t.job_id for t in listed if t.status == "pending")
 
@@ -307,7 +317,7 @@ class TransferRules(MachineBase):
         # Compute work on a named stream is never observed: nothing the host can wait for orders it.
         listed = [None if kind == "compute" else model.transfers.get(job) for kind, job in racing]
         if all(t is not None and t.status == "pending" and model.can_finish(t) and not t.must_fail
-               for t in listed):
+               and not model.may_be_late(t) for t in listed):
             type(self).counters.ordered_waits += 1
             self._wait(sorted({job for _, job in racing}), [t for t in listed if t is not None], None)
             racing = partners()
