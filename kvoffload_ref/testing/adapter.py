@@ -9,6 +9,7 @@ backend and offers the :class:`WorkerLike` methods. That is the whole adapter (s
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
@@ -405,6 +406,11 @@ class Capabilities:
     running: bool = True
 
 
+#: Suffix of the label of an observed *start* event of a transfer (``("load" + START, job)``): what precedes the
+#: transfer on its stream is observed, not the transfer itself (R26: a deadline's check queries the start).
+START: Final = ":start"
+
+
 def _tag_of(event: object) -> tuple[str, int] | None:
     """The tag of a sim event's latest record (None for an untagged one)."""
     tag = getattr(event, "tag", None)
@@ -451,6 +457,10 @@ class SimDevice:
         # Invariant: per transfer tag, the label of the (non-compute) stream its latest record went to: the stream
         # it was queued on (R28: a fresh one after a retirement).
         self.streams: dict[Tag, str] = {}
+        # Invariant: per transfer tag, how many records it made on non-compute streams (even: its start is next).
+        self._records: collections.Counter[Tag] = collections.Counter()
+        # Invariant: id() of each event whose latest record is a transfer's start (a pair's first record).
+        self._starts: set[int] = set()
         # Invariant: observations not yet taken, in order, each with the number of ops labelled when it was made.
         self._observed: list[tuple[int, tuple[str, int] | None]] = []
         self._computes = 0
@@ -475,26 +485,38 @@ class SimDevice:
                     raise KeyboardInterrupt
             done = cls.query(sim, event)
             if done:
-                self._observed.append((len(self.op_labels), _tag_of(event)))
+                self._observed.append((len(self.op_labels), self._label(event)))
             return done
 
         def synchronize(event: Event) -> None:
             cls.synchronize(sim, event)
-            self._observed.append((len(self.op_labels), _tag_of(event)))
+            self._observed.append((len(self.op_labels), self._label(event)))
 
         def copy_batch(stream: Stream, buf: DescriptorBuffer, count: int, *, tag: Tag | None = None) -> None:
             cls.copy_batch(sim, stream, buf, count, tag=tag)
             self.op_labels.append(tag)
 
         def record(event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
+            cls.record(sim, event, stream, tag=tag)
+            self._starts.discard(id(event))
             if isinstance(tag, tuple) and not getattr(stream, "compute", True):
                 self.streams[tag] = str(getattr(stream, "label", stream))
-            cls.record(sim, event, stream, tag=tag)
+                if self._records[tag] % 2 == 0:
+                    self._starts.add(id(event))
+                self._records[tag] += 1
 
         sim.query = query  # type: ignore[method-assign]
         sim.record = record  # type: ignore[method-assign]
         sim.synchronize = synchronize  # type: ignore[method-assign]
         sim.copy_batch = copy_batch  # type: ignore[method-assign]
+
+    def _label(self, event: Event) -> tuple[str, int] | None:
+        """The observation label of an event: its transfer's tag, or (direction + :data:`START`, job) for a
+        transfer's start event."""
+        tag = _tag_of(event)
+        if tag is not None and id(event) in self._starts:
+            return (f"{tag[0]}{START}", tag[1])
+        return tag
 
     @property
     def ledger(self) -> Ledger:

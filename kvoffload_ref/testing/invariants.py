@@ -50,7 +50,8 @@ class Checks(MachineBase):
         self._check(transfer is not None, "R5", f"reported job {job}, which was never (successfully) submitted")
         assert transfer is not None
         self._check(transfer.status == "pending", "R5", f"job {job} reported twice")
-        self._check(transfer.index > model.last_reported.get(transfer.lane, -1), "R5/R28",
+        expired = isinstance(getattr(result, "error", None), TransferExpired)  # R26: ended at once, ahead of others
+        self._check(expired or transfer.index > model.last_reported.get(transfer.lane, -1), "R5/R28",
                     f"{transfer.direction} job {job} reported out of submission order (on its stream)")
         if result.success:
             self._check_success(transfer, result)
@@ -67,7 +68,10 @@ class Checks(MachineBase):
         counters = type(self).counters
         counters.succeeded += result.success
         counters.failed += not result.success
+        last = model.last_reported.get(transfer.lane, -1)
         model.resolve(transfer, result.success)
+        if expired:  # R26: an expiry does not move its stream's order (live jobs ahead of it come later)
+            model.last_reported[transfer.lane] = last
 
     def _unreliable(self) -> bool:
         """The device was lost or saw misuse: queries may fail without a recorded firing."""
@@ -142,6 +146,10 @@ class Checks(MachineBase):
         self.jobs_accounted_once()
         model, device = self.current_model, self.current_device
         unreliable = device.lost() or bool(device.violations())
+        for outcome in report.unreported:  # R26: what each listed expiry says (a "behind" names one of them)
+            error = getattr(outcome.result, "error", None)
+            if isinstance(error, TransferExpired) and outcome.result.job_id in model.transfers:
+                model.transfers[outcome.result.job_id].expired = error.reason
         for rules, message in outcome_problems(report, model, settled, unreliable=unreliable,
                                                proven_in_time=proven_in_time, running=self.running,
                                                now=device.clock()):

@@ -31,6 +31,7 @@ import collections
 from collections.abc import Iterator, Mapping
 from typing import Final
 
+from kvoffload_ref.errors import TransferExpired
 from kvoffload_ref.testing.adapter import HandlerReportLike, JobOutcomeLike, ReportLike, ResultLike
 from kvoffload_ref.testing.expiry import failure_problems
 from kvoffload_ref.testing.model import Model, ModelTransfer
@@ -101,8 +102,10 @@ def outcome_problems(report: ReportLike, model: Model, settled: frozenset[int], 
         if not outcome.result.success and outcome.ended == "unreaped":  # R5/R26: its cause
             yield from failure_problems(model, transfer, getattr(outcome.result, "error", None), now,
                                         unreliable=unreliable, running=running)
+    expired = frozenset(o.result.job_id for o in report.unreported
+                        if isinstance(getattr(o.result, "error", None), TransferExpired))
     for direction, items in lists.items():
-        yield from _direction(direction, items, report.store if direction == "store" else report.load)
+        yield from _direction(direction, items, report.store if direction == "store" else report.load, expired)
 
 
 def _one(outcome: JobOutcomeLike, transfer: ModelTransfer, settled: frozenset[int], *, unreliable: bool,
@@ -137,13 +140,15 @@ def attribution_problems(result: ResultLike, transfer: ModelTransfer, what: str)
                       + ("" if result.success else f" (the {side} it was to write)"))
 
 
-def _direction(direction: str, items: list[tuple[ModelTransfer, str]], part: HandlerReportLike) -> Iterator[Problem]:
+def _direction(direction: str, items: list[tuple[ModelTransfer, str]], part: HandlerReportLike,
+               expired: frozenset[int]) -> Iterator[Problem]:
     """One direction's listed jobs: submission order and the drain's sequence per stream (R28: a retired stream's
-    live jobs are drained apart), the handler's counts."""
+    live jobs are drained apart; R26: an expired job is reported at once, ahead of live ones queued before it),
+    the handler's counts."""
     endings = [ended for _, ended in items]
     for lane in dict.fromkeys(t.lane for t, _ in items):
         on = [(t, ended) for t, ended in items if t.lane == lane]
-        indices = [t.index for t, _ in on]
+        indices = [t.index for t, _ in on if t.job_id not in expired]
         if indices != sorted(indices):
             yield "R5/R22", (f"the report lists {direction} jobs {[t.job_id for t, _ in on]} (one stream) out of "
                              "submission order")

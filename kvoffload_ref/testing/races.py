@@ -22,7 +22,8 @@ device queues compute work on one by name); transfers wait for the worker's comp
 Observation is the simulated device's, as docs/simulator.md defines it: an event query that returned True or a
 ``synchronize`` that returned, on the event a transfer's tag names, observes that transfer and what precedes it;
 a query that raised is *not* an observation (a failed job's completion is unknown: nothing orders it until a
-later transfer of its direction is observed complete); ``to_host`` observes the compute writes queued so far.
+later transfer of its direction is observed complete); ``to_host`` observes the compute writes queued so far. A
+transfer's *start* event (a deadline's check queries it, R26) observes what precedes the transfer, not itself.
 The kit's device records these (:meth:`~kvoffload_ref.testing.adapter.SimDevice.take_observations`) and the
 machine feeds them here before each new node; the kit assumes the worker proves a transfer by its tagged end
 event (R5), as the reference does.
@@ -41,6 +42,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+from kvoffload_ref.testing.adapter import START
 from kvoffload_ref.testing.model import Move
 
 __all__ = ["Label", "RaceModel", "RaceNode", "transfer_ranges"]
@@ -168,6 +170,11 @@ class RaceModel:
         (an untagged event) observe nothing the model can name."""
         if label == ("compute", -1):
             self.observed |= self.frontier.get(None, frozenset())
+            return
+        if label is not None and label[0].endswith(START):  # a transfer's start: what precedes it on its stream
+            start = self.by_label.get((label[0][:-len(START)], label[1]))
+            if start is not None:
+                self.observed |= start.preds
             return
         node = self.by_label.get(label) if label else None
         if node is not None:

@@ -171,7 +171,10 @@ class TransferRules(MachineBase):
                 self.current_model.tainted.add(direction)
                 self.current_model.tainted_lanes.add(self.current_device.streams.get((direction, job), direction))
             after = self.current_device.ledger.live()
-            self._check(all(n <= live.get(kind, 0) for kind, n in after.items()), "R16",
+            # R28: the fresh stream a direction goes on after a retirement is its own (made at its next submission,
+            # kept for the one after a failed one), not the failed submission's
+            fresh = {"stream": 1} if self.running else {}
+            self._check(all(n <= live.get(kind, 0) + fresh.get(kind, 0) for kind, n in after.items()), "R16",
                         f"a failed submission left resources live: {live} -> {after}")
             self._absorb(firings)
             return
