@@ -1,4 +1,4 @@
-"""The conformance machine's cancel rules (R26): ``cancel`` on queued, reported and unknown ids, and a cancel racing
+"""The conformance machine's cancel rule (R26): ``cancel`` on queued, reported and unknown ids, and a cancel racing
 the completion it comes too late for.
 
 ``cancel`` draws ids among the pending jobs, the reported ones and an unknown one (rarely one that is not an int:
@@ -7,11 +7,12 @@ listed pending jobs ``cancelled``: each is then reported once, a success if the 
 else failed with ``TransferExpired`` (reason "cancel"; those behind it on its stream "behind"), and its blocks are
 held until its copy is observed done (checked by :mod:`~kvoffload_ref.testing.holds` after every step).
 
-``cancel_after_completion`` lets the device run everything queued (the clock passes the compute stream's work
-and a margin), then cancels a job nothing keeps from completing: its copy is done, so the cancel's first look must
-find it proven and report it as it is (``proven_first``: a success, never ``TransferExpired``).
+Half the time (when a job is pending) it cancels after completion instead: it lets the device run everything
+queued (the clock passes the compute stream's work and a margin), then cancels a job nothing keeps from
+completing: its copy is done, so the cancel's first look must find it proven and report it as it is
+(``proven_first``: a success, never ``TransferExpired``).
 
-Both run only for a worker with a running engine's calls (``Capabilities.running``).
+It runs only for a worker with a running engine's calls (``Capabilities.running``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _can_cancel(self: MachineBase) -> bool:
 
 
 class CancelRules(MachineBase):
-    """Rules: cancel, cancel_after_completion (see the module docstring).
+    """Rule: cancel (see the module docstring).
 
     A mixin over :class:`~kvoffload_ref.testing.machine_base.MachineBase`, composed with the others in
     :class:`~kvoffload_ref.testing.machine.OffloadingMachine`.
@@ -50,34 +51,34 @@ class CancelRules(MachineBase):
     @precondition(_can_cancel)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
-        """R26: cancel queued, reported and unknown ids; never blocks; a bad id cancels nothing."""
+        """R26: cancel queued, reported and unknown ids (never blocks; a bad id cancels nothing), or a job whose
+        copy has completed (one rule: the other rules keep their share of the steps)."""
         with self._step():
             model = self.current_model
             pending = [t.job_id for t in model.pending()]
+            if pending and not self.current_device.lost() and data.draw(st.booleans(), label="after completion"):
+                self._cancel_after_completion(data)
+                return
             reported = [j for j, t in model.transfers.items() if t.status != "pending"][-2:]
             ids = data.draw(st.lists(st.sampled_from([*pending, *reported, self.next_job + 50]), max_size=3,
                                      unique=True), label="ids")
             bad = data.draw(st.sampled_from(BAD_IDS), label="bad id")
             self._cancel(ids, bad)
 
-    @precondition(lambda self: _can_cancel(self) and bool(self.current_model.pending())
-                  and not self.current_device.lost())
-    @rule(data=st.data())
-    def cancel_after_completion(self, data: st.DataObject) -> None:
+    def _cancel_after_completion(self, data: st.DataObject) -> None:
         """R26: a cancel that comes after the copy completed on the device reports the job as it is (a success)."""
-        with self._step():
-            model, dev = self.current_model, self.current_device
-            job = data.draw(st.sampled_from([t.job_id for t in model.pending()]), label="job")
-            seconds = max(model.compute_busy_until - dev.clock(), 0.0) + MARGIN
-            self._say(f"dev.advance({seconds!r})  # everything nothing blocks has run")
-            dev.advance(seconds)
-            transfer = model.transfers[job]
-            done = (model.can_finish(transfer) and not transfer.must_fail and not model.may_be_late(transfer)
-                    and not self._unreliable())
-            self._cancel([job], None)
-            if done and not transfer.must_fail and transfer.status == "pending":  # no error fired at its look
-                transfer.proven_first = True
-                type(self).counters.cancels_after_completion += 1
+        model, dev = self.current_model, self.current_device
+        job = data.draw(st.sampled_from([t.job_id for t in model.pending()]), label="job")
+        seconds = max(model.compute_busy_until - dev.clock(), 0.0) + MARGIN
+        self._say(f"dev.advance({seconds!r})  # everything nothing blocks has run")
+        dev.advance(seconds)
+        transfer = model.transfers[job]
+        done = (model.can_finish(transfer) and not transfer.must_fail and not model.may_be_late(transfer)
+                and not self._unreliable())
+        self._cancel([job], None)
+        if done and not transfer.must_fail and transfer.status == "pending":  # no error fired at its look
+            transfer.proven_first = True
+            type(self).counters.cancels_after_completion += 1
 
     def _cancel(self, ids: list[int], bad: object) -> None:
         """Call ``cancel`` and tell the model which pending jobs it listed."""

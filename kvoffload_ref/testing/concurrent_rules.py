@@ -144,8 +144,9 @@ class ConcurrentRules(MachineBase):
             copied = self.current_device.copied((direction, job))
             self._check(not (copied and isinstance(outcome[0], WorkerClosedError)), "R19",
                         "a submission was refused with WorkerClosedError although its copy was queued")
-            self._check(isinstance(outcome[0], BlocksHeldError) == (refused is not None and
-                                                                    not isinstance(outcome[0], WorkerClosedError)),
+            held_error = isinstance(outcome[0], BlocksHeldError)
+            self._check(held_error == (refused is not None and not isinstance(outcome[0], WorkerClosedError))
+                        or (held_error and not self.running),
                         "R27", f"the submission ended {outcome[0]!r}; the holds say {refused or 'nothing'}")
         else:
             self._say(f"# thread B: shutdown(), paused at its first device call; thread A: the submission\n"

@@ -48,7 +48,7 @@ COMPUTE_DELAYS: Final = (0.0, 1e-6, 1e-4, 1e-3, 0.02, 0.3)
 WAIT_TIMEOUTS: Final = (0.0, 1e-4, 1e-3, 0.05, 0.5)
 #: R26: a submission's deadline (seconds from its start on the device): mostly none; else about a copy's time on
 #: the kit's device (a few microseconds) or more, against clock steps that pass it.
-DEADLINES: Final = (None, None, None, None, 1e-5, 1e-4, 1e-3, 0.05)
+DEADLINES: Final = (None,) * 12 + (1e-5, 1e-4, 1e-3, 0.05)
 #: Any fault; its job_id, if any, is a slot (0-7) the machine maps to one of the next or pending jobs.
 FAULT_SLOTS: Final = faults(range(8))
 #: An error at a transfer's completion (its end event's query or sync); its job_id, if any, is a slot (0-7) the
@@ -201,10 +201,10 @@ class TransferRules(MachineBase):
                         held_sets(worker.held()))
 
     def _refused_held(self, refused: str | None, exc: BlocksHeldError, before: tuple[object, ...]) -> None:
-        """R27: a submission refused for holds must conflict with them, be an InvalidTransferError, and change
-        nothing (R7)."""
-        self._check(refused is not None, "R27", f"a submission was refused with {exc!r} although it touches no held "
-                                                "block the wrong way")
+        """R27: a submission refused for holds must conflict with them (when the worker lists them: without
+        ``held()`` the kit cannot say), and change nothing (R7)."""
+        self._check(refused is not None or not self.running, "R27",
+                    f"a submission was refused with {exc!r} although it touches no held block the wrong way")
         dev = self.current_device
         after = (self._stats(), dev.ledger.live(), dev.clock(), len(dev.plan.fired))
         self._check(after == before, "R7/R27", "a submission refused for held blocks changed the worker or the device")
