@@ -276,13 +276,13 @@ def _fuzz_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 #: What ``explore`` may be asked for (the explorer's own lists; kept here so that --help needs no Hypothesis).
-EXPLORE_CONFIGS = ("clean", "failed", "hung", "hung-release", "failed-release", "shared")
-EXPLORE_METHODS = ("construct", "submit_store", "submit_load", "get_finished", "wait", "order_after", "shutdown",
-                   "finalizer")
+EXPLORE_CONFIGS = ("clean", "failed", "hung", "hung-release", "failed-release", "shared", "expired")
+EXPLORE_METHODS = ("construct", "submit_store", "submit_load", "get_finished", "wait", "order_after", "cancel",
+                   "shutdown", "finalizer")
 EXPLORE_INJECTIONS = ("KeyboardInterrupt", "SystemExit", "double", "SIGINT", "handler_shutdown",
-                      "handler_shutdown_exit")
+                      "handler_shutdown_exit", "handler_cancel")
 #: The methods ``explore --pairs`` pairs (the pair explorer's own list).
-PAIR_METHODS = ("submit_store", "submit_load", "get_finished", "wait", "order_after", "shutdown")
+PAIR_METHODS = ("submit_store", "submit_load", "get_finished", "wait", "order_after", "cancel", "shutdown")
 
 
 def _explore_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
