@@ -131,6 +131,21 @@ class Checks(MachineBase):
                                               elapsed=self.current_device.clock() - start, expect=expect):
             self._check(False, rules, message)
         self._check_outcomes(report, settled, proven_in_time=expect.must_release and not report.interrupted)
+        self._check_switches(report)
+
+    def _check_switches(self, report: ReportLike) -> None:
+        """R4/R28: a direction moved to a fresh stream only after a job on its stream became late (reported
+        failed by ``get_finished()`` or in the report)."""
+        if not self.capabilities.attribution:  # a late job may be listed in the report only
+            return
+        model = self.current_model
+        listed = report.unreported
+        late = {t.lane for t in model.transfers.values() if t.status == "failed"}
+        late |= {model.transfers[o.result.job_id].lane for o in listed
+                 if not o.result.success and o.result.job_id in model.transfers}
+        for direction, lane, job in model.switches:
+            self._check(lane in late, "R4/R28", f"{direction} job {job} was queued on a new stream although no job "
+                                                f"on the old one ({lane}) became late: R4 keeps a direction FIFO")
 
     def _check_outcomes(self, report: ReportLike, settled: frozenset[int], *, proven_in_time: bool) -> None:
         """R5/R10/R14/R22: the report's job list against the model (see :mod:`~kvoffload_ref.testing.outcomes`);

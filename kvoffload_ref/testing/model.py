@@ -260,6 +260,11 @@ class Model:
         # Invariant: lanes (streams) the worker must have retired (R28): a job queued there became late (an error
         # fired on it, or it was reported failed); no new work may be queued there.
         self.retired_lanes: set[str] = set()
+        # Invariant: (direction, the lane it left, the job queued on the new one) for each move of a direction to
+        # another stream while the model knew no job on the old one late: one of its jobs must turn out late
+        # (R28), else the move broke R4's FIFO (and the race model, which follows the device's streams, would
+        # miss it).
+        self.switches: list[tuple[str, str, int]] = []
         # Invariant: per direction, the submission index of the newest transfer the worker's compute stream was
         # made to wait for (order_after, R23): later compute work there is ordered after it and all before it.
         self.compute_after: dict[str, int] = {"store": -1, "load": -1}
@@ -313,6 +318,9 @@ class Model:
         captured = [source.capture(m) for m in moves]
         destination = cpu_spec if direction == "store" else gpu_spec
         lane = direction if lane is None else lane
+        previous = next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
+        if previous is not None and previous != lane and previous not in self.retired_lanes:
+            self.switches.append((direction, previous, job_id))  # R28 must explain it: checked at shutdown
         transfer = ModelTransfer(job_id, direction, self._next_index, moves, sum(m.size for m in moves),
                                  [d for d, _ in captured], [c for _, c in captured],
                                  _ids(destination.block_ids), _ids(gpu_spec.block_ids), _ids(cpu_spec.block_ids),
