@@ -5,6 +5,7 @@ that get them wrong."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -171,3 +172,39 @@ def test_testing_holds_a_worker_hiding_its_holds_is_caught() -> None:
 def test_testing_expiry_a_cancel_that_does_not_look_first_is_caught() -> None:
     message = _caught(_blind_cancel, "BlindCancel")
     assert message.startswith("R26") and "had completed before the cancel" in message, message
+
+
+class _Plain:
+    """kvoffload_ref's engine seen through the calls of the kit before R26 only (no cancel, held, take_released,
+    deadline=): another implementation the kit must still run."""
+
+    def __init__(self, inner: WorkerLike) -> None:
+        self._inner = inner
+
+    def submit_store(self, job_id: int, src: kv.GPULoadStoreSpec, dst: kv.CPULoadStoreSpec) -> object:
+        return self._inner.submit_store(job_id, src, dst)
+
+    def submit_load(self, job_id: int, src: kv.CPULoadStoreSpec, dst: kv.GPULoadStoreSpec) -> object:
+        return self._inner.submit_load(job_id, src, dst)
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("cancel", "held", "take_released"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def _plain(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    return _Plain(reference_factory(backend, gpu, setup))  # type: ignore[return-value]
+
+
+@pytest.mark.rule("R26")
+@pytest.mark.rule("R27")
+def test_testing_holds_a_worker_without_a_running_engine_is_run_without_it_and_told_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    machine = make_machine(_plain, name="Plain")
+    with caplog.at_level(logging.WARNING, logger="kvoffload_ref.testing"):
+        run_state_machine_as_test(machine, settings=catch_budget(40))
+    said = [r for r in caplog.records if r.name == "kvoffload_ref.testing"]
+    assert len(said) == 1 and "skips the running-engine checks" in said[0].getMessage()
+    counters = machine.counters
+    assert counters.runs >= 40 and counters.submitted and not (counters.cancels or counters.deadlines)
