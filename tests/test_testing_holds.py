@@ -208,3 +208,29 @@ def test_testing_holds_a_worker_without_a_running_engine_is_run_without_it_and_t
     assert len(said) == 1 and "skips the running-engine checks" in said[0].getMessage()
     counters = machine.counters
     assert counters.runs >= 40 and counters.submitted and not (counters.cancels or counters.deadlines)
+
+
+def _stream_per_transfer(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """The reference worker, except that every submission retires its direction's stream (its live transfers stay
+    queued there) and so goes to a fresh one: R4's FIFO per direction is gone although nothing became late."""
+    worker = reference_worker_factory(backend, gpu, setup)
+    core: Any = worker._core  # type: ignore[attr-defined]
+    for handler in (core.store, core.load):
+        submit = handler.submit
+
+        def fresh(*args: Any, handler: Any = handler, submit: Any = submit, **kwargs: Any) -> None:
+            submit(*args, **kwargs)
+            if handler.stream is not None and handler.queue:  # queued: the next one goes to a fresh stream
+                handler.retired.retire(handler.stream, list(handler.queue), [], backend.monotonic())
+                handler.queue.clear()
+                handler.stream = None
+
+        handler.submit = fresh
+    return worker
+
+
+@pytest.mark.rule("R4")
+@pytest.mark.rule("R28")
+def test_testing_holds_a_fresh_stream_without_a_late_job_is_caught() -> None:
+    message = _caught(_stream_per_transfer, "StreamPerTransfer")
+    assert message.startswith(("R4/R28", "R4/R5", "R4/R20")), message
