@@ -89,3 +89,21 @@ def test_worker_hung_transfer_at_shutdown_is_abandoned_with_its_blocks(kind: str
     assert [(o.result.job_id, o.ended, o.result.invalid_blocks) for o in report.unreported] == [
         (3, "abandoned", (5,)), (6, "abandoned", (6,))]
     assert kv.poisoned_cpu_chunks(report) == (5, 6)
+
+
+@pytest.mark.rule("R10")
+@pytest.mark.rule("R22")
+@pytest.mark.rule("R28")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_drain_names_the_failed_head_of_the_current_stream_not_a_retired_one(kind: str) -> None:
+    # Job 1 hangs and stays live on the stream the cancel of job 2 retired; job 3 goes to a fresh stream and its
+    # end event's second query (the drain's) fails: job 3 is the failed head, job 1 only abandoned.
+    be, w = _worker(kind, [kv.Fault("copy", "hang", job_id=1), kv.Fault("event_query", "error", job_id=3, nth=2)])
+    w.submit_store(1, gspec([0]), cspec([0]))
+    w.submit_store(2, gspec([1]), cspec([1]))
+    w.cancel([2])
+    w.submit_store(3, gspec([2]), cspec([2]))
+    assert [(r.job_id, r.error.reason) for r in w.get_finished()] == [(2, "cancel")]
+    report = w.shutdown()
+    assert sorted((o.result.job_id, o.ended) for o in report.unreported) == [(1, "abandoned"), (3, "failed")]
+    assert report.store.abandoned == 2
