@@ -30,7 +30,7 @@ __all__ = ["main"]
 #: The factory ``fuzz`` checks when none is named: kvoffload_ref's own worker.
 REFERENCE_FACTORY = "kvoffload_ref.testing.adapter:reference_factory"
 #: Capabilities a factory may lack (``fuzz --without``).
-CAPABILITIES = ("finalizer", "stats", "interrupts", "threads", "attribution", "ordering")
+CAPABILITIES = ("finalizer", "stats", "interrupts", "threads", "attribution", "ordering", "running")
 
 
 def _checkout(root: str, needs: Sequence[str], command: str) -> pathlib.Path | None:
@@ -276,13 +276,13 @@ def _fuzz_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 #: What ``explore`` may be asked for (the explorer's own lists; kept here so that --help needs no Hypothesis).
-EXPLORE_CONFIGS = ("clean", "failed", "hung", "hung-release", "failed-release", "shared")
-EXPLORE_METHODS = ("construct", "submit_store", "submit_load", "get_finished", "wait", "order_after", "shutdown",
-                   "finalizer")
+EXPLORE_CONFIGS = ("clean", "failed", "hung", "hung-release", "failed-release", "shared", "expired")
+EXPLORE_METHODS = ("construct", "submit_store", "submit_load", "get_finished", "wait", "order_after", "cancel",
+                   "shutdown", "finalizer")
 EXPLORE_INJECTIONS = ("KeyboardInterrupt", "SystemExit", "double", "SIGINT", "handler_shutdown",
-                      "handler_shutdown_exit")
+                      "handler_shutdown_exit", "handler_cancel")
 #: The methods ``explore --pairs`` pairs (the pair explorer's own list).
-PAIR_METHODS = ("submit_store", "submit_load", "get_finished", "wait", "order_after", "shutdown")
+PAIR_METHODS = ("submit_store", "submit_load", "get_finished", "wait", "order_after", "cancel", "shutdown")
 
 
 def _explore_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

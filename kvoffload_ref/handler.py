@@ -409,7 +409,7 @@ class DirectionHandler(DrainHalf):
         if action is Action.REPORT_FAILED:
             self._report_failed(exc)
         elif action is Action.ABANDON:
-            self._abandon(exc, head_failed=True)
+            self._abandon(exc, head_failed=True, current=True)
 
     def _report_failed(self, exc: DeviceError) -> None:
         """R5/R27/R28: the head and everything behind it have unknown completion: reported failed, held, and their

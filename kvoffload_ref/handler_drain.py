@@ -80,11 +80,11 @@ class DrainHalf:
         raise NotImplementedError
 
     # -- the drain (R10, R11, R14, R28) ----------------------------------------------------------------------------
-    def _take_queue(self) -> list[Transfer]:
-        """Empty the queue, and the retired streams' (their live transfers first), into the unproven bin; returns
-        the live ones (late ones were reported already); the retired streams are kept for the proof (R13, R28)."""
+    def _take_queue(self, current: bool = False) -> list[Transfer]:
+        """Empty the queue and the retired streams' (theirs first; the queue's if its failed head is R22's "failed")
+        into the unproven bin; returns the live ones; the retired streams are kept for the proof (R13, R28)."""
         live, late, streams = self._retired.take() if self._retired else ([], [], [])
-        taken = [*live, *self._queue]
+        taken = [*self._queue, *live] if current else [*live, *self._queue]
         self._leave(taken)
         self._queue.clear()
         self._unproven += taken
@@ -154,10 +154,10 @@ class DrainHalf:
         if self._step(event) is Action.ABANDON:
             self._abandon(error)
 
-    def _abandon(self, error: BaseException | None, *, head_failed: bool = False) -> None:
-        """Stop draining: every queued transfer's completion is unknown (R10), but a failed head's; each names the
-        blocks it poisoned (R22)."""
-        remaining = self._take_queue()
+    def _abandon(self, error: BaseException | None, *, head_failed: bool = False, current: bool = False) -> None:
+        """Stop draining: every queued transfer's completion is unknown (R10), but a failed head's (the queue's if
+        ``current``); each names the blocks it poisoned (R22)."""
+        remaining = self._take_queue(current)
         self._counts["abandoned"] += len(remaining)
         self._drain_error = self._drain_error or error
         self._stopped += stopped_outcomes(self.direction, remaining, error, head_failed=head_failed)

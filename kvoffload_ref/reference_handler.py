@@ -240,7 +240,7 @@ class ReferenceHandler:
         R28). R10: draining: the rest is abandoned."""
         now = self.backend.monotonic()  # before anything changes (R14)
         if self.step(HandlerInput.HEAD_FAILED) is Action.ABANDON:
-            return self._abandon(exc, head_failed=True)
+            return self._abandon(exc, head_failed=True, current=True)
         failed, self.queue = list(self.queue), collections.deque()
         self._failed(failed, exc)
         self.retired.retire(self.stream, [], failed, now)
@@ -339,19 +339,22 @@ class ReferenceHandler:
         if self.step(event) is Action.ABANDON:
             self._abandon(error)
 
-    def _take_queue(self) -> list[_Transfer]:
-        """Every live transfer still queued (retired streams' first), now unproven; late ones join them (R13)."""
+    def _take_queue(self, current: bool = False) -> list[_Transfer]:
+        """Every live transfer still queued (retired streams' first, or the current stream's when its head failed:
+        R22 names that head "failed"), now unproven; late ones join them (R13)."""
         live, late, streams = self.retired.take()
-        taken, self.queue = [*live, *self.queue], collections.deque()
+        taken = [*self.queue, *live] if current else [*live, *self.queue]
+        self.queue = collections.deque()
         for t in taken:
             t.resolved = True
         self.unproven += [*taken, *late]  # completion unknown: never freed before the device-level proof (R13)
         self.unproven_streams += streams
         return taken
 
-    def _abandon(self, error: BaseException | None, *, head_failed: bool = False) -> None:
-        """R10: every queued transfer's completion is unknown (but a failed head's); R22: each names its blocks."""
-        remaining = self._take_queue()
+    def _abandon(self, error: BaseException | None, *, head_failed: bool = False, current: bool = False) -> None:
+        """R10: every queued transfer's completion is unknown (but a failed head's: the current stream's when
+        ``current``); R22: each names its blocks."""
+        remaining = self._take_queue(current)
         self.counts["abandoned"] += len(remaining)
         self.drain_error = self.drain_error or error
         self.outcomes += results.stopped_outcomes(self.direction, remaining, error, head_failed=head_failed)

@@ -54,10 +54,11 @@ def test_explorer_every_call_point_of_every_method_breaks_no_rule(worker: str, c
 @pytest.mark.parametrize("worker", WORKERS)
 def test_explorer_reaches_the_paths_of_shutdown(worker: str) -> None:
     """The configurations differ where they must: a failure and a hang make shutdown longer (the proof, the
-    drain's polls), and the hang makes wait() poll until its deadline."""
+    drain's polls: of a late copy held since its failure, R27, or of a hung one), and the hang makes wait() poll
+    until its deadline."""
     factory, _ = FACTORIES[worker]
     points = {c: explorer.count_points(c, "shutdown", factory) for c in CONFIGS}
-    assert points["clean"] < points["failed"] < points["hung"]
+    assert points["clean"] < min(points["failed"], points["hung"])
     assert explorer.count_points("hung", "wait", factory) > explorer.count_points("clean", "wait", factory)
 
 
@@ -204,3 +205,43 @@ def test_the_kit_has_no_import_circle() -> None:
 
     circles = sorted(m for m in graph if reaches(m, m, set()))
     assert not circles, circles
+
+
+def _cancel_dropping(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """A deliberately wrong engine: a cancel a signal handler asked for inside a call is dropped at its exit."""
+    worker = reference_factory(backend, gpu, setup)
+    core: Any = worker._core  # type: ignore[attr-defined]
+    carry_out = core.carry_out_deferred
+
+    def dropped() -> None:
+        core.deferred_cancel.clear()
+        carry_out()
+
+    core.carry_out_deferred = dropped
+    return worker
+
+
+@pytest.mark.rule("R19")
+@pytest.mark.rule("R26")
+def test_explorer_catches_a_dropped_deferred_cancel() -> None:
+    """A signal handler's cancel inside a call is carried out as the call returns: one that is dropped leaves the
+    listed jobs queued, and the explorer says so (the correct engine: no failure)."""
+    name = "tests.test_testing_explorer:_cancel_dropping"
+    kwargs: dict[str, Any] = {"configs": ["hung"], "methods": ["get_finished", "wait", "submit_store"],
+                              "injections": ["handler_cancel"]}
+    wrong = explore(_cancel_dropping, name=name, **kwargs)
+    assert wrong.failures and all("R19/R26" in f.rules and "not ended" in f.message for f in wrong.failures)
+    assert not explore(reference_factory, **kwargs).failures
+
+
+@pytest.mark.rule("R26")
+@pytest.mark.parametrize("worker", WORKERS)
+def test_explorer_expired_configuration_expires_the_hung_load(worker: str) -> None:
+    """In "expired" the hung load 2 passes its deadline during (wait) or before (get_finished) the call under
+    test: a poll reports it (TransferExpired, "deadline"); the store beside it completes."""
+    factory, _ = FACTORIES[worker]
+    for method in ("get_finished", "wait"):
+        out = explorer._run(Case("expired", method, -1, "none"), factory)
+        reasons = {getattr(r, "job_id", None): getattr(getattr(r, "error", None), "reason", None)
+                   for r in out.results}
+        assert reasons[2] == "deadline" and reasons[3] is None, (method, reasons)

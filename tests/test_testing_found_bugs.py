@@ -56,10 +56,12 @@ def test_testing_found_dropped_worker_with_an_unreported_failure_is_finalized() 
 
 
 @pytest.mark.rule("R4")
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R28")
 def test_testing_found_failed_submission_does_not_poison_a_pooled_stream() -> None:
-    # Once a pooled stream per transfer; then one stream per handler, R4 keeping the chain after failures; now the
-    # failed job's stream is retired (R28): job 4 runs on a fresh one, never behind the hung job 2, whose blocks stay
-    # held (R27) while its copy may still run.
+    # Once a pooled stream per transfer; then one stream per handler, and job 4 waited behind the hung job 2 for
+    # good. Now (R28) job 2's failure retires its stream: job 4 goes to a fresh one and completes, while job 2's
+    # blocks stay held (R27): its copy may still run.
     plan = kv.FaultPlan([kv.Fault("copy", "hang", job_id=2),           # job 2's copy never completes
                          kv.Fault("copy", "error", job_id=3),          # job 3's submission fails at its copy
                          kv.Fault("event_query", "error", job_id=2)])  # job 2 then fails
@@ -74,12 +76,15 @@ def test_testing_found_failed_submission_does_not_poison_a_pooled_stream() -> No
     be.clock_advance(0.1)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, False)]
     with pytest.raises(kv.BlocksHeldError):
-        worker.submit_store(4, _g(4), _c(2))  # job 2's copy may still write chunk 2 (R27)
-    worker.submit_store(4, _g(4), _c(4))  # no fault selects job 4: a fresh stream, not behind job 2 (R28)
+        worker.submit_load(4, _c(4), _g(2))  # job 2's late copy may still read GPU block 2: held against writes
+    with pytest.raises(kv.BlocksHeldError):
+        worker.submit_store(4, _g(5), _c(2))  # ... and write chunk 2: held for any access
+    worker.submit_store(4, _g(4), _c(4))  # no fault selects job 4, and it is not queued behind job 2 (R28)
     worker.wait([4], timeout=1.0)
     assert [(r.job_id, r.success) for r in worker.get_finished()] == [(4, True)]
+    assert worker.held() == kv.HeldBlocks((2,), (2,), (2,), ()) and worker.take_released() == []
     report = worker.shutdown()
-    assert report.region == "quarantined" and report.store.retired_streams == 1
+    assert report.region == "quarantined" and report.store.abandoned == 0
     assert not be.violations
 
 

@@ -70,33 +70,54 @@ def test_testing_model_compute_write_orders_before_later_transfers_only() -> Non
 
 
 @pytest.mark.rule("R5")
-def test_testing_model_error_fails_the_job_and_those_behind_it_and_poisons() -> None:
+@pytest.mark.rule("R27")
+def test_testing_model_error_fails_the_job_and_those_behind_it_and_lingers_until_released() -> None:
     m = _model()
-    first = m.submit("store", 1, _g(0), _c(0), hung=False)
-    second = m.submit("store", 2, _g(1), _c(1), hung=False)
-    third = m.submit("store", 3, _g(2), _c(2), hung=False)
+    first = m.submit("store", 1, _g(0), _c(0), hung=False, lane="s1")
+    second = m.submit("store", 2, _g(1), _c(1), hung=False, lane="s1")
+    third = m.submit("store", 3, _g(2), _c(2), hung=False, lane="s1")
     m.error_fired("store", 2)
     assert (first.must_fail, second.must_fail, third.must_fail) == (False, True, True)
-    assert m.chain["store"] == [first]
+    assert m.chain["store"] == [first] and m.retired_lanes == {"s1"} and m.next_lane("store") is None
     m.resolve(second, False)
     cpu = m.sides["cpu"]
-    assert cpu.poison[0][1, :PAGE].all() and not cpu.known[0][1, :PAGE].any()
-    again = m.submit("store", 4, _g(3), _c(1), hung=False)
+    assert cpu.lingering[0][1, :PAGE].all() and not cpu.known[0][1, :PAGE].any()
+    assert m.holding() == [second]
+    racing = m.submit("store", 4, _g(3), _c(1), hung=False, lane="s2")  # (a worker that ignored the hold)
+    m.resolve(racing, True)
+    assert not cpu.settled(0)[1, :PAGE].any(), "a late copy may still write: unknown until its hold is released"
+    m.release(second)
+    assert m.holding() == [] and not cpu.lingering[0][1].any()
+    assert not cpu.settled(0)[1, :PAGE].any(), "what the late copy wrote stays unknown until rewritten"
+    again = m.submit("store", 5, _g(4), _c(1), hung=False, lane="s2")
     m.resolve(again, True)
-    assert not cpu.settled(0)[1, :PAGE].any(), "a failed transfer may still write: never known again"
+    assert cpu.settled(0)[1, :PAGE].all() and (cpu.value[0][1, :PAGE] == np.arange(32, 40)).all()
+
+
+@pytest.mark.rule("R27")
+def test_testing_model_release_before_the_report_counts_once_reported() -> None:
+    m = _model()
+    load = m.submit("load", 1, _g(2), _c(0), hung=False, lane="s1")
+    m.error_fired("load", 1)
+    m.release(load)  # a wait() polled twice: the failure, then the late copy's end
+    m.resolve(load, False)
+    gpu = m.sides["gpu"]
+    assert not gpu.lingering[0][2].any() and not gpu.known[0][2].any() and m.holding() == []
 
 
 @pytest.mark.rule("R4")
 @pytest.mark.rule("R5")
-def test_testing_model_hang_blocks_its_direction_only() -> None:
+@pytest.mark.rule("R28")
+def test_testing_model_hang_blocks_its_stream_only() -> None:
     m = _model()
-    hung = m.submit("load", 1, _g(0), _c(0), hung=True)
-    behind = m.submit("load", 2, _g(1), _c(1), hung=False)
-    other = m.submit("store", 3, _g(2), _c(2), hung=False)
+    hung = m.submit("load", 1, _g(0), _c(0), hung=True, lane="s1")
+    behind = m.submit("load", 2, _g(1), _c(1), hung=False, lane="s1")
+    other = m.submit("store", 3, _g(2), _c(2), hung=False, lane="s2")
     assert hung.stuck and behind.blocked and not other.stuck
     assert not m.can_finish(behind) and m.can_finish(other)
     m.error_fired("load", 1)  # the hung transfer fails, and so does job 2 behind it (R5) ...
     assert hung.must_fail and behind.must_fail and not other.must_fail
-    fresh = m.submit("load", 4, _g(3), _c(0), hung=False)
-    assert fresh.blocked and m.any_hung, "... but its work still blocks the handler's stream: R4 keeps the chain"
-    assert not m.submit("store", 5, _g(3), _c(1), hung=False).stuck
+    fresh = m.submit("load", 4, _g(3), _c(0), hung=False, lane="s3")
+    assert not fresh.blocked and m.any_hung, "... and the direction goes on on a fresh stream (R28)"
+    assert m.submit("load", 5, _g(4), _c(1), hung=False, lane="s1").blocked, "the retired stream is wedged"
+    assert m.submit("load", 6, _g(5), _c(2), hung=False).blocked is False, "unknown stream: its direction's own"

@@ -15,7 +15,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvoffload_ref.backends.base import Backend
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.testing import ConformanceError, Setup, make_machine, reference_factory, setups
-from kvoffload_ref.testing.adapter import SimDevice, WorkerLike
+from kvoffload_ref.testing.adapter import START, SimDevice, WorkerLike
 from kvoffload_ref.testing.campaign import quiet_logs
 from kvoffload_ref.testing.model import plan_moves
 from kvoffload_ref.testing.races import RaceModel
@@ -96,6 +96,19 @@ def test_testing_races_compute_observed_by_to_host() -> None:
     race.compute(0, [2], 16)                            # races with the pending load
     race.observe(("compute", -1))                       # to_host: the compute writes so far
     assert race.is_observed(("compute", 0)) and not race.is_observed(("load", 1))
+
+
+@pytest.mark.rule("R26")
+@pytest.mark.rule("R28")
+def test_testing_races_fresh_stream_and_start_events() -> None:
+    race = RaceModel()
+    race.transfer("store", 1, _moves([3], [0]), "s1")
+    race.transfer("store", 2, _moves([4], [0]), "s2")   # a fresh stream (R28): not ordered after job 1 (WAW)
+    assert race.races == {(("store", 1), ("store", 2))}
+    race.transfer("store", 3, _moves([5], [1]), "s2")
+    race.observe(("store" + START, 3))                   # its start (a deadline's check): what precedes it only
+    assert race.is_observed(("store", 2)) and not race.is_observed(("store", 3))
+    assert not race.is_observed(("store", 1))
 
 
 # -- the machine ----------------------------------------------------------------------------------------------

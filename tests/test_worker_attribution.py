@@ -193,3 +193,21 @@ def test_worker_expired_load_names_its_blocks_by_group(kind: str) -> None:
     assert isinstance(result.error, kv.TransferExpired) and result.invalid_blocks_by_group == ((9,), (8,))
     assert result.tag == "a"
     w.shutdown()
+
+
+@pytest.mark.rule("R10")
+@pytest.mark.rule("R22")
+@pytest.mark.rule("R28")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_drain_names_the_failed_head_of_the_current_stream_not_a_retired_one(kind: str) -> None:
+    # Job 1 hangs and stays live on the stream the cancel of job 2 retired; job 3 goes to a fresh stream and its
+    # end event's second query (the drain's) fails: job 3 is the failed head, job 1 only abandoned.
+    be, w = _worker(kind, [kv.Fault("copy", "hang", job_id=1), kv.Fault("event_query", "error", job_id=3, nth=2)])
+    w.submit_store(1, gspec([0]), cspec([0]))
+    w.submit_store(2, gspec([1]), cspec([1]))
+    w.cancel([2])
+    w.submit_store(3, gspec([2]), cspec([2]))
+    assert [(r.job_id, r.error.reason) for r in w.get_finished()] == [(2, "cancel")]
+    report = w.shutdown()
+    assert sorted((o.result.job_id, o.ended) for o in report.unreported) == [(1, "abandoned"), (3, "failed")]
+    assert report.store.abandoned == 2

@@ -4,16 +4,18 @@ The kit owns the device: a :class:`SimDevice` wraps a :class:`~kvoffload_ref.bac
 clock, violation log, ledger) whose faults come from a :class:`RecordingPlan` (a ``FaultPlan`` that also records
 the tag each fault fired on). An implementation plugs in through a :data:`WorkerFactory`: given the device's
 backend, its GPU tensors and the :class:`Setup`, it builds a worker that does every device call through that
-backend and offers the :class:`WorkerLike` methods. That is the whole adapter (see docs/conformance.md).
+backend and offers the :class:`WorkerLike` methods (the protocols live in
+:mod:`~kvoffload_ref.testing.worker_protocol`, re-exported here). That is the whole adapter (see docs/conformance.md).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -24,22 +26,39 @@ from kvoffload_ref.fault_plan import STALL_KINDS
 from kvoffload_ref.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from kvoffload_ref.reference import create_reference_worker
 from kvoffload_ref.shared_region import SharedRegion
-from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout
+from kvoffload_ref.specs import KVCacheLayout
+from kvoffload_ref.testing.worker_protocol import (
+    RUNNING_CALLS,
+    HandlerReportLike,
+    HeldLike,
+    JobOutcomeLike,
+    ReleasedLike,
+    ReportLike,
+    ResultLike,
+    RunningLike,
+    WorkerLike,
+    has_running_calls,
+)
 from kvoffload_ref.worker import ShutdownPolicy, create_worker
 
 __all__ = [
     "Capabilities",
     "DeviceLike",
     "Firing",
+    "RUNNING_CALLS",
     "HandlerReportLike",
+    "HeldLike",
     "JobOutcomeLike",
     "RecordingPlan",
+    "ReleasedLike",
     "ReportLike",
     "ResultLike",
+    "RunningLike",
     "Setup",
     "SimDevice",
     "WorkerFactory",
     "WorkerLike",
+    "has_running_calls",
     "initial_gpu_bytes",
     "reference_factory",
     "reference_worker_factory",
@@ -139,126 +158,7 @@ class RecordingPlan(FaultPlan):
         return chosen
 
 
-# -- what the machine talks to --------------------------------------------------------------------------------
-class ResultLike(Protocol):
-    """One reported transfer result (the fields the machine reads; ``invalid_blocks`` and ``transfer_type`` only
-    with ``Capabilities.attribution``, R22)."""
-
-    @property
-    def job_id(self) -> int: ...
-
-    @property
-    def success(self) -> bool: ...
-
-    @property
-    def transfer_size(self) -> int | None: ...
-
-    @property
-    def invalid_blocks(self) -> Sequence[int]:
-        """R22: on failure the sorted, distinct destination ids (GPU blocks of a load, CPU chunks of a store)."""
-        ...
-
-    @property
-    def transfer_type(self) -> tuple[str, str] | None:
-        """R22: ("GPU", "CPU") for a store, ("CPU", "GPU") for a load."""
-        ...
-
-
-class JobOutcomeLike(Protocol):
-    """One job of ``ReportLike.unreported``: its result and how it ended (R22, see
-    ``kvoffload_ref.JobOutcome``)."""
-
-    @property
-    def result(self) -> ResultLike: ...
-
-    @property
-    def ended(self) -> str:
-        """"unreaped", "drained", "failed" or "abandoned"."""
-        ...
-
-
-class HandlerReportLike(Protocol):
-    """One direction's part of a shutdown report."""
-
-    @property
-    def drained(self) -> int: ...
-
-    @property
-    def abandoned(self) -> int: ...
-
-
-class ReportLike(Protocol):
-    """A shutdown report (the fields the machine reads; see ``kvoffload_ref.ShutdownReport`` for their meaning)."""
-
-    @property
-    def store(self) -> HandlerReportLike: ...
-
-    @property
-    def load(self) -> HandlerReportLike: ...
-
-    @property
-    def device_sync(self) -> str: ...
-
-    @property
-    def region(self) -> str: ...
-
-    @property
-    def quarantined(self) -> Mapping[str, int]: ...
-
-    @property
-    def leaked(self) -> Mapping[str, int]: ...
-
-    @property
-    def elapsed(self) -> float: ...
-
-    @property
-    def interrupted(self) -> bool: ...
-
-    @property
-    def unreported(self) -> Sequence[JobOutcomeLike]:
-        """R22: every accepted job ``get_finished()`` never handed out, with how it ended (read only with
-        ``Capabilities.attribution``)."""
-        ...
-
-
-class WorkerLike(Protocol):
-    """The worker API the machine drives (the public API of ``kvoffload_ref.CPUOffloadingWorker``)."""
-
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec) -> object:
-        """Queue a GPU -> CPU transfer; InvalidTransferError / WorkerClosedError / DeviceError as documented."""
-        ...
-
-    def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec) -> object:
-        """Queue a CPU -> GPU transfer."""
-        ...
-
-    def get_finished(self) -> Sequence[ResultLike]:
-        """Newly known results, each job once, per direction in submission order; never blocks."""
-        ...
-
-    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
-        """Block until the jobs are proven or failed; DeadlineExceeded after ``timeout`` (backend clock)."""
-        ...
-
-    def order_after(self, job_ids: Iterable[int], stream: object | None = None) -> None:
-        """R23: make ``stream`` (None: the worker's compute stream; on the kit's device also a stream name) wait
-        on the device for the end of each listed job still queued; never blocks (only with
-        ``Capabilities.ordering``)."""
-        ...
-
-    def cpu_snapshot(self) -> Sequence[Bytes]:
-        """Copies of the CPU tensors, (num_cpu_chunks, tensor_page_bytes * blocks_per_chunk) each."""
-        ...
-
-    def stats(self) -> object:
-        """A frozen snapshot compared with ``==`` (R7: a refused submission changes nothing)."""
-        ...
-
-    def shutdown(self) -> ReportLike:
-        """Bounded, idempotent shutdown (R8-R14)."""
-        ...
-
-
+# -- what the machine talks to: the worker protocols (worker_protocol.py), the device ----------------------------
 class DeviceLike(Protocol):
     """The device side the machine reads: clock, compute stream, memory, ledger, violations and faults."""
 
@@ -324,6 +224,9 @@ class Capabilities:
         attribution: results carry ``invalid_blocks`` and ``transfer_type``, the report lists ``unreported``
             jobs (R22): the machine predicts and checks both, and that every accepted job is accounted for once.
         ordering: ``order_after`` (R23): the rule that orders compute work after queued transfers is drawn.
+        running: a running engine (R26-R28): ``held()`` is asked before each submission (a conflicting one must
+            raise ``BlocksHeldError``), ``take_released()`` after each step, ``cancel`` and ``deadline=`` are drawn.
+            A worker without ``cancel``/``held``/``take_released`` is run without them (the kit says so once).
     """
 
     finalizer: bool = True
@@ -332,6 +235,12 @@ class Capabilities:
     threads: bool = True
     attribution: bool = True
     ordering: bool = True
+    running: bool = True
+
+
+#: Suffix of the label of an observed *start* event of a transfer (``("load" + START, job)``): what precedes the
+#: transfer on its stream is observed, not the transfer itself (R26: a deadline's check queries the start).
+START: Final = ":start"
 
 
 def _tag_of(event: object) -> tuple[str, int] | None:
@@ -377,6 +286,13 @@ class SimDevice:
         self._interrupt_in = 0
         # Invariant: one label per memory op the sim numbered, in its order (Violation.pair indexes it).
         self.op_labels: list[Tag | tuple[str, int] | None] = []
+        # Invariant: per transfer tag, the label of the (non-compute) stream its latest record went to: the stream
+        # it was queued on (R28: a fresh one after a retirement).
+        self.streams: dict[Tag, str] = {}
+        # Invariant: per transfer tag, how many records it made on non-compute streams (even: its start is next).
+        self._records: collections.Counter[Tag] = collections.Counter()
+        # Invariant: id() of each event whose latest record is a transfer's start (a pair's first record).
+        self._starts: set[int] = set()
         # Invariant: observations not yet taken, in order, each with the number of ops labelled when it was made.
         self._observed: list[tuple[int, tuple[str, int] | None]] = []
         self._computes = 0
@@ -401,20 +317,38 @@ class SimDevice:
                     raise KeyboardInterrupt
             done = cls.query(sim, event)
             if done:
-                self._observed.append((len(self.op_labels), _tag_of(event)))
+                self._observed.append((len(self.op_labels), self._label(event)))
             return done
 
         def synchronize(event: Event) -> None:
             cls.synchronize(sim, event)
-            self._observed.append((len(self.op_labels), _tag_of(event)))
+            self._observed.append((len(self.op_labels), self._label(event)))
 
         def copy_batch(stream: Stream, buf: DescriptorBuffer, count: int, *, tag: Tag | None = None) -> None:
             cls.copy_batch(sim, stream, buf, count, tag=tag)
             self.op_labels.append(tag)
 
+        def record(event: Event, stream: Stream, *, tag: Tag | None = None) -> None:
+            cls.record(sim, event, stream, tag=tag)
+            self._starts.discard(id(event))
+            if isinstance(tag, tuple) and not getattr(stream, "compute", True):
+                self.streams[tag] = str(getattr(stream, "label", stream))
+                if self._records[tag] % 2 == 0:
+                    self._starts.add(id(event))
+                self._records[tag] += 1
+
         sim.query = query  # type: ignore[method-assign]
+        sim.record = record  # type: ignore[method-assign]
         sim.synchronize = synchronize  # type: ignore[method-assign]
         sim.copy_batch = copy_batch  # type: ignore[method-assign]
+
+    def _label(self, event: Event) -> tuple[str, int] | None:
+        """The observation label of an event: its transfer's tag, or (direction + :data:`START`, job) for a
+        transfer's start event."""
+        tag = _tag_of(event)
+        if tag is not None and id(event) in self._starts:
+            return (f"{tag[0]}{START}", tag[1])
+        return tag
 
     @property
     def ledger(self) -> Ledger:

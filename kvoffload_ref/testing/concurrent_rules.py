@@ -30,9 +30,10 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from kvoffload_ref.errors import DeviceError, WorkerClosedError
+from kvoffload_ref.errors import BlocksHeldError, DeviceError, SimHang, WorkerClosedError
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload_ref.testing.adapter import ReportLike
-from kvoffload_ref.testing.machine_base import MachineBase
+from kvoffload_ref.testing.machine_base import ConformanceError, MachineBase
 from kvoffload_ref.testing.model import plan_moves
 from kvoffload_ref.testing.outcomes import settled_jobs
 from kvoffload_ref.testing.shutdown import Expectations, report_problems
@@ -56,8 +57,9 @@ class ConcurrentRules(MachineBase):
     :class:`~kvoffload_ref.testing.invariants.Checks` (declared below for the type checker only).
     """
 
-    if TYPE_CHECKING:  # from ShutdownRules and Checks
+    if TYPE_CHECKING:  # from ShutdownRules, Checks and TransferRules
         def _call_shutdown(self) -> ReportLike: ...
+        def _held_conflict(self, direction: str, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec) -> str | None: ...
         def _check_outcomes(self, report: ReportLike, settled: frozenset[int], *, proven_in_time: bool) -> None: ...
 
     @precondition(lambda self: self.phase == "open" and self.age >= self.lifetime and self.capabilities.threads)
@@ -100,7 +102,8 @@ class ConcurrentRules(MachineBase):
         self._check(runner.join(), "R19", "the concurrent shutdown() did not return (deadlock?)")
         if runner.exception is not None:
             self._fail()
-            raise AssertionError(f"R9/R19: the concurrent shutdown() raised {runner.exception!r}") \
+            rules = "R11/R19" if isinstance(runner.exception, SimHang) else "R9/R19"  # SimHang: an unbounded wait
+            raise ConformanceError(f"{rules}: the concurrent shutdown() raised {runner.exception!r}") \
                 from runner.exception
         return runner.result
 
@@ -114,16 +117,18 @@ class ConcurrentRules(MachineBase):
         call = f"w.submit_{direction}({job}, {src!r}, {dst!r})"
         outcome: list[BaseException | None] = []
 
+        refused = self._held_conflict(direction, gpu, cpu)  # R27: before shutdown began, as the submission sees it
+
         def submitting() -> None:
             try:
                 submit(job, src, dst)  # type: ignore[arg-type]
                 outcome.append(None)
-            except (WorkerClosedError, DeviceError) as exc:
+            except (WorkerClosedError, DeviceError, BlocksHeldError) as exc:
                 outcome.append(exc)
 
         if interleaving == "submit, then shutdown":
             self._say(f"# thread A: the submission, paused at its copy; thread B: shutdown(); A goes on\n{call}")
-            self._raised("(WorkerClosedError, DeviceError)")
+            self._raised("(WorkerClosedError, DeviceError, BlocksHeldError)")
             self._say("report = w.shutdown()")
             signal = threading.Event()
             at_copy = lambda point, tag: point == "copy" and tag == (direction, job)  # noqa: E731
@@ -139,6 +144,10 @@ class ConcurrentRules(MachineBase):
             copied = self.current_device.copied((direction, job))
             self._check(not (copied and isinstance(outcome[0], WorkerClosedError)), "R19",
                         "a submission was refused with WorkerClosedError although its copy was queued")
+            held_error = isinstance(outcome[0], BlocksHeldError)
+            self._check(held_error == (refused is not None and not isinstance(outcome[0], WorkerClosedError))
+                        or (held_error and not self.running),
+                        "R27", f"the submission ended {outcome[0]!r}; the holds say {refused or 'nothing'}")
         else:
             self._say(f"# thread B: shutdown(), paused at its first device call; thread A: the submission\n"
                       f"report = w.shutdown()\n{call}")
@@ -165,10 +174,13 @@ class ConcurrentRules(MachineBase):
         note(f"# -> {error!r}")
         copied = dev.copied((direction, job))
         queued = copied or error is None
+        lane = dev.streams.get((direction, job))
         if error is None:
             firings = dev.plan.firings[self.seen_firings:]
             hung = any(f.fault.kind == "hang" and f.tag == (direction, job) for f in firings)
-            self.current_model.submit(direction, job, gpu, cpu, hung=hung)  # type: ignore[arg-type]
+            self._check(lane is None or lane not in self.current_model.retired_lanes, "R28",
+                        f"{direction} job {job} was queued on stream {lane}, retired after a job on it became late")
+            self.current_model.submit(direction, job, gpu, cpu, hung=hung, lane=lane)  # type: ignore[arg-type]
             type(self).counters.submitted += 1
         elif queued:
             self.current_model.ghost(moves, direction)  # type: ignore[arg-type]
@@ -178,7 +190,7 @@ class ConcurrentRules(MachineBase):
             taken = dev.take_observations(before=index)
             for label in taken:
                 self.race.observe(label)
-            self.race.transfer(direction, job, moves)
+            self.race.transfer(direction, job, moves, lane)
             if index is None:  # no copy: where it was queued among the observations is unknown; its own count
                 for label in taken:
                     if label == (direction, job):

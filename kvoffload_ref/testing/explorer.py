@@ -2,10 +2,11 @@
 
 The conformance machine draws *some* interleavings; this explorer tries *all* of them for a fixed scenario. For
 each configuration (:data:`CONFIGS`: a clean run, a failed transfer, a hung transfer, both policies, a shared
-region), each public method (:data:`METHODS`: construction, ``submit_store``, ``submit_load``, ``get_finished``,
-``wait``, ``order_after``, ``shutdown`` and the finalizer path) and each backend call ``k`` that method makes (found
-by a first, counting run), it builds a fresh worker through the factory, brings it to the method's starting point
-with the same prelude, and injects at the start of the ``k``-th call (:data:`INJECTIONS`):
+region, a deadline that passes), each public method (:data:`METHODS`: construction, ``submit_store``,
+``submit_load``, ``get_finished``, ``wait``, ``order_after``, ``cancel``, ``shutdown`` and the finalizer path)
+and each backend call ``k`` that method makes (found by a first, counting run), it builds a fresh worker
+through the factory, brings it to the method's starting point with the same prelude, and injects at the start
+of the ``k``-th call (:data:`INJECTIONS`):
 
 * ``KeyboardInterrupt`` / ``SystemExit`` raised there; ``double``: a KeyboardInterrupt there and another at the
   next call (a second Ctrl-C while the first is handled);
@@ -14,7 +15,9 @@ with the same prelude, and injects at the start of the ``k``-th call (:data:`INJ
 * ``handler_shutdown``: a signal handler that calls ``shutdown()`` there and catches what it raises (R19: it
   must neither deadlock nor half-queue anything, and the worker must be shut down once the interrupted call
   returned); ``handler_shutdown_exit``: a SIGTERM-style handler that calls ``shutdown()`` and then raises
-  ``SystemExit``, letting whatever ``shutdown()`` raised escape.
+  ``SystemExit``, letting whatever ``shutdown()`` raised escape; ``handler_cancel``: a signal handler that calls
+  ``cancel`` on the queued jobs (R26: it never raises nor blocks; inside a call it is carried out as the call
+  returns, and the call is not broken).
 
 Then it settles the worker (waits, reaps, shuts down) and checks the rules as stated: the injected exception
 propagated (R14); the submission under test is queued whole or left no trace and its id is free (R14, R7); no
@@ -48,7 +51,9 @@ from kvoffload_ref.errors import DeadlineExceeded, WorkerClosedError
 from kvoffload_ref.testing.adapter import SimDevice, WorkerFactory, WorkerLike, reference_factory
 from kvoffload_ref.testing.explorer_checks import Outcome, check_case
 from kvoffload_ref.testing.scenario import (
+    CANCELLED,
     CONFIGS,
+    DEADLINES,
     PROBE,
     REFERENCE_FACTORY,
     UNDER_TEST,
@@ -64,14 +69,14 @@ __all__ = ["CONFIGS", "INJECTIONS", "METHODS", "Case", "ExploreResult", "Failure
            "run_case", "settle"]
 
 #: The public methods explored, in the order they are reported.
-METHODS: Final = ("construct", "submit_store", "submit_load", "get_finished", "wait", "order_after", "shutdown",
-                  "finalizer")
+METHODS: Final = ("construct", "submit_store", "submit_load", "get_finished", "wait", "order_after", "cancel",
+                  "shutdown", "finalizer")
 #: Every way a call point is interrupted.
 INJECTIONS: Final = ("KeyboardInterrupt", "SystemExit", "double", "SIGINT", "handler_shutdown",
-                     "handler_shutdown_exit")
+                     "handler_shutdown_exit", "handler_cancel")
 #: The injections that need Python's signal machinery (main thread only; not on the finalizer path, which a
 #: collector may run in another thread).
-SIGNAL_INJECTIONS: Final = frozenset({"SIGINT", "handler_shutdown", "handler_shutdown_exit"})
+SIGNAL_INJECTIONS: Final = frozenset({"SIGINT", "handler_shutdown", "handler_shutdown_exit", "handler_cancel"})
 #: Real seconds a method may block before the explorer calls it a deadlock (a safety net, not a timing rule).
 WATCHDOG: Final = 2.0
 
@@ -168,7 +173,8 @@ def _run(case: Case, factory: WorkerFactory) -> Outcome:
     setup = CONFIGS[case.config]
     device = SimDevice(setup)
     out = Outcome(setup=setup, device=device, case=case,
-                  under_test=[UNDER_TEST[case.method]] if case.method in UNDER_TEST else [])
+                  under_test=[UNDER_TEST[case.method]] if case.method in UNDER_TEST else [],
+                  cancelled=case.method == "cancel", deadlines=frozenset(DEADLINES.get(case.config, {})))
     box: list[WorkerLike] = []  # Invariant: the only strong reference to the worker (the finalizer case drops it)
     hook = _Hook(case.point if case.point >= 0 else None, _injector(case, out))
     device.sim.on_call = hook
@@ -178,7 +184,7 @@ def _run(case: Case, factory: WorkerFactory) -> Outcome:
             out.raised = guarded(lambda: box.append(factory(device.backend, device.gpu, setup)))
         else:
             box.append(factory(device.backend, device.gpu, setup))
-            out.accepted = prelude(box[0], device, case.method, out.results)
+            out.accepted = prelude(box[0], device, case.method, out.results, case.config)
             out.baseline_cpu = [np.array(a, copy=True) for a in box[0].cpu_snapshot()]
             out.baseline_gpu = device.read_gpu()
             call = _drop_last(box) if case.method == "finalizer" else worker_call(case.method, box[0], setup)
@@ -255,7 +261,7 @@ def _injector(case: Case, out: Outcome) -> Callable[[int], None]:
         if kind == "SIGINT":
             out.injected.append(KeyboardInterrupt("SIGINT"))
             signal.raise_signal(signal.SIGINT)
-        elif kind in ("handler_shutdown", "handler_shutdown_exit"):
+        elif kind in ("handler_shutdown", "handler_shutdown_exit", "handler_cancel"):
             signal.raise_signal(signal.SIGUSR1)
 
     return act
@@ -280,6 +286,17 @@ class _signals:
             if worker is None:
                 return
             out.handler_ran = True
+            if kind == "handler_cancel":  # R26: a handler may cancel; inside a call it is carried out at its exit
+                cancel = getattr(worker, "cancel", None)
+                if callable(cancel):
+                    out.cancelled = True
+                    try:
+                        cancel(CANCELLED)
+                    except _Injected:
+                        raise
+                    except BaseException as exc:
+                        out.handler_raised = exc
+                return
             if kind == "handler_shutdown":
                 try:
                     out.handler_report = worker.shutdown()

@@ -13,10 +13,10 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.errors import DeadlineExceeded, ShutdownDeferred
+from kvoffload_ref.errors import DeadlineExceeded, ShutdownDeferred, TransferExpired
 from kvoffload_ref.testing.adapter import ReportLike, Setup, SimDevice, WorkerLike, initial_gpu_bytes
 from kvoffload_ref.testing.model import plan_moves
-from kvoffload_ref.testing.scenario import PRELUDE, CaseLike, Job
+from kvoffload_ref.testing.scenario import CANCELLED, PRELUDE, CaseLike, Job
 from kvoffload_ref.testing.shutdown import _ledger
 
 __all__ = ["Outcome", "check_case"]
@@ -57,6 +57,10 @@ class Outcome:
     # Invariant: the ids of the submissions under test still refused as in flight after the case, unreported.
     reuse_refused: frozenset[int] = frozenset()
     handler_ran: bool = False
+    # Invariant: a cancel ran (the method under test, or a signal handler's), so a job may end "cancel" (R26).
+    cancelled: bool = False
+    # Invariant: the prelude's jobs given a deadline (R26).
+    deadlines: frozenset[int] = frozenset()
     handler_report: object | None = None
     handler_raised: BaseException | None = None
     reports: list[ReportLike] = dataclasses.field(default_factory=list)
@@ -94,6 +98,8 @@ def check_case(case: CaseLike, out: Outcome) -> Iterator[Problem]:
         return
     report = out.reports[0] if out.reports else None
     yield from _accounting(case, out, report)
+    yield from _expiries(out, report)
+    yield from _cancel_carried_out(case, out)
     yield from _bytes(out)
     if report is not None:
         yield from _report(case, out, report)
@@ -119,6 +125,11 @@ def _propagation(case: CaseLike, out: Outcome) -> Iterator[Problem]:
     elif (kind == "handler_shutdown" and out.handler_ran and raised is not None
           and not isinstance(raised, DeadlineExceeded)):
             yield "R19", f"{case.method} raised {raised!r} after a signal handler's shutdown() that caught all"
+    elif kind == "handler_cancel" and out.handler_ran:
+        if out.handler_raised is not None:
+            yield "R19/R26", f"cancel() in a signal handler inside {case.method} raised {out.handler_raised!r}"
+        if raised is not None and not isinstance(raised, DeadlineExceeded):
+            yield "R19/R26", f"{case.method} raised {raised!r} after a signal handler's cancel()"
 
 
 def _closing(case: CaseLike, out: Outcome) -> Iterator[Problem]:
@@ -133,7 +144,8 @@ def _closing(case: CaseLike, out: Outcome) -> Iterator[Problem]:
         yield "R8", "a second shutdown() returned another report"
     if out.after_shutdown:
         yield "R8", f"get_finished() after shutdown returned {out.after_shutdown}"
-    if out.handler_ran and case.method != "shutdown" and not out.closed_after_call:
+    if (out.handler_ran and case.injection.startswith("handler_shutdown") and case.method != "shutdown"
+            and not out.closed_after_call):
         yield "R19", (f"a signal handler called shutdown() inside {case.method}, yet the worker accepted a "
                       "submission after the interrupted call returned")
 
@@ -169,6 +181,39 @@ def _accounting(case: CaseLike, out: Outcome, report: ReportLike | None) -> Iter
         if seen != 1:
             yield "R5/R8/R14", (f"job {job} appears {seen} times across get_finished() and the report "
                                 f"(results {sorted(ids)}, report {sorted(in_report)})")
+
+
+def _expiries(out: Outcome, report: ReportLike | None) -> Iterator[Problem]:
+    """R26: a job ends expired only as the case allows: "cancel" once a cancel ran and listed it, "deadline" only
+    for a job given one, "behind" only naming a job that was one of those."""
+    listed = [] if report is None else [o.result for o in getattr(report, "unreported", ())]
+    for result in [*out.results, *listed]:
+        error = getattr(result, "error", None)
+        if not isinstance(error, TransferExpired):
+            continue
+        job = getattr(result, "job_id", None)
+        if error.reason == "cancel" and not (out.cancelled and job in CANCELLED):
+            yield "R26", f"job {job} was reported cancelled, but no cancel listed it"
+        elif error.reason == "deadline" and job not in out.deadlines:
+            yield "R26", f"job {job} expired on a deadline it was never given"
+        elif error.reason == "behind" and not ((out.cancelled and error.ahead in CANCELLED)
+                                               or error.ahead in out.deadlines):
+            yield "R26", (f"job {job} was reported behind job {error.ahead!r}, which neither was cancelled nor had "
+                          "a deadline")
+
+
+def _cancel_carried_out(case: CaseLike, out: Outcome) -> Iterator[Problem]:
+    """R19/R26: a cancel that ran (the method, or a signal handler's inside the call: carried out as the call
+    returned) ended every listed job at once, proven or expired: while the worker is open, the next
+    ``get_finished()`` reports each (none is left for the shutdown to drain or abandon)."""
+    ran = ((case.method == "cancel" and out.raised is None)  # an interrupted cancel may have ended nothing (R14)
+           or (case.injection == "handler_cancel" and out.handler_ran))
+    if not (ran and out.cancelled) or out.closed_after_call:
+        return
+    reported = set(out.reported_ids())
+    left = sorted(job for job in CANCELLED & set(out.accepted) if job not in reported)
+    if left:
+        yield "R19/R26", f"cancel({sorted(CANCELLED)}) ran in {case.method}, yet jobs {left} were not ended by it"
 
 
 def _bytes(out: Outcome) -> Iterator[Problem]:

@@ -4,7 +4,9 @@ balances, every accepted job accounted for once).
 
 Run after every step: :meth:`Checks.no_violation` (R3/R10/R12; the release policy's accepted hazards are
 explained in :mod:`kvoffload_ref.testing.machine`), :meth:`Checks.races_match` (R4/R20/R23),
-:meth:`Checks.ledger_balances` (R16) and :meth:`Checks.jobs_accounted_once` (R14/R22). The shutdown report's job
+:meth:`Checks.ledger_balances` (R16), :meth:`Checks.jobs_accounted_once` (R14/R22) and, for a running engine,
+:meth:`Checks.holds_match` (R27: each ``take_released()`` record, then ``held()``, against the model; see
+:mod:`kvoffload_ref.testing.holds`). The shutdown report's job
 list is checked against the model by :mod:`kvoffload_ref.testing.outcomes`.
 """
 
@@ -12,14 +14,18 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+from hypothesis import note
 from hypothesis.stateful import invariant
 
 from kvoffload_ref.backends.base import RESOURCE_KINDS
-from kvoffload_ref.errors import DeviceError
+from kvoffload_ref.errors import DeviceError, TransferExpired
 from kvoffload_ref.testing.adapter import (
     ReportLike,
     ResultLike,
+    RunningLike,
 )
+from kvoffload_ref.testing.expiry import failure_problems
+from kvoffload_ref.testing.holds import held_problems, held_sets, release_problems
 from kvoffload_ref.testing.machine_base import MachineBase
 from kvoffload_ref.testing.model import ModelTransfer
 from kvoffload_ref.testing.outcomes import accounting_problems, attribution_problems, outcome_problems
@@ -44,19 +50,32 @@ class Checks(MachineBase):
         self._check(transfer is not None, "R5", f"reported job {job}, which was never (successfully) submitted")
         assert transfer is not None
         self._check(transfer.status == "pending", "R5", f"job {job} reported twice")
-        self._check(transfer.index > model.last_reported[transfer.direction], "R5",
-                    f"{transfer.direction} job {job} reported out of submission order")
+        expired = isinstance(getattr(result, "error", None), TransferExpired)  # R26: ended at once, ahead of others
+        self._check(expired or transfer.index > model.last_reported.get(transfer.lane, -1), "R5/R28",
+                    f"{transfer.direction} job {job} reported out of submission order (on its stream)")
         if result.success:
             self._check_success(transfer, result)
         else:
-            cause = transfer.must_fail or self.current_device.lost() or bool(self.current_device.violations())
-            self._check(cause, "R5", f"job {job} reported failed although nothing failed")
+            error = getattr(result, "error", None)
+            for rules, message in failure_problems(model, transfer, error, self.current_device.clock(),
+                                                   unreliable=self._unreliable(), running=self.running):
+                self._check(False, rules, message)
+            if isinstance(error, TransferExpired):
+                transfer.expired = error.reason
+                type(self).counters.expired += 1
         self._check_attribution(transfer, result)
         self.handed[job] += 1
         counters = type(self).counters
         counters.succeeded += result.success
         counters.failed += not result.success
+        last = model.last_reported.get(transfer.lane, -1)
         model.resolve(transfer, result.success)
+        if expired:  # R26: an expiry does not move its stream's order (live jobs ahead of it come later)
+            model.last_reported[transfer.lane] = last
+
+    def _unreliable(self) -> bool:
+        """The device was lost or saw misuse: queries may fail without a recorded firing."""
+        return self.current_device.lost() or bool(self.current_device.violations())
 
     def _check_attribution(self, transfer: ModelTransfer, result: ResultLike) -> None:
         """R22 (when the worker has attribution): which side the ids index, and the blocks a failure poisoned."""
@@ -72,6 +91,8 @@ class Checks(MachineBase):
                                                    "hung transfer of its direction")
         self._check(not transfer.must_fail, "R5", f"job {job} reported success although an injected error fired "
                                                   "on its end event (or on the one it was queued behind)")
+        self._check(not transfer.released, "R27", f"job {job} reported success although take_released() handed out "
+                                                  "its hold (only a late copy is held)")
         self._check(self.current_race.is_observed((transfer.direction, job)), "R5/R20",
                     f"job {job} reported success although the device never saw its completion observed (no query "
                     "of its end event returned True)")
@@ -110,6 +131,21 @@ class Checks(MachineBase):
                                               elapsed=self.current_device.clock() - start, expect=expect):
             self._check(False, rules, message)
         self._check_outcomes(report, settled, proven_in_time=expect.must_release and not report.interrupted)
+        self._check_switches(report)
+
+    def _check_switches(self, report: ReportLike) -> None:
+        """R4/R28: a direction moved to a fresh stream only after a job on its stream became late (reported
+        failed by ``get_finished()`` or in the report)."""
+        if not self.capabilities.attribution:  # a late job may be listed in the report only
+            return
+        model = self.current_model
+        listed = report.unreported
+        late = {t.lane for t in model.transfers.values() if t.status == "failed"}
+        late |= {model.transfers[o.result.job_id].lane for o in listed
+                 if not o.result.success and o.result.job_id in model.transfers}
+        for direction, lane, job in model.switches:
+            self._check(lane in late, "R4/R28", f"{direction} job {job} was queued on a new stream although no job "
+                                                f"on the old one ({lane}) became late: R4 keeps a direction FIFO")
 
     def _check_outcomes(self, report: ReportLike, settled: frozenset[int], *, proven_in_time: bool) -> None:
         """R5/R10/R14/R22: the report's job list against the model (see :mod:`~kvoffload_ref.testing.outcomes`);
@@ -125,8 +161,13 @@ class Checks(MachineBase):
         self.jobs_accounted_once()
         model, device = self.current_model, self.current_device
         unreliable = device.lost() or bool(device.violations())
+        for outcome in report.unreported:  # R26: what each listed expiry says (a "behind" names one of them)
+            error = getattr(outcome.result, "error", None)
+            if isinstance(error, TransferExpired) and outcome.result.job_id in model.transfers:
+                model.transfers[outcome.result.job_id].expired = error.reason
         for rules, message in outcome_problems(report, model, settled, unreliable=unreliable,
-                                               proven_in_time=proven_in_time):
+                                               proven_in_time=proven_in_time, running=self.running,
+                                               now=device.clock()):
             self._check(False, rules, message)
         for outcome in report.unreported:
             transfer = model.transfers[outcome.result.job_id]
@@ -184,6 +225,27 @@ class Checks(MachineBase):
         if self.model is None or self.report is None or not self.capabilities.attribution:
             return
         for rules, message in accounting_problems(self.report, self.model, self.handed):
+            self._check(False, rules, message)
+
+    @invariant()
+    def holds_match(self) -> None:
+        """R27: each hold ``take_released()`` hands out is a late job's, once, after its copy was observed done;
+        then ``held()`` lists what the late jobs not released touch, as they touch it (checked while the worker
+        is open and has a running engine's calls)."""
+        if self.phase != "open" or not self.running or self.failed:
+            return
+        worker: RunningLike = self.current_worker  # type: ignore[assignment]
+        model, race = self.current_model, self.current_race
+        records = list(worker.take_released())
+        if records:
+            note(f"# take_released() -> {[(r.direction, r.job_id) for r in records]}")
+        for record in records:
+            for rules, message in release_problems(record, model, race.is_observed((record.direction,
+                                                                                    record.job_id))):
+                self._check(False, rules, message)
+            model.release(model.transfers[record.job_id])
+            type(self).counters.released += 1
+        for rules, message in held_problems(held_sets(worker.held()), model):
             self._check(False, rules, message)
 
     @invariant()

@@ -41,6 +41,7 @@ from kvoffload_ref.testing.adapter import (
     WorkerFactory,
     reference_factory,
 )
+from kvoffload_ref.testing.cancel_rules import CancelRules
 from kvoffload_ref.testing.concurrent_rules import ConcurrentRules
 from kvoffload_ref.testing.invariants import Checks
 from kvoffload_ref.testing.machine_base import ConformanceError, Counters, MachineBase
@@ -59,12 +60,13 @@ from kvoffload_ref.testing.strategies import (
 __all__ = ["MARGIN", "SLACK", "ConformanceError", "Counters", "OffloadingMachine", "factory_import", "make_machine"]
 
 
-class OffloadingMachine(OrderingRules, ConcurrentRules, ShutdownRules, TransferRules, Checks, MachineBase,
-                        RuleBasedStateMachine):
+class OffloadingMachine(CancelRules, OrderingRules, ConcurrentRules, ShutdownRules, TransferRules, Checks,
+                        MachineBase, RuleBasedStateMachine):
     """Drives one worker (built by ``worker_factory``) on the kit's simulated device; see the module docstring.
 
     Composed of independent mixins over :class:`~kvoffload_ref.testing.machine_base.MachineBase` (the state and
     helpers), one per file: the rules in :mod:`~kvoffload_ref.testing.rules` (``TransferRules``),
+    :mod:`~kvoffload_ref.testing.cancel_rules` (``CancelRules``, R26),
     :mod:`~kvoffload_ref.testing.shutdown_rules` (``ShutdownRules``), :mod:`~kvoffload_ref.testing.
     concurrent_rules` (``ConcurrentRules``) and :mod:`~kvoffload_ref.testing.ordering_rules` (``OrderingRules``),
     the checks and invariants in :mod:`~kvoffload_ref.testing.invariants` (``Checks``). Hypothesis collects the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
@@ -28,6 +29,7 @@ from kvoffload_ref.testing.adapter import (
     SimDevice,
     WorkerFactory,
     WorkerLike,
+    has_running_calls,
     reference_factory,
 )
 from kvoffload_ref.testing.model import Model
@@ -39,6 +41,8 @@ from kvoffload_ref.testing.strategies import (
 )
 
 __all__ = ["ConformanceError", "Counters", "MachineBase", "worker_open"]
+
+logger = logging.getLogger("kvoffload_ref.testing")
 
 
 @dataclasses.dataclass
@@ -68,6 +72,12 @@ class Counters:
     ordered_edges: int = 0
     outcomes_checked: int = 0
     first_failure_step: int = 0
+    refused_held: int = 0
+    released: int = 0
+    deadlines: int = 0
+    cancels: int = 0
+    expired: int = 0
+    cancels_after_completion: int = 0
 
     def line(self) -> str:
         """A one-line summary."""
@@ -90,6 +100,7 @@ class MachineBase(RuleBasedStateMachine):
         setup_strategy: what setups are drawn.
         capabilities: optional behaviours of the implementation.
         counters: totals over every run of this class.
+        running_skipped: the kit said once that this class's worker lacks a running engine's calls.
     """
 
     worker_factory: ClassVar[tuple[WorkerFactory]] = (reference_factory,)
@@ -100,6 +111,7 @@ class MachineBase(RuleBasedStateMachine):
     setup_strategy: ClassVar[st.SearchStrategy[Setup]] = setups()
     capabilities: ClassVar[Capabilities] = Capabilities()
     counters: ClassVar[Counters] = Counters()
+    running_skipped: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -123,6 +135,9 @@ class MachineBase(RuleBasedStateMachine):
         self.next_job = 1
         self.seen_firings = 0
         self.hazard_counted = False
+        # Invariant: the current worker's running-engine calls (R26-R28) are checked: Capabilities.running and it
+        # has them.
+        self.running = False
         self.specs: st.SearchStrategy[tuple[GPULoadStoreSpec, CPULoadStoreSpec]] = st.nothing()
         self.invalid: dict[bool, st.SearchStrategy[InvalidTransfer]] = {}
         # Invariant: the reproduction so far, one Python line per entry; noted once, when the run fails.
@@ -226,6 +241,15 @@ class MachineBase(RuleBasedStateMachine):
             if firing.fault.kind == "error" and firing.point in ("event_query", "event_sync") and firing.tag:
                 direction, job_id = firing.tag
                 self.current_model.error_fired(direction, job_id)
+
+    def _check_running(self) -> None:
+        """Whether the new worker's running-engine calls are checked; says once per class when they are missing."""
+        self.running = self.capabilities.running and has_running_calls(self.current_worker)
+        if self.capabilities.running and not self.running and not type(self).running_skipped:
+            type(self).running_skipped = True
+            logger.warning("%s: the worker has no cancel/held/take_released: the kit skips the running-engine "
+                           "checks (R26-R28; docs/conformance.md); pass Capabilities(running=False) to say so",
+                           type(self).__name__)
 
     def _stats(self) -> object:
         return self.current_worker.stats() if self.capabilities.stats else None

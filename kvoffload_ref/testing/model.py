@@ -8,9 +8,11 @@ calls the vectorized planner.
 
 *Memory.* Each side (GPU, CPU) is a :class:`Side`: per tensor the *eventual* bytes (``value``: what the memory
 holds once all work submitted so far has run, in the order the rules guarantee), ``known`` (the eventual value is
-determined), ``writers`` (pending transfers that may still write the byte), ``poison`` (a failed transfer may
-write it at any later time, so it is never known again) and ``last`` (the transfer that last wrote it). A byte is
-*settled* when it is known and no pending transfer may write it: only settled bytes are compared with memory.
+determined), ``writers`` (pending transfers that may still write the byte), ``lingering`` (late copies -- failed,
+expired or cancelled transfers, R26/R27 -- that may still write it until their hold is released), ``poison``
+(something may write it at any later time, so it is never known again) and ``last`` (the transfer that last wrote
+it). A byte is *settled* when it is known and no pending transfer may write it: only settled bytes are compared
+with memory. A byte a late copy wrote stays unknown after its release until something writes it again.
 
 *Transfers.* A submitted transfer captures its source bytes at once (R4: it runs after the compute work queued
 so far and after its direction's previous transfer) and applies them to its destination at once; bytes are
@@ -26,9 +28,22 @@ with the pending transfers it is not ordered after. Compute work on a named stre
 worker queues: its rows are poisoned (they may be written at any time), as a failed transfer's are.
 
 *Outcomes.* The model never predicts *when* a transfer completes. It knows which transfers can never be proven
-(a hang selected them, or they wait behind one: ``blocked``) and which must fail (an injected error fired on
-their end event, or on the one they are queued behind, R5). ``chain`` mirrors each handler's queue. A failed
-result names the transfer's destination ids (``dst_ids``: GPU blocks of a load, CPU chunks of a store, R22).
+(a hang selected them, or they wait behind one on the same stream: ``blocked``) and which must fail (an injected
+error fired on their end event, or on the one they are queued behind on their stream, R5). ``chain`` holds each
+direction's live queued transfers, in submission order; ``lane`` is the device stream each was queued on (the
+kit's device says which): after a failure the worker retires the stream and queues new work on a fresh one
+(R28), which waits for nothing of the retired one. A failed result names the transfer's destination ids
+(``dst_ids``: GPU blocks of a load, CPU chunks of a store, R22).
+
+*Deadlines and cancel (R26).* A transfer may carry a ``deadline`` (seconds from its start on the device, which
+is no earlier than its submission, ``submitted_at``) and may be listed in a ``cancel`` (``cancelled``). Either
+may end it -- and those behind it on its stream -- as a late failure (``TransferExpired``), or it may be proven
+first: the model does not know which (:meth:`Model.may_be_late`), except when the machine let its copy complete
+on the device before the cancel (``proven_first``: it must be reported as it is, a success).
+
+*Holds (R27).* A transfer reported failed (or released) is *late*: its copy may still run, so the worker holds
+its blocks (``gpu_ids``, ``cpu_ids``: what it writes for any access, what it reads against writes) until a
+``take_released()`` record says its copy was observed done (``released``).
 """
 
 from __future__ import annotations
@@ -74,6 +89,7 @@ class Side:
         self.value = [np.zeros(s, np.uint8) if initial is None else initial[t].copy() for t, s in enumerate(shapes)]
         self.known = [np.full(s, initial is not None) for s in shapes]
         self.poison = [np.zeros(s, np.bool_) for s in shapes]
+        self.lingering = [np.zeros(s, np.int32) for s in shapes]
         self.writers = [np.zeros(s, np.int32) for s in shapes]
         self.last = [np.full(s, NOBODY, np.int64) for s in shapes]
 
@@ -102,18 +118,29 @@ class Side:
         row, lo, hi = move.at(self.name)
         t = move.tensor
         self.value[t][row, lo:hi] = data
-        self.known[t][row, lo:hi] = certain & ~self.poison[t][row, lo:hi]
+        self.known[t][row, lo:hi] = certain & self.clear(t, row, lo, hi)
         self.writers[t][row, lo:hi] += 1
         self.last[t][row, lo:hi] = writer
 
+    def clear(self, tensor: int, row: int | list[int], lo: int = 0, hi: int | None = None) -> Mask:
+        """Bytes nothing may write at an unknown time (no poison, no late copy lingering)."""
+        cols = slice(lo, hi)
+        mask: Mask = ~self.poison[tensor][row, cols] & (self.lingering[tensor][row, cols] == 0)
+        return mask
+
     def finish(self, move: Move, failed: bool) -> None:
-        """A pending write resolved; a failed one may still land at any time: poison its bytes forever."""
+        """A pending write resolved; a failed one is a late copy that may still land until it is released."""
         row, lo, hi = move.at(self.name)
         t = move.tensor
         self.writers[t][row, lo:hi] -= 1
         if failed:
-            self.poison[t][row, lo:hi] = True
+            self.lingering[t][row, lo:hi] += 1
             self.known[t][row, lo:hi] = False
+
+    def release(self, move: Move) -> None:
+        """R27: a late copy was observed done: it writes nothing more (its bytes stay unknown until rewritten)."""
+        row, lo, hi = move.at(self.name)
+        self.lingering[move.tensor][row, lo:hi] -= 1
 
     def forget(self, move: Move, lost: Mask, writer: int) -> None:
         """The bytes of a move that ``writer`` wrote from an invalidated capture are unknown (if still its)."""
@@ -135,6 +162,14 @@ class ModelTransfer:
         status: "pending" until reported; then "succeeded" or "failed".
         dst_ids: R22: the sorted, distinct destination ids a failed result names (GPU blocks of a load, CPU chunks
             of a store).
+        gpu_ids, cpu_ids: R27: the sorted, distinct GPU block and CPU chunk ids it touches (what a hold keeps).
+        lane: R28: the stream it was queued on, as the kit's device names it (its direction when unknown).
+        released: R27: a ``take_released()`` record said its late copy was observed done.
+        deadline, submitted_at: R26: its deadline (None: none) and the device clock when it was submitted.
+        cancelled: R26: a ``cancel`` listed it while it was pending.
+        proven_first: R26: its copy had completed on the device when a ``cancel`` listed it (the cancel must
+            report it as it is).
+        expired: R26: the ``TransferExpired.reason`` it was reported with ("" when none).
     """
 
     job_id: int
@@ -145,6 +180,15 @@ class ModelTransfer:
     data: list[Bytes]
     certain: list[Mask]
     dst_ids: tuple[int, ...] = ()
+    gpu_ids: tuple[int, ...] = ()
+    cpu_ids: tuple[int, ...] = ()
+    lane: str = ""
+    released: bool = False
+    deadline: float | None = None
+    submitted_at: float = 0.0
+    cancelled: bool = False
+    proven_first: bool = False
+    expired: str = ""
     hung: bool = False
     blocked: bool = False
     must_fail: bool = False
@@ -154,6 +198,11 @@ class ModelTransfer:
     def stuck(self) -> bool:
         """It can never be proven complete."""
         return self.hung or self.blocked
+
+    @property
+    def late(self) -> bool:
+        """R27: reported failed (or released): its copy may have been left running, its blocks held until released."""
+        return self.status == "failed" or self.released
 
     @property
     def reads(self) -> str:
@@ -193,19 +242,29 @@ class Model:
         # Invariant: per direction, the transfers still queued in the worker as far as the model knows: submitted,
         # not reported, and not failed by a fired error (R4/R5's FIFO).
         self.chain: dict[str, list[ModelTransfer]] = {"store": [], "load": []}
-        # Invariant: per direction, the submission index of the last reported job (R5: in submission order).
-        self.last_reported: dict[str, int] = {"store": -1, "load": -1}
+        # Invariant: per lane (stream), the submission index of the last reported job (R5: in submission order;
+        # R28: per stream generation, a retired stream never holds a newer one's results back).
+        self.last_reported: dict[str, int] = {}
         # Invariant: jobs a wait() returned for while pending: the next get_finished must report them (R6).
         self.awaited: set[int] = set()
         # Invariant: virtual time at which the compute stream has run everything enqueued so far.
         self.compute_busy_until = 0.0
-        # Invariant: a hang fired inside a submission that then failed; its stream may be reused, so any later
-        # transfer of that direction may hang without being selected (no liveness is predicted for it).
+        # Invariant: directions where a hang fired inside a submission that then failed (shutdown predicts less).
         self.tainted: set[str] = set()
-        # Invariant: directions where a transfer that can never complete (hung, or blocked behind one) was failed
-        # out of the chain by an error on its end event: its work still sits on the handler's one stream, and
-        # every later transfer of that direction is queued behind it (R4 keeps the chain after a failure).
-        self.wedged: set[str] = set()
+        # Invariant: the lanes (streams) of such submissions: they may be reused, so any later transfer queued
+        # there may hang without being selected (no liveness is predicted for it).
+        self.tainted_lanes: set[str] = set()
+        # Invariant: lanes a transfer that can never complete (hung, or blocked behind one) was queued on: every
+        # later transfer queued there waits behind it for good (R4), failed or not.
+        self.stuck_lanes: set[str] = set()
+        # Invariant: lanes (streams) the worker must have retired (R28): a job queued there became late (an error
+        # fired on it, or it was reported failed); no new work may be queued there.
+        self.retired_lanes: set[str] = set()
+        # Invariant: (direction, the lane it left, the job queued on the new one) for each move of a direction to
+        # another stream while the model knew no job on the old one late: one of its jobs must turn out late
+        # (R28), else the move broke R4's FIFO (and the race model, which follows the device's streams, would
+        # miss it).
+        self.switches: list[tuple[str, str, int]] = []
         # Invariant: per direction, the submission index of the newest transfer the worker's compute stream was
         # made to wait for (order_after, R23): later compute work there is ordered after it and all before it.
         self.compute_after: dict[str, int] = {"store": -1, "load": -1}
@@ -233,20 +292,44 @@ class Model:
 
     def can_finish(self, transfer: ModelTransfer) -> bool:
         """Nothing the model knows keeps the transfer from resolving (proven or failed)."""
-        return not transfer.stuck and transfer.direction not in self.tainted
+        return not transfer.stuck and transfer.lane not in self.tainted_lanes
+
+    def next_lane(self, direction: Direction) -> str | None:
+        """The stream the next transfer of ``direction`` goes to as far as the model knows: its latest transfer's,
+        unless that one was retired (None: a fresh stream, R28)."""
+        lane = next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
+        return None if lane is None or lane in self.retired_lanes else lane
+
+    def may_be_late(self, transfer: ModelTransfer) -> bool:
+        """R26: a deadline or a cancel may have ended it (or one ahead of it on its stream) without the model
+        knowing yet: it, or one ahead of it on its stream not reported a success, has a deadline or was cancelled."""
+        return any(t.lane == transfer.lane and t.index <= transfer.index and t.status != "succeeded"
+                   and (t.cancelled or t.deadline is not None) for t in self.transfers.values())
+
+    def holding(self) -> list[ModelTransfer]:
+        """R27: the late transfers not yet released (their blocks must be held)."""
+        return [t for t in self.transfers.values() if t.status == "failed" and not t.released]
 
     # -- events ---------------------------------------------------------------------------------------------------
     def submit(self, direction: Direction, job_id: int, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec,
-               *, hung: bool) -> ModelTransfer:
-        """A submission succeeded: capture, invalidate what it races with, apply, and queue it (R4)."""
+               *, hung: bool, lane: str | None = None, deadline: float | None = None,
+               now: float = 0.0) -> ModelTransfer:
+        """A submission succeeded: capture, invalidate what it races with, apply, and queue it (R4) on ``lane``
+        (the stream the device saw it queued on; None: unknown, its direction's one)."""
         moves = plan_moves(self.layout, self.bpc, gpu_spec, cpu_spec)
         source = self.sides["gpu" if direction == "store" else "cpu"]
         captured = [source.capture(m) for m in moves]
         destination = cpu_spec if direction == "store" else gpu_spec
+        lane = direction if lane is None else lane
+        previous = next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
+        if previous is not None and previous != lane and previous not in self.retired_lanes:
+            self.switches.append((direction, previous, job_id))  # R28 must explain it: checked at shutdown
         transfer = ModelTransfer(job_id, direction, self._next_index, moves, sum(m.size for m in moves),
                                  [d for d, _ in captured], [c for _, c in captured],
-                                 tuple(sorted({int(i) for i in destination.block_ids})), hung=hung,
-                                 blocked=direction in self.wedged or any(t.stuck for t in self.chain[direction]))
+                                 _ids(destination.block_ids), _ids(gpu_spec.block_ids), _ids(cpu_spec.block_ids),
+                                 lane, deadline=deadline, submitted_at=now, hung=hung, blocked=lane in self.stuck_lanes)
+        if transfer.stuck:
+            self.stuck_lanes.add(lane)
         self._next_index += 1
         self.copies += 1
         self.any_hung |= hung
@@ -280,7 +363,7 @@ class Model:
         for load in self.pending("load"):
             if load.index > ordered:
                 racing |= self._mask("gpu", load.moves)[tensor][picked, :]
-        gpu.known[tensor][picked, :] = ~gpu.poison[tensor][picked, :] & ~racing
+        gpu.known[tensor][picked, :] = gpu.clear(tensor, picked) & ~racing
         gpu.last[tensor][picked, :] = COMPUTE
         self.compute_busy_until = max(self.compute_busy_until, now) + delay
 
@@ -306,28 +389,40 @@ class Model:
             target.known[move.tensor][row, lo:hi] = False
 
     def error_fired(self, direction: str, job_id: int) -> None:
-        """An injected error fired on a job's end event: it and everything queued behind it must fail (R5). If one
-        of them can never complete, later transfers of the direction still wait behind it (R4)."""
+        """An injected error fired on a job's end event: it and everything queued behind it on its stream must fail
+        (R5), and that stream is retired (R28: later work goes to a fresh one)."""
         chain = self.chain[direction]
         for i, transfer in enumerate(chain):
             if transfer.job_id == job_id:
-                for failed in chain[i:]:
-                    failed.must_fail = True
-                    if failed.stuck:
-                        self.wedged.add(direction)
-                del chain[i:]
+                failed = [t for t in chain[i:] if t.lane == transfer.lane]
+                for t in failed:
+                    t.must_fail = True
+                self.chain[direction] = [t for t in chain if t not in failed]
+                self.retired_lanes.add(transfer.lane)
                 return
+
+    def release(self, transfer: ModelTransfer) -> None:
+        """R27: the worker handed out the release of a late transfer's hold: its copy writes nothing more."""
+        transfer.released = True
+        if transfer.status == "failed":  # else its writes still count as pending: released once reported
+            target = self.sides[transfer.writes]
+            for move in transfer.moves:
+                target.release(move)
 
     def resolve(self, transfer: ModelTransfer, success: bool) -> None:
         """The worker reported the transfer (checks are the machine's; this only updates the model)."""
         transfer.status = "succeeded" if success else "failed"
         self.any_failed |= not success
-        self.last_reported[transfer.direction] = transfer.index
+        if not success:
+            self.retired_lanes.add(transfer.lane)
+        self.last_reported[transfer.lane] = transfer.index
         if transfer in self.chain[transfer.direction]:
             self.chain[transfer.direction].remove(transfer)
         target = self.sides[transfer.writes]
         for move in transfer.moves:
             target.finish(move, failed=not success)
+            if transfer.released and not success:  # released before it was reported (by a wait's polls)
+                target.release(move)
 
     # -- internals ------------------------------------------------------------------------------------------------
     def _mask(self, side: str, moves: Sequence[Move]) -> list[Mask]:
@@ -351,3 +446,8 @@ class Model:
                 if hit.any():
                     reader.certain[i] = reader.certain[i] & ~hit
                     target.forget(move, hit, reader.index)
+
+
+def _ids(block_ids: object) -> tuple[int, ...]:
+    """Sorted, distinct ids."""
+    return tuple(sorted({int(i) for i in block_ids}))  # type: ignore[attr-defined]

@@ -17,11 +17,15 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from kvoffload_ref.backends.base import Backend
+from kvoffload_ref.errors import InvalidTransferError
 from kvoffload_ref.testing.adapter import (
     Bytes,
+    HeldLike,
     JobOutcomeLike,
+    ReleasedLike,
     ReportLike,
     ResultLike,
+    RunningLike,
     Setup,
     WorkerLike,
     reference_factory,
@@ -39,12 +43,14 @@ class _Reported:
     transfer_size: int | None
     invalid_blocks: tuple[int, ...] = ()
     transfer_type: tuple[str, str] | None = None
+    error: BaseException | None = None
 
 
 def _reported(result: ResultLike, **changes: object) -> _Reported:
     """``result`` as a :class:`_Reported`, with ``changes``."""
     fields = {"job_id": result.job_id, "success": result.success, "transfer_size": result.transfer_size,
-              "invalid_blocks": tuple(result.invalid_blocks), "transfer_type": result.transfer_type}
+              "invalid_blocks": tuple(result.invalid_blocks), "transfer_type": result.transfer_type,
+              "error": getattr(result, "error", None)}
     return _Reported(**{**fields, **changes})  # type: ignore[arg-type]
 
 
@@ -67,6 +73,11 @@ class _Report:
         return getattr(self.inner, name)
 
 
+def _options(deadline: float | None) -> dict[str, float]:
+    """The keyword arguments a submission passes on: ``deadline=`` only when given (R26)."""
+    return {} if deadline is None else {"deadline": deadline}
+
+
 class _Wrapper:
     """kvoffload_ref's worker behind a wrapper that passes every call through (subclasses break one rule)."""
 
@@ -74,11 +85,24 @@ class _Wrapper:
         # Invariant: the only reference to the real worker (dropping this wrapper drops it: R15 still applies).
         self._inner = inner
 
-    def submit_store(self, job_id: int, src: object, dst: object) -> object:
-        return self._inner.submit_store(job_id, src, dst)  # type: ignore[arg-type]
+    def submit_store(self, job_id: int, src: object, dst: object, *, deadline: float | None = None) -> object:
+        return self._inner.submit_store(job_id, src, dst, **_options(deadline))  # type: ignore[arg-type]
 
-    def submit_load(self, job_id: int, src: object, dst: object) -> object:
-        return self._inner.submit_load(job_id, src, dst)  # type: ignore[arg-type]
+    def submit_load(self, job_id: int, src: object, dst: object, *, deadline: float | None = None) -> object:
+        return self._inner.submit_load(job_id, src, dst, **_options(deadline))  # type: ignore[arg-type]
+
+    def cancel(self, job_ids: Iterable[int]) -> None:
+        self._running.cancel(job_ids)
+
+    def held(self) -> HeldLike:
+        return self._running.held()
+
+    def take_released(self) -> Sequence[ReleasedLike]:
+        return self._running.take_released()
+
+    @property
+    def _running(self) -> RunningLike:
+        return self._inner  # type: ignore[return-value]  # the real worker has a running engine's calls
 
     def get_finished(self) -> list[ResultLike]:
         return list(self._inner.get_finished())
@@ -110,9 +134,9 @@ class _SuccessOnly(_Wrapper):
 class _Swallower(_Wrapper):
     """kvoffload_ref's worker, except that a submission swallows a Ctrl-C and reports it was not queued."""
 
-    def submit_store(self, job_id: int, src: object, dst: object) -> object:
+    def submit_store(self, job_id: int, src: object, dst: object, *, deadline: float | None = None) -> object:
         try:
-            return self._inner.submit_store(job_id, src, dst)  # type: ignore[arg-type]
+            return self._inner.submit_store(job_id, src, dst, **_options(deadline))  # type: ignore[arg-type]
         except KeyboardInterrupt:
             return False
 
@@ -133,13 +157,13 @@ class _SourcePoisoner(_Wrapper):
         if ids is not None:
             self._sources[job_id] = tuple(sorted({int(i) for i in ids}))
 
-    def submit_store(self, job_id: int, src: object, dst: object) -> object:
-        queued = self._inner.submit_store(job_id, src, dst)  # type: ignore[arg-type]
+    def submit_store(self, job_id: int, src: object, dst: object, *, deadline: float | None = None) -> object:
+        queued = self._inner.submit_store(job_id, src, dst, **_options(deadline))  # type: ignore[arg-type]
         self._remember(job_id, src)
         return queued
 
-    def submit_load(self, job_id: int, src: object, dst: object) -> object:
-        queued = self._inner.submit_load(job_id, src, dst)  # type: ignore[arg-type]
+    def submit_load(self, job_id: int, src: object, dst: object, *, deadline: float | None = None) -> object:
+        queued = self._inner.submit_load(job_id, src, dst, **_options(deadline))  # type: ignore[arg-type]
         self._remember(job_id, src)
         return queued
 
@@ -163,7 +187,9 @@ class _Unordered(_Wrapper):
     races with the transfers it meant to wait for (SGLang #20611-style)."""
 
     def order_after(self, job_ids: Iterable[int], stream: object | None = None) -> None:
-        list(job_ids)  # accepted and dropped
+        ids = list(job_ids)  # checked as R7 says (only R23 is broken), then dropped
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise InvalidTransferError(f"job ids must be ints, got {ids!r}")
 
 
 def failures_reported_as_success(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:

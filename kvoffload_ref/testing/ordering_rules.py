@@ -59,7 +59,8 @@ class OrderingRules(MachineBase):
         """R23/R20: ``order_after`` (or not) on some queued transfers, then compute work on the rows they touch."""
         with self._step():
             model, setup = self.current_model, self.current_setup
-            queued = [t for d in ("load", "store") for t in model.chain[d] if model.can_finish(t)]
+            queued = [t for d in ("load", "store") for t in model.chain[d]  # R26: an expired job orders nothing
+                      if model.can_finish(t) and not model.may_be_late(t)]
             reported = [j for j, t in model.transfers.items() if t.status != "pending"][-2:]
             pool = [t.job_id for t in queued] + reported + [self.next_job + 50]
             ids = data.draw(st.lists(st.sampled_from(pool), max_size=3, unique=True), label="ids")

@@ -31,7 +31,9 @@ import collections
 from collections.abc import Iterator, Mapping
 from typing import Final
 
+from kvoffload_ref.errors import TransferExpired
 from kvoffload_ref.testing.adapter import HandlerReportLike, JobOutcomeLike, ReportLike, ResultLike
+from kvoffload_ref.testing.expiry import failure_problems
 from kvoffload_ref.testing.model import Model, ModelTransfer
 
 __all__ = ["ENDINGS", "accounting_problems", "attribution_problems", "outcome_problems", "settled_jobs"]
@@ -45,8 +47,9 @@ Problem = tuple[str, str]
 
 def settled_jobs(model: Model) -> frozenset[int]:
     """The pending jobs whose results the worker must already hold now (a shutdown starting now lists them as
-    ``unreaped``): those a ``wait()`` returned for (R6), and those an injected error fired on, or behind (R5)."""
-    return frozenset(t.job_id for t in model.pending() if t.job_id in model.awaited or t.must_fail)
+    ``unreaped``): those a ``wait()`` returned for (R6), those an injected error fired on, or behind (R5), and
+    those a ``cancel`` listed (R26: proven or expired at once)."""
+    return frozenset(t.job_id for t in model.pending() if t.job_id in model.awaited or t.must_fail or t.cancelled)
 
 
 def accounting_problems(report: ReportLike, model: Model, handed: Mapping[int, int]) -> Iterator[Problem]:
@@ -73,7 +76,7 @@ def accounting_problems(report: ReportLike, model: Model, handed: Mapping[int, i
 
 
 def outcome_problems(report: ReportLike, model: Model, settled: frozenset[int], *, unreliable: bool,
-                     proven_in_time: bool) -> Iterator[Problem]:
+                     proven_in_time: bool, running: bool = False, now: float = 0.0) -> Iterator[Problem]:
     """Every way the report's job list contradicts the model (see the module docstring); the successes it lists
     are left to the machine's success check.
 
@@ -83,6 +86,8 @@ def outcome_problems(report: ReportLike, model: Model, settled: frozenset[int], 
         settled: :func:`settled_jobs` just before shutdown began.
         unreliable: the device was lost or saw misuse (queries may fail without a recorded firing).
         proven_in_time: the model knows the drain proves every queued job.
+        running: the worker's running-engine calls are checked (an expiry may explain an ``unreaped`` failure).
+        now: the device clock (an expiry's deadline is checked against it).
     """
     lists: dict[str, list[tuple[ModelTransfer, str]]] = {"store": [], "load": []}
     for outcome in report.unreported:
@@ -94,8 +99,13 @@ def outcome_problems(report: ReportLike, model: Model, settled: frozenset[int], 
             continue
         lists[transfer.direction].append((transfer, outcome.ended))
         yield from _one(outcome, transfer, settled, unreliable=unreliable, proven_in_time=proven_in_time)
+        if not outcome.result.success and outcome.ended == "unreaped":  # R5/R26: its cause
+            yield from failure_problems(model, transfer, getattr(outcome.result, "error", None), now,
+                                        unreliable=unreliable, running=running)
+    expired = frozenset(o.result.job_id for o in report.unreported
+                        if isinstance(getattr(o.result, "error", None), TransferExpired))
     for direction, items in lists.items():
-        yield from _direction(direction, items, report.store if direction == "store" else report.load)
+        yield from _direction(direction, items, report.store if direction == "store" else report.load, expired)
 
 
 def _one(outcome: JobOutcomeLike, transfer: ModelTransfer, settled: frozenset[int], *, unreliable: bool,
@@ -110,7 +120,7 @@ def _one(outcome: JobOutcomeLike, transfer: ModelTransfer, settled: frozenset[in
     if job in settled and ended != "unreaped":
         yield "R5/R6/R22", (f"{direction} job {job} ended {ended!r}, but its result was known before shutdown "
                             "began (a wait() returned for it, or an error fired on its end event): 'unreaped'")
-    if not success and ended in ("unreaped", "failed") and not (transfer.must_fail or unreliable):
+    if not success and ended == "failed" and not (transfer.must_fail or unreliable):
         yield "R5/R10", f"listed {direction} job {job} {ended} although nothing failed"
     if proven_in_time and ended in ("failed", "abandoned"):
         yield "R10/R22", (f"{direction} job {job} ended {ended!r} although the drain could prove every queued "
@@ -130,16 +140,24 @@ def attribution_problems(result: ResultLike, transfer: ModelTransfer, what: str)
                       + ("" if result.success else f" (the {side} it was to write)"))
 
 
-def _direction(direction: str, items: list[tuple[ModelTransfer, str]], part: HandlerReportLike) -> Iterator[Problem]:
-    """One direction's listed jobs: submission order, the drain's sequence, the handler's counts."""
-    indices = [t.index for t, _ in items]
-    if indices != sorted(indices):
-        yield "R5/R22", f"the report lists {direction} jobs {[t.job_id for t, _ in items]} out of submission order"
+def _direction(direction: str, items: list[tuple[ModelTransfer, str]], part: HandlerReportLike,
+               expired: frozenset[int]) -> Iterator[Problem]:
+    """One direction's listed jobs: submission order and the drain's sequence per stream (R28: a retired stream's
+    live jobs are drained apart; R26: an expired job is reported at once, ahead of live ones queued before it),
+    the handler's counts."""
     endings = [ended for _, ended in items]
-    ranks = [ENDINGS.index(ended) for ended in endings]
-    if ranks != sorted(ranks) or endings.count("failed") > 1:
-        yield "R10/R22", (f"{direction} jobs ended {endings}: a drain goes head first (unreaped, drained, at most "
-                          "one failed head, then abandoned)")
+    for lane in dict.fromkeys(t.lane for t, _ in items):
+        on = [(t, ended) for t, ended in items if t.lane == lane]
+        indices = [t.index for t, _ in on if t.job_id not in expired]
+        if indices != sorted(indices):
+            yield "R5/R22", (f"the report lists {direction} jobs {[t.job_id for t, _ in on]} (one stream) out of "
+                             "submission order")
+        ranks = [ENDINGS.index(ended) for _, ended in on]
+        if ranks != sorted(ranks):
+            yield "R10/R22", (f"{direction} jobs ended {[ended for _, ended in on]} (one stream): a drain goes head "
+                              "first (unreaped, drained, at most one failed head, then abandoned)")
+    if endings.count("failed") > 1:
+        yield "R10/R22", f"{direction} jobs ended {endings}: a drain stops at its first failed head"
     drained, stopped = endings.count("drained"), endings.count("failed") + endings.count("abandoned")
     if (part.drained, part.abandoned) != (drained, stopped):
         yield "R10/R22", (f"{direction} handler reports drained={part.drained}, abandoned={part.abandoned}; its "

@@ -3,8 +3,8 @@ another (R4, R5, R8, R12, R14, R16, R19).
 
 The call-point explorer interrupts one thread; this one puts a second thread where the first one stands. For each
 configuration of the scenario (``scenario.CONFIGS``), each ordered pair (A, B) of the public methods a second
-thread can meet (:data:`METHODS`: ``submit_store``, ``submit_load``, ``get_finished``, ``wait``, ``order_after``
-and ``shutdown``; construction and the finalizer path have no worker for a second thread to call, or one it
+thread can meet (:data:`METHODS`: ``submit_store``, ``submit_load``, ``get_finished``, ``wait``, ``order_after``,
+``cancel`` and ``shutdown``; construction and the finalizer path have no worker for a second thread to call, or one it
 keeps alive) and each backend call ``k`` that A makes there (found by a first, counting run), it builds a fresh
 worker through the factory, runs the scenario's prelude, then:
 
@@ -47,14 +47,23 @@ from kvoffload_ref.testing.explorer import own_heap, settle
 from kvoffload_ref.testing.explorer_checks import check_case
 from kvoffload_ref.testing.lock_watch import WatchedLock, watch_lock
 from kvoffload_ref.testing.pair_checks import BLOCKED, RAN, STUCK, WAITED, PairOutcome, check_pair
-from kvoffload_ref.testing.scenario import CONFIGS, REFERENCE_FACTORY, SECOND, UNDER_TEST, Failure, prelude, worker_call
+from kvoffload_ref.testing.scenario import (
+    CONFIGS,
+    DEADLINES,
+    REFERENCE_FACTORY,
+    SECOND,
+    UNDER_TEST,
+    Failure,
+    prelude,
+    worker_call,
+)
 from kvoffload_ref.testing.threads import Runner
 
 __all__ = ["METHODS", "WATCHDOG", "PairCase", "PairFailure", "PairResult", "count_points", "explore_pairs",
            "run_pair"]
 
 #: The methods paired, in the order they are reported.
-METHODS: Final = ("submit_store", "submit_load", "get_finished", "wait", "order_after", "shutdown")
+METHODS: Final = ("submit_store", "submit_load", "get_finished", "wait", "order_after", "cancel", "shutdown")
 #: Real seconds a thread may take to pause, block or finish before the case is called a deadlock (a safety net).
 WATCHDOG: Final = 10.0
 _FIRST, _SECOND = "pair-first", "pair-second"
@@ -214,12 +223,14 @@ def _run(case: PairCase, factory: WorkerFactory) -> PairOutcome:
     jobs = [UNDER_TEST[case.first]] if case.first in UNDER_TEST else []
     if case.point >= 0 and case.second in SECOND:
         jobs.append(SECOND[case.second])
-    out = PairOutcome(setup=setup, device=device, case=case, under_test=jobs, second=case.second)
+    out = PairOutcome(setup=setup, device=device, case=case, under_test=jobs, second=case.second,
+                      cancelled="cancel" in (case.first, case.second),
+                      deadlines=frozenset(DEADLINES.get(case.config, {})))
     control = _Control(case.point if case.point >= 0 else None, out)
     device.sim.on_call = control.hook
     worker = factory(device.backend, device.gpu, setup)
     control.lock = watch_lock(worker, control)
-    out.accepted = prelude(worker, device, case.first, out.results)
+    out.accepted = prelude(worker, device, case.first, out.results, case.config)
     out.baseline_cpu = [np.array(a, copy=True) for a in worker.cpu_snapshot()]
     out.baseline_gpu = device.read_gpu()
     first = Runner(worker_call(case.first, worker, setup), _FIRST, signal=control.first_stopped)

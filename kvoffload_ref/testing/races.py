@@ -6,7 +6,9 @@ Every transfer the worker queued (also one with no bytes, and a failed submissio
 every compute write the machine queued is a *node*. A node's ``preds`` is the set of nodes ordered before it
 (transitively closed), by the rules and nothing else:
 
-* a transfer is ordered after the previous transfer of its direction, failed or not (R4: FIFO per direction);
+* a transfer is ordered after the previous transfer queued on its stream, failed or not (R4: FIFO per
+  direction; R28: after a failure the direction goes on on a fresh stream, which waits for nothing of the
+  retired one -- the kit's device says which stream each transfer went to);
 * a transfer is ordered after everything the worker's compute stream is ordered after when it is submitted (R4:
   the compute-stream wait): the compute writes queued there so far, and what its ``order_after`` waits covered;
 * a compute write is ordered after the earlier work of its stream: the compute writes queued on it, and the
@@ -20,7 +22,8 @@ device queues compute work on one by name); transfers wait for the worker's comp
 Observation is the simulated device's, as docs/simulator.md defines it: an event query that returned True or a
 ``synchronize`` that returned, on the event a transfer's tag names, observes that transfer and what precedes it;
 a query that raised is *not* an observation (a failed job's completion is unknown: nothing orders it until a
-later transfer of its direction is observed complete); ``to_host`` observes the compute writes queued so far.
+later transfer of its direction is observed complete); ``to_host`` observes the compute writes queued so far. A
+transfer's *start* event (a deadline's check queries it, R26) observes what precedes the transfer, not itself.
 The kit's device records these (:meth:`~kvoffload_ref.testing.adapter.SimDevice.take_observations`) and the
 machine feeds them here before each new node; the kit assumes the worker proves a transfer by its tagged end
 event (R5), as the reference does.
@@ -39,6 +42,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+from kvoffload_ref.testing.adapter import START
 from kvoffload_ref.testing.model import Move
 
 __all__ = ["Label", "RaceModel", "RaceNode", "transfer_ranges"]
@@ -103,8 +107,8 @@ class RaceModel:
         self.nodes: list[RaceNode] = []
         # Invariant: label -> node, for every node.
         self.by_label: dict[Label, RaceNode] = {}
-        # Invariant: per direction, the last transfer node queued (the next one of its direction follows it).
-        self.last: dict[str, RaceNode | None] = {"store": None, "load": None}
+        # Invariant: per stream (a transfer's lane), the last transfer node queued there (the next one follows it).
+        self.last: dict[str, RaceNode] = {}
         # Invariant: per compute stream (None: the worker's), the nodes its next op is ordered after (its compute
         # writes and what its order_after waits covered, closed under preds); a stream not present: none.
         self.frontier: dict[str | None, frozenset[int]] = {}
@@ -117,9 +121,9 @@ class RaceModel:
         self.computes = 0
 
     # -- queries ----------------------------------------------------------------------------------------------
-    def partners_of_transfer(self, direction: str, moves: Sequence[Move]) -> list[Label]:
-        """The nodes a transfer submitted now would race with."""
-        return self._partners(self._transfer_preds(direction), transfer_ranges(direction, moves))
+    def partners_of_transfer(self, direction: str, moves: Sequence[Move], lane: str | None) -> list[Label]:
+        """The nodes a transfer submitted now on stream ``lane`` (None: a fresh one) would race with."""
+        return self._partners(self._transfer_preds(lane), transfer_ranges(direction, moves))
 
     def partners_of_compute(self, tensor: int, rows: Sequence[int], page: int,
                             stream: str | None = None) -> list[Label]:
@@ -132,10 +136,12 @@ class RaceModel:
         return node is not None and node.index in self.observed
 
     # -- events -----------------------------------------------------------------------------------------------
-    def transfer(self, direction: str, job_id: int, moves: Sequence[Move]) -> RaceNode:
-        """The worker queued a transfer (its copy, if it has bytes)."""
-        node = self._add((direction, job_id), self._transfer_preds(direction), transfer_ranges(direction, moves))
-        self.last[direction] = node
+    def transfer(self, direction: str, job_id: int, moves: Sequence[Move], lane: str | None = None) -> RaceNode:
+        """The worker queued a transfer (its copy, if it has bytes) on stream ``lane`` (None: unknown, its
+        direction's one)."""
+        lane = direction if lane is None else lane
+        node = self._add((direction, job_id), self._transfer_preds(lane), transfer_ranges(direction, moves))
+        self.last[lane] = node
         return node
 
     def compute(self, tensor: int, rows: Sequence[int], page: int, stream: str | None = None) -> RaceNode:
@@ -165,6 +171,11 @@ class RaceModel:
         if label == ("compute", -1):
             self.observed |= self.frontier.get(None, frozenset())
             return
+        if label is not None and label[0].endswith(START):  # a transfer's start: what precedes it on its stream
+            start = self.by_label.get((label[0][:-len(START)], label[1]))
+            if start is not None:
+                self.observed |= start.preds
+            return
         node = self.by_label.get(label) if label else None
         if node is not None:
             self.observed |= node.cover()
@@ -174,9 +185,9 @@ class RaceModel:
     def _compute_ranges(tensor: int, rows: Sequence[int], page: int) -> Ranges:
         return {("gpu", tensor, int(r)): [(0, page, True)] for r in rows}
 
-    def _transfer_preds(self, direction: str) -> frozenset[int]:
+    def _transfer_preds(self, lane: str | None) -> frozenset[int]:
         preds = set(self.observed) | self.frontier.get(None, frozenset())
-        last = self.last[direction]
+        last = None if lane is None else self.last.get(lane)
         if last is not None:
             preds |= last.cover()
         return frozenset(preds)

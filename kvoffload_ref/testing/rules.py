@@ -12,11 +12,14 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from kvoffload_ref.errors import DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
+from kvoffload_ref.errors import BlocksHeldError, DeadlineExceeded, DeviceError, InvalidTransferError, SimHang
 from kvoffload_ref.fault_plan import TRANSFER_HANG_POINTS
+from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload_ref.testing.adapter import (
+    RunningLike,
     initial_gpu_bytes,
 )
+from kvoffload_ref.testing.holds import conflict, held_sets
 from kvoffload_ref.testing.machine_base import MachineBase, worker_open
 from kvoffload_ref.testing.model import Model, ModelTransfer, plan_moves
 from kvoffload_ref.testing.races import Label, RaceModel
@@ -36,12 +39,16 @@ from kvoffload_ref.testing.strategies import (
 if TYPE_CHECKING:
     from kvoffload_ref.testing.adapter import ResultLike
 
-__all__ = ["CLOCK_STEPS", "COMPLETION_SLOTS", "COMPUTE_DELAYS", "FAULT_SLOTS", "WAIT_TIMEOUTS", "TransferRules"]
+__all__ = ["CLOCK_STEPS", "COMPLETION_SLOTS", "COMPUTE_DELAYS", "DEADLINES", "FAULT_SLOTS", "WAIT_TIMEOUTS",
+           "TransferRules"]
 
 
 CLOCK_STEPS: Final = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0)
 COMPUTE_DELAYS: Final = (0.0, 1e-6, 1e-4, 1e-3, 0.02, 0.3)
 WAIT_TIMEOUTS: Final = (0.0, 1e-4, 1e-3, 0.05, 0.5)
+#: R26: a submission's deadline (seconds from its start on the device): mostly none; else about a copy's time on
+#: the kit's device (a few microseconds) or more, against clock steps that pass it.
+DEADLINES: Final = (None,) * 12 + (1e-5, 1e-4, 1e-3, 0.05)
 #: Any fault; its job_id, if any, is a slot (0-7) the machine maps to one of the next or pending jobs.
 FAULT_SLOTS: Final = faults(range(8))
 #: An error at a transfer's completion (its end event's query or sync); its job_id, if any, is a slot (0-7) the
@@ -109,6 +116,7 @@ class TransferRules(MachineBase):
             return
         self._new_firings()
         self.phase = "open"
+        self._check_running()
         pages = setup.layout.tensor_page_bytes
         self.model = Model(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks, setup.num_cpu_chunks,
                            [initial_gpu_bytes(setup, t)[:, :p] for t, p in enumerate(pages)],
@@ -133,35 +141,74 @@ class TransferRules(MachineBase):
         gpu, cpu = data.draw(self.specs, label="specs")
         setup = self.current_setup
         moves = plan_moves(setup.layout, setup.blocks_per_chunk, gpu, cpu)
-        if not self._ordered(lambda: self.current_race.partners_of_transfer(direction, moves)):
+        lane = self.current_model.next_lane(direction)  # type: ignore[arg-type]
+        if not self._ordered(lambda: self.current_race.partners_of_transfer(direction, moves, lane)):
             return
         job = self._fresh_job()
         src, dst = (gpu, cpu) if direction == "store" else (cpu, gpu)
-        self._say(f"w.submit_{direction}({job}, {src!r}, {dst!r})")
+        refused = self._held_conflict(direction, gpu, cpu)
+        deadline = data.draw(st.sampled_from(DEADLINES), label="deadline") if self.running else None
+        options = {} if deadline is None else {"deadline": deadline}
+        given = "" if deadline is None else f", deadline={deadline!r}"
+        self._say(f"w.submit_{direction}({job}, {src!r}, {dst!r}{given})" + (f"  # R27: {refused}" if refused else ""))
         live = self.current_device.ledger.live()
         submit = self.current_worker.submit_store if direction == "store" else self.current_worker.submit_load
+        now = self.current_device.clock()
+        before = (self._stats(), live, now, len(self.current_device.plan.fired))
         try:
-            submit(job, src, dst)  # type: ignore[arg-type]
+            submit(job, src, dst, **options)  # type: ignore[arg-type]
+        except BlocksHeldError as exc:
+            self._raised("BlocksHeldError")
+            self._refused_held(refused, exc, before)
+            return
         except DeviceError:
             self._raised("DeviceError")
             firings = self._new_firings()
             if self.current_device.copied((direction, job)):  # failed after its copy was queued: it still runs
-                self.current_race.transfer(direction, job, moves)
+                self.current_race.transfer(direction, job, moves, self.current_device.streams.get((direction, job)))
                 self.current_model.ghost(moves, direction)  # type: ignore[arg-type]
             if any(f.fault.kind == "hang" and f.tag == (direction, job) for f in firings):
                 self.current_model.tainted.add(direction)
+                self.current_model.tainted_lanes.add(self.current_device.streams.get((direction, job), direction))
             after = self.current_device.ledger.live()
-            self._check(all(n <= live.get(kind, 0) for kind, n in after.items()), "R16",
+            # R28: the fresh stream a direction goes on after a retirement is its own (made at its next submission,
+            # kept for the one after a failed one), not the failed submission's
+            fresh = {"stream": 1} if self.running else {}
+            self._check(all(n <= live.get(kind, 0) + fresh.get(kind, 0) for kind, n in after.items()), "R16",
                         f"a failed submission left resources live: {live} -> {after}")
             self._absorb(firings)
             return
+        self._check(refused is None, "R27", f"{direction} job {job} was accepted although {refused} (R27 refuses it)")
         firings = self._new_firings()
         hung = any(f.fault.kind == "hang" and f.point in TRANSFER_HANG_POINTS and f.tag == (direction, job)
                    for f in firings)
-        self.current_model.submit(direction, job, gpu, cpu, hung=hung)  # type: ignore[arg-type]
-        self.current_race.transfer(direction, job, moves)
+        lane = self.current_device.streams.get((direction, job))
+        self._check(lane is None or lane not in self.current_model.retired_lanes, "R28",
+                    f"{direction} job {job} was queued on stream {lane}, retired after a job on it became late")
+        self.current_model.submit(direction, job, gpu, cpu, hung=hung, lane=lane,  # type: ignore[arg-type]
+                                  deadline=deadline, now=now)
+        self.current_race.transfer(direction, job, moves, lane)
         self._absorb(firings)
         type(self).counters.submitted += 1
+        type(self).counters.deadlines += deadline is not None
+
+    def _held_conflict(self, direction: str, gpu: GPULoadStoreSpec, cpu: CPULoadStoreSpec) -> str | None:
+        """R27: why the holds the worker lists now refuse this submission (None: they do not, or no holds)."""
+        if not self.running:
+            return None
+        worker: RunningLike = self.current_worker  # type: ignore[assignment]
+        return conflict(direction, [int(i) for i in gpu.block_ids], [int(i) for i in cpu.block_ids],
+                        held_sets(worker.held()))
+
+    def _refused_held(self, refused: str | None, exc: BlocksHeldError, before: tuple[object, ...]) -> None:
+        """R27: a submission refused for holds must conflict with them (when the worker lists them: without
+        ``held()`` the kit cannot say), and change nothing (R7)."""
+        self._check(refused is not None or not self.running, "R27",
+                    f"a submission was refused with {exc!r} although it touches no held block the wrong way")
+        dev = self.current_device
+        after = (self._stats(), dev.ledger.live(), dev.clock(), len(dev.plan.fired))
+        self._check(after == before, "R7/R27", "a submission refused for held blocks changed the worker or the device")
+        type(self).counters.refused_held += 1
 
     @precondition(worker_open)
     @rule(data=st.data())
@@ -256,7 +303,7 @@ class TransferRules(MachineBase):
         # Every query fails now: jobs resolve as failed.
         resolvable = self.current_device.lost() or bool(self.current_device.violations())
         for t in listed:
-            if t.status == "pending" and not t.must_fail and not resolvable:
+            if t.status == "pending" and not t.must_fail and not resolvable and not model.may_be_late(t):
                 self._check(not t.stuck, "R6", f"wait() returned although job {t.job_id} can never be proven")
         model.awaited.update(t.job_id for t in listed if t.status == "pending")
 
@@ -273,7 +320,7 @@ class TransferRules(MachineBase):
         # Compute work on a named stream is never observed: nothing the host can wait for orders it.
         listed = [None if kind == "compute" else model.transfers.get(job) for kind, job in racing]
         if all(t is not None and t.status == "pending" and model.can_finish(t) and not t.must_fail
-               for t in listed):
+               and not model.may_be_late(t) for t in listed):
             type(self).counters.ordered_waits += 1
             self._wait(sorted({job for _, job in racing}), [t for t in listed if t is not None], None)
             racing = partners()

@@ -20,8 +20,8 @@ from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayou
 from kvoffload_ref.testing.adapter import Setup, SimDevice, WorkerLike
 from kvoffload_ref.worker import ShutdownPolicy
 
-__all__ = ["CONFIGS", "HUNG_TIMEOUT", "PRELUDE", "PROBE", "REFERENCE_FACTORY", "SECOND", "TIMEOUT", "UNDER_TEST",
-           "Case", "CaseLike", "Failure", "Job", "cpu", "gpu", "prelude", "worker_call"]
+__all__ = ["CANCELLED", "CONFIGS", "DEADLINES", "HUNG_TIMEOUT", "PRELUDE", "PROBE", "REFERENCE_FACTORY", "SECOND",
+           "TIMEOUT", "UNDER_TEST", "Case", "CaseLike", "Failure", "Job", "cpu", "gpu", "prelude", "worker_call"]
 
 #: The factory explored when none is named: kvoffload_ref's own worker.
 REFERENCE_FACTORY: Final = "kvoffload_ref.testing.adapter:reference_factory"
@@ -62,7 +62,9 @@ def _setup(faults: tuple[Fault, ...] = (), on_unproven: str = "quarantine", shar
 
 #: name -> the setup of a configuration. Together they reach every path of shutdown: the clean path, a failed
 #: transfer (its head's end event fails: R5 reports it, the proof runs), a hung transfer (the drain times out,
-#: the proof times out, quarantine), the same under the release policy, and a shared /dev/shm region.
+#: the proof times out, quarantine), the same under the release policy, a shared /dev/shm region, and a hung
+#: transfer with a deadline (R26: it expires at the first poll past it, whichever call polls; its stream is
+#: retired and its blocks held, R27/R28).
 CONFIGS: Final[dict[str, Setup]] = {
     "clean": _setup(),
     "failed": _setup((Fault("event_query", "error", job_id=1),)),
@@ -70,7 +72,13 @@ CONFIGS: Final[dict[str, Setup]] = {
     "hung-release": _setup((Fault("copy", "hang", job_id=2),), on_unproven="release", timeout=HUNG_TIMEOUT),
     "failed-release": _setup((Fault("event_query", "error", job_id=1),), on_unproven="release"),
     "shared": _setup(shared=True),
+    "expired": _setup((Fault("copy", "hang", job_id=2),), timeout=HUNG_TIMEOUT),
 }
+#: configuration -> {prelude job id: its deadline} (R26; seconds from its start on the device). In "expired" the
+#: hung load 2 starts at the prelude's first look and passes its deadline before any method under test polls.
+DEADLINES: Final[dict[str, dict[int, float]]] = {"expired": {2: 5e-5}}
+#: The ids a ``cancel`` under test (or a signal handler's) lists: the queued prelude jobs and an unknown one.
+CANCELLED: Final = frozenset({2, 3, 99})
 
 #: (direction, job id, source spec, destination spec) of the prelude's jobs and of the jobs under test.
 Job = tuple[str, int, object, object]
@@ -171,26 +179,31 @@ def worker_call(method: str, worker: WorkerLike, setup: Setup, jobs: dict[str, J
         return lambda: worker.wait({1, 2, 3}, timeout=setup.policy.timeout / 2)
     if method == "order_after":  # R23: a named stream of the sim waits for the queued jobs (and an unknown id)
         return lambda: worker.order_after({2, 3, 99}, stream="explorer")
+    if method == "cancel":  # R26: the queued jobs (and an unknown id); nothing for a worker without cancel
+        cancel = getattr(worker, "cancel", None)
+        return (lambda: cancel(CANCELLED)) if callable(cancel) else (lambda: None)
     if method == "shutdown":
         return worker.shutdown
     raise ValueError(method)
 
 
-def prelude(worker: WorkerLike, device: SimDevice, method: str, results: list[object]) -> list[int]:
-    """Bring the worker to the method's starting point: three jobs submitted, the first one reaped (when it can
-    be), the others left queued or proven but unreaped.
+def prelude(worker: WorkerLike, device: SimDevice, method: str, results: list[object],
+            config: str = "") -> list[int]:
+    """Bring the worker to the method's starting point: three jobs submitted (with the configuration's
+    :data:`DEADLINES`), the first one reaped (when it can be), the others left queued or proven but unreaped.
 
     Args:
         worker: a fresh worker. device: its device. method: the method explored next.
-        results: receives what ``get_finished()`` returned.
+        results: receives what ``get_finished()`` returned. config: the configuration's name.
 
     Returns:
         The accepted job ids.
     """
-    accepted = []
+    accepted, deadlines = [], DEADLINES.get(config, {})
     for direction, job, src, dst in PRELUDE:
         submit = worker.submit_store if direction == "store" else worker.submit_load
-        submit(job, src, dst)  # type: ignore[arg-type]
+        options = {"deadline": deadlines[job]} if job in deadlines else {}
+        submit(job, src, dst, **options)  # type: ignore[arg-type]
         accepted.append(job)
         if job == 1:
             with contextlib.suppress(DeadlineExceeded):

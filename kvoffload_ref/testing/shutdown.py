@@ -37,7 +37,8 @@ class Expectations:
         must_release: nothing can keep the device from being proven idle within the timeout (R12).
         must_quarantine: a hang selected a transfer, so its stream never idles (R12, quarantine policy).
         clean: every transfer will be proven by its own event: no device-level proof (R13).
-        unclean: some transfer failed or hung: the proof is needed (R13).
+        unclean: some transfer hung: the proof is needed (R13). (A failed one is a late copy whose end the drain
+            may still observe, R27/R28: then nothing needs the proof.)
     """
 
     must_release: bool
@@ -47,8 +48,9 @@ class Expectations:
 
 
 def _may_fire(model: Model, device: SimDevice) -> bool:
-    """Whether an armed fault could still fire on the shutdown path (so the model cannot predict its end)."""
-    plan, pending = device.plan, model.pending()
+    """Whether an armed fault could still fire on the shutdown path (so the model cannot predict its end): the
+    drain queries the queued jobs and the late copies still held (R27)."""
+    plan, pending = device.plan, [*model.pending(), *model.holding()]
     for fault in plan.faults:
         if fault.point not in SHUTDOWN_POINTS:
             continue
@@ -69,7 +71,7 @@ def expectations(model: Model, device: SimDevice, policy: ShutdownPolicy) -> Exp
     must_release = certain and not model.any_hung and not _may_fire(model, device) and enough
     failed = model.any_failed or any(t.must_fail for t in model.pending())
     return Expectations(must_release, model.any_hung and not model.tainted, must_release and not failed,
-                        failed or model.any_hung)
+                        model.any_hung)
 
 
 def may_release_unproven(report: ReportLike, model: Model) -> bool:
@@ -143,7 +145,7 @@ def _drains(report: ReportLike, model: Model) -> Iterator[Problem]:
     """R9/R10: both handlers drained; what can never be proven is abandoned, never drained."""
     for direction, part in (("store", report.store), ("load", report.load)):
         queued = model.chain[direction]
-        stuck = sum(t.stuck for t in queued)
+        stuck = sum(t.stuck and not model.may_be_late(t) for t in queued)  # R26: an expired one is reported
         if part.abandoned < stuck:
             yield "R9/R10", f"{direction} handler abandoned {part.abandoned} transfers; {stuck} can never be proven"
         if part.drained > len(queued) - stuck:

@@ -123,7 +123,7 @@ class ShutdownRules(MachineBase):
     @rule(data=st.data())
     def use_after_shutdown(self, data: st.DataObject) -> None:
         """R8: after shutdown submissions raise WorkerClosedError, get_finished is [], wait returns at once,
-        order_after orders nothing and raises nothing (R23)."""
+        order_after orders nothing and raises nothing (R23), nor does cancel (R26)."""
         with self._step():
             gpu, cpu = data.draw(self.specs, label="specs")
             job = self._fresh_job()
@@ -148,6 +148,9 @@ class ShutdownRules(MachineBase):
             self.current_worker.wait(ids, None)
             if ordering:
                 self.current_worker.order_after(ids)
+            if self.running:  # R26: after shutdown a cancel does nothing and raises nothing
+                self._say(f"w.cancel({ids!r})  # R26: does nothing")
+                self.current_worker.cancel(ids)  # type: ignore[attr-defined]
             with contextlib.suppress(WorkerClosedError):
                 self.current_worker.cpu_snapshot()
                 self._check(False, "R8", "cpu_snapshot() after shutdown did not raise WorkerClosedError")
