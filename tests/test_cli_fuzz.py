@@ -18,7 +18,7 @@ from kvoffload_ref.testing.adapter import Capabilities
 from kvoffload_ref.testing.campaign import REPRO_BEGIN, REPRO_END
 
 MUTANT = "kvoffload_ref.testing.mutants:failures_reported_as_success"
-HINT = 'pip install "kvoffload_ref[conformance]"'
+HINT = 'pip install "hypothesis>=6.100"'
 
 
 @pytest.mark.parametrize("argv", [
