@@ -279,7 +279,8 @@ def check_options(blocks_per_chunk: object, policy: object, pin_chunk_bytes: obj
         raise InvalidTransferError(f"require_pinned must be a bool, got {type(require_pinned).__name__} "
                                    f"{require_pinned!r}")
     if policy is not None and not isinstance(policy, ShutdownPolicy):
-        raise InvalidTransferError(f"policy must be a ShutdownPolicy or None, got {type(policy).__name__}")
+        raise InvalidTransferError(f"policy must be a ShutdownPolicy or None (e.g. ShutdownPolicy(timeout=5.0)), got "
+                                   f"{type(policy).__name__} {policy!r}")
     stall = None if stall_warning is None else check_positive("stall_warning", stall_warning, unit="seconds")
     return WorkerOptions(bpc, policy or ShutdownPolicy(), pin_bytes, require_pinned, compute_stream,
                          as_canonical(canonical), stall)

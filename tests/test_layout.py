@@ -476,7 +476,8 @@ R7_CASES = [
     pytest.param(lambda: KVCacheLayout((512,), [[LayerRef(0, 1)], []]),
                  r"^groups\[1\] has no refs: expected at least one LayerRef per group$", id="layout-empty-group"),
     pytest.param(lambda: KVCacheLayout((512,), [[(0, 512)]]),  # type: ignore[list-item]
-                 r"^groups\[0\]\[0\] must be a LayerRef, got tuple$", id="layout-not-ref"),
+                 r"^groups\[0\]\[0\] must be a LayerRef \(e\.g\. LayerRef\(0, 512\)\), got tuple \(0, 512\)$",
+                 id="layout-not-ref"),
     pytest.param(lambda: KVCacheLayout((512,), [[LayerRef(0, 1), LayerRef(1, 1)]]),
                  r"^groups\[0\]\[1\]\.tensor_idx = 1 is out of range: expected 0 <= tensor_idx < 1$",
                  id="layout-tensor-idx"),

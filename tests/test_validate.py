@@ -91,6 +91,11 @@ BAD_INPUTS: list[tuple[str, Any, Callable[[Any, Any, Any], object]]] = [
     ("tensor_page_bytes", 512, lambda w, be, make: kv.KVCacheLayout(512, [[kv.LayerRef(0, 1)]])),
     ("page_size_bytes", 0, lambda w, be, make: kv.LayerRef(0, 0)),
     ("group_sizes", 3, lambda w, be, make: kv.GPULoadStoreSpec([1, 2, 3], 3, (0,))),
+    ("groups[0][0]", (0, 512), lambda w, be, make: kv.KVCacheLayout((512,), [[(0, 512)]])),
+    ("policy", "free", lambda w, be, make: make(be, [], _LAYOUT, blocks_per_chunk=3, num_cpu_chunks=4,
+                                                policy="free")),
+    ("sticky", "hang", lambda w, be, make: kv.Fault("copy", "hang", sticky=True)),
+    ("duration", "slow", lambda w, be, make: kv.Fault("copy", "slow")),
 ]
 
 
