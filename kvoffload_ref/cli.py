@@ -256,7 +256,7 @@ def _fuzz_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                     "Run the conformance state machine against a worker -- kvoffload_ref's own, or the one "
                     "--factory builds -- for --steps or --seconds, in --jobs processes. Exit 0: no violation; "
                     "1: a violation (shrunk, printed with its seed and a runnable reproduction); 2: bad usage. "
-                    'Needs Hypothesis: pip install "kvoffload_ref[conformance]".')
+                    'Needs Hypothesis: pip install "hypothesis>=6.100".')
     fuzz.add_argument("--factory", default=REFERENCE_FACTORY, metavar="MODULE:CALLABLE",
                       help="the worker factory, (backend, gpu_tensors, setup) -> worker, as in docs/conformance.md "
                            "(default: kvoffload_ref's own worker)")

@@ -243,7 +243,8 @@ def demo(trace: str | None = None) -> int:
         status = _acts()
         if trace is not None:
             write_merged(trace, [(act, be.trace_document()) for act, be in _TRACED])
-            print(f"timeline of every act written to {trace} (open it in https://ui.perfetto.dev)")
+            print(f"timeline of every act written to {trace} (open it in https://ui.perfetto.dev, or draw it, one "
+                  f"panel per act: kvoffload-ref trace-plot {trace} timeline.png)")
         return status
     finally:
         _TRACING[0], _TRACED[:] = False, []
@@ -258,6 +259,6 @@ def _acts() -> int:
     _hung_shutdown(checks, "quarantine")
     _hung_shutdown(checks, "release")
     _racy_schedule(checks)
-    canonical_act(checks.check, 5)
+    canonical_act(checks.check, 5, lambda rank: _device(f"act 5: {rank}"))
     print(f"\n{checks.passed} checks passed, {len(checks.failed)} failed")
     return 0 if not checks.failed else 1

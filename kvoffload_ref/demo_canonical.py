@@ -39,12 +39,15 @@ def _heads(full: npt.NDArray[np.uint8], tp: int, rank: int) -> npt.NDArray[np.ui
     return np.ascontiguousarray(full[:, :, :, head:head + 1, :]).reshape(BLOCKS, -1)
 
 
-def canonical_act(check: Callable[[bool, str], None], act: int) -> None:
+def canonical_act(check: Callable[[bool, str], None], act: int,
+                  device: Callable[[str], SimBackend] = lambda _name: SimBackend()) -> None:
     """Run the act, reporting each check through ``check(ok, what)``.
 
     Args:
         check: records one check (the demo's).
         act: the act's number, for its heading.
+        device: makes each rank's simulated device, given the rank's name (e.g. "TP=4 rank 0"): the demo's traces
+            every act's devices.
     """
     print(f"\nAct {act} -- the canonical layout (R24): a TP=4 model with {HEADS} KV heads stores {BLOCKS} blocks of "
           "one layer in canonical mode into a shared region; a TP=2 model then loads them back from the same bytes. "
@@ -57,7 +60,7 @@ def canonical_act(check: Callable[[bool, str], None], act: int) -> None:
     cpu_spec = CPULoadStoreSpec(np.arange(BLOCKS // BPC, dtype=np.int64) + 2)
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=directory) as where:
-        backends = [SimBackend() for _ in slots]
+        backends = [device(f"TP={tp} rank {rank}") for tp, rank in slots]
         page = maps[4][0].local_page_size
         cpu_layout = CanonicalLayout([maps[4][0]]).cpu_layout(KVCacheLayout([page], [[LayerRef(0, page)]]))
         regions = [SharedRegion.open("demo-canonical", backend=be, layout=cpu_layout, blocks_per_chunk=BPC,

@@ -40,6 +40,7 @@ __all__ = [
     "TransferExpired",
     "WorkerClosedError",
     "detached",
+    "submission_refused",
 ]
 
 # CUDA runtime status codes the library names (CuPy exports none of them; values from the CUDA enum).
@@ -125,6 +126,25 @@ class DeviceError(OffloadError, RuntimeError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.status))
+
+
+def submission_refused(exc: DeviceError, direction: str, job_id: object) -> DeviceError:
+    """The error a submission raises when a device call failed before the device took its copy (R5, R7, R14).
+
+    Args:
+        exc: the device's error (an injected ``copy`` fault, a failed ``create_event``, ...).
+        direction: "store" or "load".
+        job_id: the refused job's id.
+
+    Returns:
+        A DeviceError of the same status saying that the job was refused and nothing was queued (no result will
+        come for it; the id stays free); ``exc`` itself when it is a subclass, which carries its own meaning.
+    """
+    if type(exc) is not DeviceError:
+        return exc
+    return DeviceError(f"{direction} job {job_id!r} was refused: nothing was queued, no result will come for it and "
+                       f"the job id stays free (a device call failed before the device took the copy: {exc})",
+                       exc.status)
 
 
 class TransferExpired(DeviceError):

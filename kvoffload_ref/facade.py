@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from kvoffload_ref.backends.base import Backend
 from kvoffload_ref.canonical_plan import CanonicalLayout, as_canonical
-from kvoffload_ref.errors import InvalidTransferError
+from kvoffload_ref.errors import DeviceError, InvalidTransferError, submission_refused
 from kvoffload_ref.lifecycle import WorkerState
 from kvoffload_ref.region import HostRegion
 from kvoffload_ref.results import HeldBlocks, ReleasedHold, ShutdownPolicy, ShutdownReport, TransferResult, WorkerStats
@@ -98,7 +98,7 @@ class WorkerFacade:
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec, *,
                      deadline: float | None = None, tag: object = None) -> bool:
         """Queue a GPU -> CPU copy; see :meth:`submit_load` for the rules."""
-        return self._core.submit("store", job_id, src_spec, dst_spec, deadline, tag)
+        return self._submit("store", job_id, src_spec, dst_spec, deadline, tag)
 
     def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec, *,
                     deadline: float | None = None, tag: object = None) -> bool:
@@ -120,9 +120,16 @@ class WorkerFacade:
             InvalidTransferError: bad input; nothing changed (R7). BlocksHeldError: (an InvalidTransferError) it
                 would touch blocks a late copy holds (R27); nothing changed. WorkerClosedError: shutdown began (R8),
                 or this is a forked child (R21). DeviceError: a device call failed before the copy was queued;
-                nothing was.
+                nothing was, and the message says the job was refused.
         """
-        return self._core.submit("load", job_id, src_spec, dst_spec, deadline, tag)
+        return self._submit("load", job_id, src_spec, dst_spec, deadline, tag)
+
+    def _submit(self, direction: Direction, job_id: int, src: object, dst: object, deadline: object, tag: object
+                ) -> bool:
+        try:
+            return self._core.submit(direction, job_id, src, dst, deadline, tag)
+        except DeviceError as exc:  # R5/R14: raised only before the device took the copy: say the job was refused
+            raise submission_refused(exc, direction, job_id) from exc
 
     def cancel(self, job_ids: Iterable[int]) -> None:
         """End the listed jobs now (R26). Each is first looked at without waiting: a job already proven complete is
@@ -272,7 +279,8 @@ def check_options(blocks_per_chunk: object, policy: object, pin_chunk_bytes: obj
         raise InvalidTransferError(f"require_pinned must be a bool, got {type(require_pinned).__name__} "
                                    f"{require_pinned!r}")
     if policy is not None and not isinstance(policy, ShutdownPolicy):
-        raise InvalidTransferError(f"policy must be a ShutdownPolicy or None, got {type(policy).__name__}")
+        raise InvalidTransferError(f"policy must be a ShutdownPolicy or None (e.g. ShutdownPolicy(timeout=5.0)), got "
+                                   f"{type(policy).__name__} {policy!r}")
     stall = None if stall_warning is None else check_positive("stall_warning", stall_warning, unit="seconds")
     return WorkerOptions(bpc, policy or ShutdownPolicy(), pin_bytes, require_pinned, compute_stream,
                          as_canonical(canonical), stall)

@@ -118,7 +118,8 @@ class Fault:
             raise InvalidTransferError(f"a slow fault cannot be injected at {self.point!r}; only at "
                                        f"{TRANSFER_HANG_POINTS}")
         if self.kind != "error" and self.sticky:
-            raise InvalidTransferError("sticky applies to errors only")
+            raise InvalidTransferError(f"sticky applies to errors only, not to a {self.kind!r} fault (e.g. "
+                                       f"Fault({self.point!r}, 'error', sticky=True))")
         self._check_duration()
         if self.job_id is not None:
             object.__setattr__(self, "job_id", check_int("Fault.job_id", self.job_id))
@@ -135,7 +136,8 @@ class Fault:
                 raise InvalidTransferError(f"duration applies to slow faults only, not to a {self.kind!r} fault")
             return
         if self.duration is None:
-            raise InvalidTransferError("a slow fault needs duration= (seconds the stall lasts, a finite number > 0)")
+            raise InvalidTransferError("a slow fault needs duration= (seconds the stall lasts, a finite number > 0, "
+                                       "e.g. duration=0.5)")
         object.__setattr__(self, "duration", check_positive("Fault.duration", self.duration, unit="seconds"))
 
     def matches(self, tag: Tag | None) -> bool:

@@ -57,7 +57,7 @@ from kvoffload_ref.results import KeptRange
 from kvoffload_ref.seams import DEFAULT_MAX_REGISTER_BYTES, register_chunks
 from kvoffload_ref.shield import Shield
 from kvoffload_ref.specs import KVCacheLayout, TensorGeometry
-from kvoffload_ref.validate import INT64_MAX, Int64Array, check_int, check_sizes, check_views
+from kvoffload_ref.validate import INT64_MAX, Int64Array, check_int, check_sizes, check_views, map_refused
 
 # QuarantinedItem, quarantine and quarantined live in kvoffload_ref.quarantine; re-exported here for compatibility.
 __all__ = ["DEFAULT_MAX_REGISTER_BYTES", "DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine",
@@ -279,8 +279,11 @@ class HostRegion:
         if total > INT64_MAX:
             raise InvalidTransferError(f"a region of {num_cpu_chunks} chunks of {blocks_per_chunk} blocks would be "
                                        f"{total} bytes: expected at most {INT64_MAX}")
-        mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:  # R7: say what was asked for, by which field, and what would fit
+            raise OSError(exc.errno, map_refused(exc, total, num_cpu_chunks, blocks_per_chunk)) from exc
         return cls(backend, mapping, offsets, row_bytes, num_cpu_chunks, max_register_bytes=max_register_bytes)
 
     #: The rank named in unregister warnings (upstream's text carries one; a private region is rank 0).

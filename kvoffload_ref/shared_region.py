@@ -74,6 +74,10 @@ __all__ = [
 
 logger = logging.getLogger("kvoffload_ref.shared_region")
 
+# Invariant: the paths this process has opened a region at (any rank, any group); only grows. A later open that
+# finds no file there and creates an empty one is a new group after the earlier one's file was given up (R17/R18).
+_OPENED_PATHS: set[str] = set()
+
 DEFAULT_DIRECTORY: Final = "/dev/shm"
 DEFAULT_TIMEOUT: Final = 30.0
 FILE_PREFIX: Final = "kvoffload_ref_"
@@ -197,6 +201,22 @@ class SharedGeometry:
         return pack_header(state, self.fields())
 
 
+def _say_created(region: SharedRegion, path: str) -> None:
+    """Log how the region was opened. Creating an empty file where this process opened one before is a WARNING:
+    whatever the earlier group stored there is not in it (a load from it reads zeros)."""
+    if region.created_empty:
+        again = path in _OPENED_PATHS
+        logger.log(logging.WARNING if again else logging.INFO,
+                   "shared region %r: no file at %s%s: rank %d of %d created an empty one (all zeros until a rank "
+                   "stores into it). A region's bytes live only while one of its openers keeps it mapped, and its "
+                   "name only until all world_size ranks have mapped it: to load what another group stored, open "
+                   "the region as ranks of that group, or keep one of its regions open until the new ranks joined "
+                   "(docs/canonical.md)", region.engine_id, path,
+                   " (this process opened a region there before: that group's file was given up)" if again else "",
+                   region.rank, region.world_size)
+    _OPENED_PATHS.add(path)
+
+
 def _map_file(fd: int, size: int) -> mmap.mmap:
     """Map the whole file shared, read/write (a separate step so tests can stop a rank before it)."""
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -300,6 +320,7 @@ class SharedRegion(HostRegion):
             region = cls(backend, mapping, geometry, rank, shared, engine_id=engine_id, is_creator=is_creator,
                          max_register_bytes=max_register_bytes)
             guards.pop_all()
+        _say_created(region, path)
         return region
 
     @classmethod
@@ -328,9 +349,17 @@ class SharedRegion(HostRegion):
     def _describe(self) -> str:
         return f"this SharedRegion ({self.path}, rank {self.rank} of {self.world_size})"
 
+    @property
+    def created_empty(self) -> bool:
+        """True when this open found no file and created it: its rows were all zeros then, whatever an earlier
+        group stored under the same engine id (its file was given up once all its ranks had mapped it, R18)."""
+        return self.is_creator
+
     def __repr__(self) -> str:
         return (f"<SharedRegion {self.state.value} {self.path} rank {self.rank}/{self.world_size}"
-                f"{' replicated' if self.replicated else ''}, {self.pinned_ranges} pinned range(s)>")
+                f"{' replicated' if self.replicated else ''}, "
+                f"{'created empty here' if self.created_empty else 'joined an existing file'}, "
+                f"{self.pinned_ranges} pinned range(s)>")
 
     def snapshot_rows(self) -> npt.NDArray[np.uint8]:
         """A copy of every row of the file -- all ranks' slices and the padding -- shape (num_chunks, row_stride).

@@ -135,7 +135,8 @@ class GroupRefs:
 def _check_ref(ref: object, name: str, tensor_page_bytes: tuple[int, ...]) -> LayerRef:
     """Return ``ref`` if it is a LayerRef that fits ``tensor_page_bytes``, else raise InvalidTransferError."""
     if not isinstance(ref, LayerRef):
-        raise InvalidTransferError(f"{name} must be a LayerRef, got {type(ref).__name__}")
+        raise InvalidTransferError(f"{name} must be a LayerRef (e.g. LayerRef(0, 512)), got {type(ref).__name__} "
+                                   f"{ref!r}")
     if ref.tensor_idx >= len(tensor_page_bytes):
         raise InvalidTransferError(f"{name}.tensor_idx = {ref.tensor_idx} is out of range: "
                                    f"expected 0 <= tensor_idx < {len(tensor_page_bytes)}")
@@ -149,12 +150,13 @@ def _check_ref(ref: object, name: str, tensor_page_bytes: tuple[int, ...]) -> La
 def _check_groups(groups: object, tensor_page_bytes: tuple[int, ...]) -> tuple[tuple[LayerRef, ...], ...]:
     """Validate the groups of a layout and return them as tuples."""
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
-        raise InvalidTransferError(f"groups must be a sequence of sequences of LayerRef, "
-                                   f"got {type(groups).__name__}")
+        raise InvalidTransferError(f"groups must be a sequence of sequences of LayerRef (e.g. [[LayerRef(0, 512)]]), "
+                                   f"got {type(groups).__name__} {groups!r}")
     result: list[tuple[LayerRef, ...]] = []
     for g, refs in enumerate(groups):
         if isinstance(refs, (str, bytes)) or not isinstance(refs, Iterable):
-            raise InvalidTransferError(f"groups[{g}] must be a sequence of LayerRef, got {type(refs).__name__}")
+            raise InvalidTransferError(f"groups[{g}] must be a sequence of LayerRef (e.g. [LayerRef(0, 512)]), got "
+                                       f"{type(refs).__name__} {refs!r}")
         group = tuple(_check_ref(r, f"groups[{g}][{i}]", tensor_page_bytes) for i, r in enumerate(refs))
         if not group:
             raise InvalidTransferError(f"groups[{g}] has no refs: expected at least one LayerRef per group")

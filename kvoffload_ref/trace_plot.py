@@ -1,21 +1,25 @@
 """``kvoffload-ref trace-plot TRACE.json OUT.png``: draw a timeline (``backends.trace_format``) with matplotlib.
 
-One row per track (process, stream), top to bottom in the trace's order; a bar per span, coloured by what it is
-(a store, a load, by copy path; compute work; a wait); thin arrows for ``wait_event`` edges; a red cross for a
-violation, an orange triangle for a fault. matplotlib is optional (``pip install "kvoffload_ref[plot]"``); it is
-imported only when a picture is drawn.
+One panel per act (``demo --trace`` names each device "act N: ..."; else one per device), each with its own time
+axis; in it one row per track (process, stream), a stream named by what ran on it ("store stream (s1)"); a bar per
+span, coloured by what it is (a store, a load, by copy path; compute work; a wait); thin arrows for ``wait_event``
+edges; a red cross for a violation, an orange triangle for a fault. The host's polling (the sleeps between its
+queries) is drawn apart, hatched, under a dashed line: a gap on a stream there is the host waiting, not the device.
+matplotlib is optional (``pip install "kvoffload_ref[plot]"``); it is imported only when a picture is drawn.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any, Final
 
-from kvoffload_ref.backends.trace_format import load_trace
+from kvoffload_ref.backends.trace_format import HOST_TRACK, load_trace
 
-__all__ = ["HINT", "main", "plot"]
+__all__ = ["HINT", "Panel", "main", "panels", "plot"]
 
 #: The one line printed when matplotlib is missing.
 HINT: Final = ('kvoffload-ref trace-plot needs matplotlib: pip install "kvoffload_ref[plot]" '
@@ -24,6 +28,9 @@ HINT: Final = ('kvoffload-ref trace-plot needs matplotlib: pip install "kvoffloa
 _COLOURS: Final = {"store": "#1f77b4", "load": "#2ca02c", "copy": "#7f7f7f", "compute": "#ff7f0e",
                    "sync": "#c7c7c7", "stuck": "#d62728"}
 _PATH_SHADE: Final = {"kernel": 1.0, "memcpy": 0.6, "dma": 0.8, "simple": 0.9}
+_HOST: Final = "#8c564b"  # the host's polling: hatched, on its own lane
+#: A transfer's direction in a span or marker name ("store job 1", "fault: hang after load job 2").
+_DIRECTION: Final = re.compile(r"\b(store|load) job\b")
 
 
 def _colour(event: Mapping[str, Any]) -> tuple[str, float]:
@@ -35,8 +42,72 @@ def _colour(event: Mapping[str, Any]) -> tuple[str, float]:
     return _COLOURS.get(cat, "#9467bd"), 0.9
 
 
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    """One act (or one device) of a trace: its own rows and its own time axis."""
+
+    title: str
+    # Invariant: (pid, tid) -> row index, device lanes first, then the host's polling lanes.
+    rows: dict[tuple[int, int], int]
+    labels: list[str]
+    # Invariant: the rows at and after this index are the host's (drawn apart, under a dashed line).
+    host_from: int
+    scale: float
+    unit: str
+
+
+def panels(doc: Mapping[str, Any]) -> list[Panel]:
+    """The panels a trace is drawn as: one per act -- the processes whose names share the text before the first
+    ": " (``demo --trace`` names each device ``"act N: ..."``) -- or one per process; each with its own time axis.
+    A stream's lane is named by the transfers it ran or held (copies, copies that never ran, stalls): "store
+    stream (s1)", "load stream (s5)"; "compute" keeps its name; the host's polling lane is listed last.
+
+    Args:
+        doc: a trace document (``backends.trace_format``).
+
+    Returns:
+        The panels, in the trace's order.
+    """
+    events = list(doc.get("traceEvents", []))
+    names = {(e["pid"], e["tid"]): str(e["args"]["name"]) for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    procs = {e["pid"]: str(e["args"]["name"]) for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    seen = {(e.get("pid"), e.get("tid")) for e in events if e.get("ph") in ("X", "i")}
+    copies: dict[tuple[int, int], set[str]] = {}  # the directions of the transfers each track ran or held
+    for e in events:
+        if e.get("cat") in ("copy", "stuck", "fault"):
+            found = _DIRECTION.search(str(e.get("name", "")))
+            if found is not None:
+                copies.setdefault((e["pid"], e["tid"]), set()).add(found.group(1))
+    groups: dict[str, list[int]] = {}
+    for pid in sorted({k[0] for k in names}):
+        groups.setdefault(procs.get(pid, "").split(": ", 1)[0], []).append(pid)
+    result, source = [], str(doc.get("otherData", {}).get("source") or "timeline")
+    for act, pids in groups.items():
+        keys = [k for k in names if k[0] in pids and k in seen]
+        host = [k for k in keys if names[k] == HOST_TRACK]
+        ordered = [k for k in keys if k not in host] + host
+        prefix = {pid: procs[pid].split(": ", 1)[1] + ": " if len(pids) > 1 and ": " in procs.get(pid, "") else ""
+                  for pid in pids}
+        labels = [prefix[k[0]] + _lane(names[k], copies.get(k, set())) for k in ordered]
+        scale, unit = _unit([e for e in events if e.get("pid") in pids and e.get("ph") in ("X", "i", "s", "f")])
+        title = (procs.get(pids[0], act) if len(pids) == 1 else act) or source
+        result.append(Panel(title, {k: i for i, k in enumerate(ordered)}, labels,
+                            len(ordered) - len(host), scale, unit))
+    return result
+
+
+def _lane(name: str, directions: set[str]) -> str:
+    """A track's label: a stream named by the copies it ran, the host's polling lane, or its own name."""
+    if name == HOST_TRACK:
+        return "host: polling (not the device)"
+    if directions in ({"store"}, {"load"}):
+        return f"{next(iter(directions))} stream ({name})"
+    return f"copy stream ({name})" if directions else name
+
+
 def plot(doc: Mapping[str, Any], out: str, title: str | None = None) -> int:
-    """Draw ``doc`` into the PNG ``out``.
+    """Draw ``doc`` into the PNG ``out``: one panel per act (:func:`panels`), each with its own time axis.
 
     Args:
         doc: a trace document.
@@ -53,50 +124,64 @@ def plot(doc: Mapping[str, Any], out: str, title: str | None = None) -> int:
     matplotlib.use("Agg")
     plt = importlib.import_module("matplotlib.pyplot")
     events = list(doc.get("traceEvents", []))
-    names: dict[tuple[int, int], str] = {}
-    procs: dict[int, str] = {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            names[(e["pid"], e["tid"])] = str(e["args"]["name"])
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            procs[e["pid"]] = str(e["args"]["name"])
-    seen = {(e.get("pid"), e.get("tid")) for e in events if e.get("ph") in ("X", "i")}
-    used = [k for k in names if k in seen]
-    rows = {k: i for i, k in enumerate(used)}
-    scale, unit = _unit([e for e in events if e.get("ph") in ("X", "i", "s", "f")])
-    fig, ax = plt.subplots(figsize=(12, 0.55 * max(len(rows), 2) + 1.6))
+    drawn_panels = panels(doc)
+    heights = [max(len(p.labels), 1) + 1.2 for p in drawn_panels]
+    fig, axes = plt.subplots(len(drawn_panels), 1, figsize=(13, 0.42 * sum(heights) + 1.0), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     drawn = 0
+    for panel, ax in zip(drawn_panels, axes[:, 0], strict=True):
+        drawn += _draw_panel(ax, panel, events)
+    source = doc.get("otherData", {}).get("source")
+    fig.suptitle(title or (f"timeline: {source}" if source else "timeline"))
+    legend = {k: c for k, c in _COLOURS.items() if any(_colour(e)[0] == c for e in events if e.get("ph") == "X")}
+    handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in legend.items()]
+    if any(e.get("cat") == "host" for e in events):
+        handles.append(matplotlib.patches.Patch(facecolor="white", edgecolor=_HOST, hatch="///",
+                                                label="host polling"))
+    if handles:
+        fig.legend(handles=handles, loc="upper right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 0.93, 0.97))
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def _draw_panel(ax: Any, panel: Panel, events: list[dict[str, Any]]) -> int:
+    """One act's rows on its own time axis; the host's polling under a dashed line, hatched."""
+    rows, scale, drawn = panel.rows, panel.scale, 0
     bars: dict[tuple[int, str, float, bool], list[tuple[float, float]]] = {}
+    host: list[tuple[float, float, int]] = []
     for e in events:
         key = (e.get("pid"), e.get("tid"))
-        if e.get("ph") == "X" and key in rows:
+        if key not in rows:
+            continue
+        if e.get("ph") == "X" and e.get("cat") == "host":
+            host.append((float(e["ts"]) * scale, float(e["dur"]) * scale, rows[key]))
+        elif e.get("ph") == "X":
             colour, alpha = _colour(e)
-            width = max(float(e["dur"]), 0.0) * scale
             bars.setdefault((rows[key], colour, alpha, e.get("cat") == "copy"), []).append(
-                (float(e["ts"]) * scale, width))
+                (float(e["ts"]) * scale, max(float(e["dur"]), 0.0) * scale))
             drawn += 1
-        elif e.get("ph") == "i" and key in rows:
+        elif e.get("ph") == "i" and e.get("cat") == "host":
+            ax.plot(float(e["ts"]) * scale, rows[key], "|", color=_HOST, markersize=8, zorder=4)
+        elif e.get("ph") == "i":
             violation = e.get("cat") == "violation"
             ax.plot(float(e["ts"]) * scale, rows[key], "x" if violation else "^",
                     color="#d62728" if violation else "#ff9900", markersize=10, markeredgewidth=2, zorder=4)
     for (row, colour, alpha, outlined), spans in bars.items():   # one artist per row and colour: fast
         ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=colour, alpha=alpha,
                        edgecolor="black" if outlined else "none", linewidth=0.3)
+    for start, width, row in host:
+        ax.broken_barh([(start, width)], (row - 0.3, 0.6), facecolors="white", edgecolor=_HOST, hatch="///",
+                       linewidth=0.5)
+    if panel.host_from < len(panel.labels):
+        ax.axhline(panel.host_from - 0.5, color="#555555", linestyle="--", linewidth=0.8)
     _flows(ax, events, rows, scale)
-    labels = [f"{procs[k[0]]}: {names[k]}" if k[0] in procs else names[k] for k in used]
-    ax.set_yticks(range(len(used)), labels)
-    ax.set_ylim(len(used) - 0.4, -0.6)
-    ax.set_xlabel(f"time ({unit})")
-    source = doc.get("otherData", {}).get("source")
-    ax.set_title(title or (f"timeline: {source}" if source else "timeline"))
-    handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in _COLOURS.items()
-               if any(_colour(e)[0] == c for e in events if e.get("ph") == "X")]
-    if handles:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_yticks(range(len(panel.labels)), panel.labels, fontsize=8)
+    ax.set_ylim(len(panel.labels) - 0.4, -0.6)
+    ax.set_xlabel(f"time ({panel.unit})", fontsize=8)
+    ax.set_title(panel.title, fontsize=10, loc="left")
     ax.grid(axis="x", linewidth=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
     return drawn
 
 

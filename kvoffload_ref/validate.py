@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final, cast
 
 import numpy as np
@@ -46,6 +46,7 @@ __all__ = [
     "check_sizes",
     "check_timeout",
     "check_views",
+    "map_refused",
     "readonly",
 ]
 
@@ -89,15 +90,17 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
     Raises:
         InvalidTransferError: not an int (the message names ``name`` and what to pass), or out of range.
     """
+    # R7: every refusal names the field, the value and a valid example (the bound nearest zero).
+    example = f" (e.g. {minimum if minimum is not None else 0 if maximum is None or maximum >= 0 else maximum})"
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidTransferError(f"{name} must be an int, got {type(value).__name__} {_show(value)}")
+        raise InvalidTransferError(f"{name} must be an int, got {type(value).__name__} {_show(value)}{example}")
     result = int(value)
     if (minimum is not None and result < minimum) or (maximum is not None and result > maximum):
         if maximum is None:
-            raise InvalidTransferError(f"{name} must be >= {minimum}, got {_show(result)}")
+            raise InvalidTransferError(f"{name} must be >= {minimum}, got {_show(result)}{example}")
         if minimum is None:
-            raise InvalidTransferError(f"{name} must be <= {maximum}, got {_show(result)}")
-        raise InvalidTransferError(f"{name} must be an int in [{minimum}, {maximum}], got {_show(result)}")
+            raise InvalidTransferError(f"{name} must be <= {maximum}, got {_show(result)}{example}")
+        raise InvalidTransferError(f"{name} must be an int in [{minimum}, {maximum}], got {_show(result)}{example}")
     return result
 
 
@@ -108,7 +111,8 @@ def check_int_tuple(name: str, values: object, *, minimum: int, maximum: int | N
         InvalidTransferError: not an iterable of ints, or an entry out of range (named ``name[i]``).
     """
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidTransferError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+        raise InvalidTransferError(f"{name} must be a sequence of ints (e.g. ({max(minimum, 1)},)), got "
+                                   f"{type(values).__name__} {_show(values)}")
     return tuple(check_int(f"{name}[{i}]", v, minimum=minimum, maximum=maximum) for i, v in enumerate(values))
 
 
@@ -122,13 +126,14 @@ def _check_real(name: str, value: object, *, unit: str, positive: bool, allow_in
         return value  # the common case, in one comparison chain (sleep() and every wait come through here)
     bound = "> 0" if positive else ">= 0"
     if isinstance(value, bool) or not isinstance(value, _REAL):
-        raise InvalidTransferError(f"{name} must be a number of {unit} {bound} (an int or a float), got "
-                                   f"{type(value).__name__} {_show(value)}")
+        raise InvalidTransferError(f"{name} must be a number of {unit} {bound} (an int or a float, e.g. 1.0), "
+                                   f"got {type(value).__name__} {_show(value)}")
     if isinstance(value, (int, np.integer)):
         exact = int(value)
         if exact < 0 or (positive and exact == 0):
             what = "negative" if exact < 0 else "zero"
-            raise InvalidTransferError(f"{name} = {_show(exact)} is {what}: expected a number of {unit} {bound}")
+            raise InvalidTransferError(f"{name} = {_show(exact)} is {what}: expected a number of {unit} {bound} "
+                                           "(e.g. 1.0)")
         try:
             return float(exact)
         except OverflowError:
@@ -138,16 +143,18 @@ def _check_real(name: str, value: object, *, unit: str, positive: bool, allow_in
             ) from None
     number = float(value)  # a float or a numpy floating (a long double beyond the float range becomes inf)
     if math.isnan(number):
-        raise InvalidTransferError(f"{name} is NaN: expected a number of {unit} {bound}")
+        raise InvalidTransferError(f"{name} is NaN: expected a number of {unit} {bound} (e.g. 1.0)")
     if number < 0 or (positive and number == 0):
         what = "negative" if number < 0 else "zero"
-        raise InvalidTransferError(f"{name} = {_show(value)} is {what}: expected a number of {unit} {bound}")
+        raise InvalidTransferError(f"{name} = {_show(value)} is {what}: expected a number of {unit} {bound} "
+                                   "(e.g. 1.0)")
     if math.isinf(number):
         if not np.isinf(value):  # a numpy floating beyond the float range (a long double)
             raise InvalidTransferError(f"{name} = {_show(value)} is too large: it does not fit in a float (at most "
                                        f"{sys.float_info.max:.4g} {unit})")
         if not allow_inf:
-            raise InvalidTransferError(f"{name} is infinite: expected a finite number of {unit} {bound}")
+            raise InvalidTransferError(f"{name} is infinite: expected a finite number of {unit} {bound} "
+                                       "(e.g. 1.0)")
     return number
 
 
@@ -210,8 +217,11 @@ def check_job_ids(job_ids: object) -> set[int]:
     """
     if type(job_ids) not in _ID_CONTAINERS and (isinstance(job_ids, (str, bytes)) or
                                                 not isinstance(job_ids, Iterable)):
-        raise InvalidTransferError(f"job_ids must be an iterable of job ids (e.g. {{{_show(job_ids)}}}), "
-                                   f"got {type(job_ids).__name__}")
+        # Invariant: the example is valid itself: ``{8}`` for ``wait(8)``, a set of ints for anything else.
+        example = (f"{{{_show(job_ids)}}}" if isinstance(job_ids, (int, np.integer)) and not isinstance(job_ids, bool)
+                   else "{3} or [3, 4]")
+        raise InvalidTransferError(f"job_ids must be an iterable of job ids (e.g. {example}), "
+                                   f"got {type(job_ids).__name__} {_show(job_ids)}")
     return {check_int("job_id", job) for job in cast(Iterable[object], job_ids)}
 
 
@@ -272,14 +282,18 @@ def check_id_array(name: str, values: object, *, noun: str = "ids") -> Int64Arra
         InvalidTransferError: not 1-D, not an integer dtype (bool and float included), an id beyond the int64
             range, a bool among the ids (numpy would make ``[True, 5]`` into ``[1, 5]``), or a negative id.
     """
+    if isinstance(values, Iterator):  # a generator or map: numpy would make it a 0-d object array, "shape ()"
+        raise InvalidTransferError(f"{name} must be a list, tuple, range or integer numpy array of ids (e.g. "
+                                   f"[0, 1, 2]), got a {type(values).__name__}: pass list(...) of it")
     try:
         arr = np.asarray(values)
     except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidTransferError(f"{name} must be a 1-D sequence of ints: {exc}") from None
+        raise InvalidTransferError(f"{name} must be a 1-D sequence of ints (e.g. [0, 1, 2]): {exc}") from None
     if arr.ndim != 1:
-        raise InvalidTransferError(f"{name} must be 1-D, got shape {arr.shape}")
+        raise InvalidTransferError(f"{name} must be 1-D (e.g. [0, 1, 2]), got {type(values).__name__} of shape "
+                                   f"{arr.shape}")
     if arr.dtype.kind == "b":
-        raise InvalidTransferError(f"{name} must have an integer dtype, got {arr.dtype}")
+        raise InvalidTransferError(f"{name} must have an integer dtype (e.g. [0, 1, 2]), got {arr.dtype}")
     if arr.size == 0:
         return readonly(np.empty(0, dtype=np.int64))
     if arr.dtype.kind == "O":  # ints beyond the int64 range make an object array: say so
@@ -287,7 +301,7 @@ def check_id_array(name: str, values: object, *, noun: str = "ids") -> Int64Arra
         if big is not None:
             raise InvalidTransferError(f"{name} must fit in int64, got {_show(big)}")
     if arr.dtype.kind not in "iu":  # float (an empty list is float64: accepted above), object, str
-        raise InvalidTransferError(f"{name} must have an integer dtype, got {arr.dtype}")
+        raise InvalidTransferError(f"{name} must have an integer dtype (e.g. [0, 1, 2]), got {arr.dtype}")
     if arr.dtype.kind == "u" and int(arr.max()) > INT64_MAX:
         raise InvalidTransferError(f"{name} must fit in int64, got {int(arr.max())}")
     _refuse_bools(values, name, noun)  # all bools gave a bool dtype above; bools mixed with ints give an int one
@@ -315,7 +329,8 @@ def check_sizes(blocks_per_chunk: object, num_cpu_chunks: object) -> tuple[int, 
 def _int_list(name: str, values: object, minimum: int) -> list[int]:
     """``values`` as a list of ints in [``minimum``, 2**63 - 1] (R7)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise InvalidTransferError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+        raise InvalidTransferError(f"{name} must be a sequence of ints (e.g. [{max(minimum, 0)}]), got "
+                                   f"{type(values).__name__} {_show(values)}")
     return [check_int(f"{name}[{i}]", v, minimum=minimum, maximum=INT64_MAX) for i, v in enumerate(values)]
 
 
@@ -355,3 +370,23 @@ def check_views(nbytes: int, offsets: object, row_bytes: object, num_cpu_chunks:
         if end > nbytes:
             raise InvalidTransferError(f"tensor {t} ends at byte {end}, beyond the mapping of {nbytes} bytes")
     return offs, sizes, rows, strides
+
+
+def map_refused(exc: OSError, total: int, num_cpu_chunks: int, blocks_per_chunk: int) -> str:
+    """The message of a host region the system would not map (R7): its size, the fields that made it, an example.
+
+    Args:
+        exc: what ``mmap`` raised.
+        total: the bytes asked for.
+        num_cpu_chunks: the field that sized it.
+        blocks_per_chunk: the other one.
+
+    Returns:
+        One line naming ``num_cpu_chunks``, its value, the size, and a value that maps at most 1 GiB.
+    """
+    per_chunk = max(1, total // num_cpu_chunks)
+    fits = max(1, (1 << 30) // per_chunk)  # an example that maps 1 GiB at most
+    return (f"cannot map a host region of {total} bytes ({total / 2**30:.1f} GiB) for num_cpu_chunks="
+            f"{num_cpu_chunks} with blocks_per_chunk={blocks_per_chunk} (about {per_chunk} bytes per chunk): "
+            f"{exc.strerror or exc}; pass fewer chunks (e.g. num_cpu_chunks={fits}, about "
+            f"{fits * per_chunk} bytes)")

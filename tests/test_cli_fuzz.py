@@ -4,7 +4,9 @@ usage), and the one-line hint when Hypothesis is missing. Kept fast: tiny step c
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
+import shlex
 import subprocess
 import sys
 
@@ -16,7 +18,7 @@ from kvoffload_ref.testing.adapter import Capabilities
 from kvoffload_ref.testing.campaign import REPRO_BEGIN, REPRO_END
 
 MUTANT = "kvoffload_ref.testing.mutants:failures_reported_as_success"
-HINT = 'pip install "kvoffload_ref[conformance]"'
+HINT = 'pip install "hypothesis>=6.100"'
 
 
 @pytest.mark.parametrize("argv", [
@@ -106,3 +108,53 @@ def test_cli_fuzz_without_hypothesis_says_how_to_install_it() -> None:
 def test_cli_fuzz_without_offers_every_capability_of_the_kit() -> None:
     kit = tuple(f.name for f in dataclasses.fields(Capabilities))
     assert kit == cli.CAPABILITIES
+
+
+def _console_script() -> str:
+    """The installed ``kvoffload-ref`` console script (its ``sys.path[0]`` is its own directory, not the cwd)."""
+    return str(pathlib.Path(sys.executable).parent / "kvoffload-ref")
+
+
+_USER_MODULE = '''\
+from kvoffload_ref.testing import adapter, mutants
+
+
+def make_worker(backend, gpu, setup):
+    return adapter.reference_worker_factory(backend, gpu, setup)
+
+
+def make_wrong_worker(backend, gpu, setup):
+    return mutants.interrupts_swallowed(backend, gpu, setup)
+'''
+
+
+@pytest.mark.rule("R5")
+def test_cli_factory_is_imported_from_the_current_directory(tmp_path: pathlib.Path) -> None:
+    """``--factory mymod:make_worker`` finds ``./mymod.py`` as ``python -m`` would, with no ``PYTHONPATH``, for
+    ``fuzz`` (in-process and ``--jobs``) and ``explore``."""
+    (tmp_path / "kvref_user_mod.py").write_text(_USER_MODULE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for argv in (["fuzz", "--factory", "kvref_user_mod:make_worker", "--steps", "30"],
+                 ["fuzz", "--factory", "kvref_user_mod:make_worker", "--steps", "20", "--jobs", "2"],
+                 ["explore", "--factory", "kvref_user_mod:make_worker", "--method", "get_finished"]):
+        done = subprocess.run([_console_script(), *argv], capture_output=True, text=True, timeout=120,
+                              check=False, cwd=tmp_path, env=env)
+        assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-2000:])
+
+
+@pytest.mark.rule("R14")
+def test_cli_explore_reproduce_lines_run_as_printed_from_the_factory_directory(tmp_path: pathlib.Path) -> None:
+    """The ``reproduce:`` line ``explore`` prints for a user's wrong worker reruns that case, as printed, from the
+    directory it was printed in: it finds the violation again (exit 1), not a bad factory (exit 2)."""
+    (tmp_path / "kvref_user_mod.py").write_text(_USER_MODULE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([_console_script(), "explore", "--factory", "kvref_user_mod:make_wrong_worker",
+                           "--method", "submit_store", "--config", "clean"], capture_output=True, text=True,
+                          timeout=120, check=False, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    line = next(ln for ln in done.stdout.splitlines() if "reproduce: " in ln).split("reproduce: ", 1)[1]
+    assert line.startswith("kvoffload-ref explore --factory kvref_user_mod:make_wrong_worker ")
+    again = subprocess.run([_console_script(), *shlex.split(line)[1:]], capture_output=True, text=True, timeout=120,
+                           check=False, cwd=tmp_path, env=env)
+    assert again.returncode == 1, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "reproduce: " + line in again.stdout

@@ -353,22 +353,34 @@ def cpu_with(t: int, **fields: object) -> tuple[TensorGeometry, ...]:
 
 R7_CASES = [
     # spec constructors
-    pytest.param(lambda: CPULoadStoreSpec([[1, 2]]), r"^CPULoadStoreSpec\.block_ids must be 1-D, got shape \(1, 2\)$",
+    pytest.param(lambda: CPULoadStoreSpec([[1, 2]]),
+                 r"^CPULoadStoreSpec\.block_ids must be 1-D \(e\.g\. \[0, 1, 2\]\), got list of shape \(1, 2\)$",
                  id="2d-ids"),
-    pytest.param(lambda: CPULoadStoreSpec(5), r"^CPULoadStoreSpec\.block_ids must be 1-D, got shape \(\)$",
+    pytest.param(lambda: CPULoadStoreSpec(5),
+                 r"^CPULoadStoreSpec\.block_ids must be 1-D \(e\.g\. \[0, 1, 2\]\), got int of shape \(\)$",
                  id="scalar-ids"),
+    pytest.param(lambda: CPULoadStoreSpec(i for i in (1, 2)),
+                 r"^CPULoadStoreSpec\.block_ids must be a list, tuple, range or integer numpy array of ids "
+                 r"\(e\.g\. \[0, 1, 2\]\), got a generator: pass list\(\.\.\.\) of it$", id="generator-ids"),
+    pytest.param(lambda: GPULoadStoreSpec(map(int, "12"), (2,), (0,)),
+                 r"^GPULoadStoreSpec\.block_ids must be a list, tuple, range or integer numpy array of ids "
+                 r"\(e\.g\. \[0, 1, 2\]\), got a map: pass list\(\.\.\.\) of it$", id="map-ids"),
     pytest.param(lambda: CPULoadStoreSpec([1.0, 2.0]),
-                 r"^CPULoadStoreSpec\.block_ids must have an integer dtype, got float64$", id="float-ids"),
+                 r"^CPULoadStoreSpec\.block_ids must have an integer dtype \(e\.g\. \[0, 1, 2\]\), got float64$",
+                 id="float-ids"),
     pytest.param(lambda: GPULoadStoreSpec([True], (1,), (0,)),
-                 r"^GPULoadStoreSpec\.block_ids must have an integer dtype, got bool$", id="bool-ids"),
+                 r"^GPULoadStoreSpec\.block_ids must have an integer dtype \(e\.g\. \[0, 1, 2\]\), got bool$",
+                 id="bool-ids"),
     pytest.param(lambda: CPULoadStoreSpec(["3"]),
-                 r"^CPULoadStoreSpec\.block_ids must have an integer dtype, got <U1$", id="str-ids"),
+                 r"^CPULoadStoreSpec\.block_ids must have an integer dtype \(e\.g\. \[0, 1, 2\]\), got <U1$",
+                 id="str-ids"),
     pytest.param(lambda: CPULoadStoreSpec([2**70]),
                  r"^CPULoadStoreSpec\.block_ids must fit in int64, got 1180591620717411303424$", id="huge-int-ids"),
     pytest.param(lambda: CPULoadStoreSpec(np.array([2**64 - 1], dtype=np.uint64)),
                  r"^CPULoadStoreSpec\.block_ids must fit in int64, got 18446744073709551615$", id="uint64-ids"),
     pytest.param(lambda: CPULoadStoreSpec([[1], [2, 3]]),
-                 r"^CPULoadStoreSpec\.block_ids must be a 1-D sequence of ints: ", id="ragged-ids"),
+                 r"^CPULoadStoreSpec\.block_ids must be a 1-D sequence of ints \(e\.g\. \[0, 1, 2\]\): ",
+                 id="ragged-ids"),
     pytest.param(lambda: CPULoadStoreSpec([3, -1]),
                  r"^CPULoadStoreSpec\.block_ids\[1\] = -1 is negative: expected >= 0$", id="negative-ids"),
     pytest.param(lambda: GPULoadStoreSpec([1, 2], (1,), (0,)),
@@ -377,15 +389,19 @@ R7_CASES = [
     pytest.param(lambda: GPULoadStoreSpec([1], (1,), (0, 0)),
                  r"^GPULoadStoreSpec has 2 block indices, expected one per group: 1 ", id="block-indices-count"),
     pytest.param(lambda: GPULoadStoreSpec([1], (1.0,), (0,)),  # type: ignore[arg-type]
-                 r"^GPULoadStoreSpec\.group_sizes\[0\] must be an int, got float 1\.0$", id="float-group-size"),
+                 r"^GPULoadStoreSpec\.group_sizes\[0\] must be an int, got float 1\.0 \(e\.g\. 0\)$",
+                 id="float-group-size"),
     pytest.param(lambda: GPULoadStoreSpec([1], (True,), (0,)),
-                 r"^GPULoadStoreSpec\.group_sizes\[0\] must be an int, got bool True$", id="bool-group-size"),
+                 r"^GPULoadStoreSpec\.group_sizes\[0\] must be an int, got bool True \(e\.g\. 0\)$",
+                 id="bool-group-size"),
     pytest.param(lambda: GPULoadStoreSpec([], (1, -1), (0, 0)),
-                 r"^GPULoadStoreSpec\.group_sizes\[1\] must be >= 0, got -1$", id="negative-group-size"),
+                 r"^GPULoadStoreSpec\.group_sizes\[1\] must be >= 0, got -1 \(e\.g\. 0\)$", id="negative-group-size"),
     pytest.param(lambda: GPULoadStoreSpec([1], (1,), (-1,)),
-                 r"^GPULoadStoreSpec\.block_indices\[0\] must be >= 0, got -1$", id="negative-block-index"),
+                 r"^GPULoadStoreSpec\.block_indices\[0\] must be >= 0, got -1 \(e\.g\. 0\)$",
+                 id="negative-block-index"),
     pytest.param(lambda: GPULoadStoreSpec([1], 1, (0,)),  # type: ignore[arg-type]
-                 r"^GPULoadStoreSpec\.group_sizes must be a sequence of ints, got int$", id="group-sizes-not-seq"),
+                 r"^GPULoadStoreSpec\.group_sizes must be a sequence of ints \(e\.g\. \(1,\)\), got int 1$",
+                 id="group-sizes-not-seq"),
     # spec types and direction
     pytest.param(store(gpu_spec=GOOD_STORE[1]),
                  r"^store: src_spec must be a GPULoadStoreSpec, got CPULoadStoreSpec$", id="store-src-type"),
@@ -419,8 +435,8 @@ R7_CASES = [
                  r"^CPU block id 16 \(CPULoadStoreSpec\.block_ids\[1\]\) is out of range for cpu\[0\] \(group 0\): "
                  r"expected 0 <= id < 16$", id="cpu-id-range"),
     # geometry
-    pytest.param(store(bpc=0), r"^blocks_per_chunk must be >= 1, got 0$", id="bpc-zero"),
-    pytest.param(store(bpc=True), r"^blocks_per_chunk must be an int, got bool True$", id="bpc-bool"),
+    pytest.param(store(bpc=0), r"^blocks_per_chunk must be >= 1, got 0 \(e\.g\. 1\)$", id="bpc-zero"),
+    pytest.param(store(bpc=True), r"^blocks_per_chunk must be an int, got bool True \(e\.g\. 1\)$", id="bpc-bool"),
     pytest.param(store(gpu=EX_GPU[:1]),
                  r"^got 1 GPU tensor geometries, expected 2 \(one per layout tensor\)$", id="gpu-count"),
     pytest.param(store(cpu=(*EX_CPU, EX_CPU[0])),
@@ -438,9 +454,10 @@ R7_CASES = [
     pytest.param(store(cpu=cpu_with(0, row_stride=1000)),
                  r"^cpu\[0\]\.row_stride = 1000 is smaller than its row: expected row_stride >= 1536$",
                  id="row-stride"),
-    pytest.param(store(gpu=gpu_with(1, rows=0)), r"^gpu\[1\]\.rows must be >= 1, got 0$", id="no-rows"),
-    pytest.param(store(gpu=gpu_with(0, ptr=-8)), r"^gpu\[0\]\.ptr must be >= 0, got -8$", id="negative-ptr"),
-    pytest.param(store(gpu=gpu_with(0, ptr=1.5)), r"^gpu\[0\]\.ptr must be an int, got float 1\.5$",
+    pytest.param(store(gpu=gpu_with(1, rows=0)), r"^gpu\[1\]\.rows must be >= 1, got 0 \(e\.g\. 1\)$", id="no-rows"),
+    pytest.param(store(gpu=gpu_with(0, ptr=-8)), r"^gpu\[0\]\.ptr must be >= 0, got -8 \(e\.g\. 0\)$",
+                                                 id="negative-ptr"),
+    pytest.param(store(gpu=gpu_with(0, ptr=1.5)), r"^gpu\[0\]\.ptr must be an int, got float 1\.5 \(e\.g\. 0\)$",
                  id="float-ptr"),
     pytest.param(store(cpu=cpu_with(0, ptr=2**63 - 8192)),
                  r"^cpu\[0\] ends beyond the int64 address range: expected its last byte <= 9223372036854775807$",
@@ -449,24 +466,28 @@ R7_CASES = [
     pytest.param(lambda: KVCacheLayout((), [[LayerRef(0, 1)]]),
                  r"^tensor_page_bytes is empty: expected at least one tensor$", id="layout-no-tensor"),
     pytest.param(lambda: KVCacheLayout((512, 0), [[LayerRef(0, 1)]]),
-                 r"^tensor_page_bytes\[1\] must be an int in \[1, 9223372036854775807\], got 0$",
+                 r"^tensor_page_bytes\[1\] must be an int in \[1, 9223372036854775807\], got 0 \(e\.g\. 1\)$",
                  id="layout-zero-page"),
     pytest.param(lambda: KVCacheLayout(512, [[LayerRef(0, 1)]]),  # type: ignore[arg-type]
-                 r"^tensor_page_bytes must be a sequence of ints, got int$", id="layout-pages-not-seq"),
+                 r"^tensor_page_bytes must be a sequence of ints \(e\.g\. \(1,\)\), got int 512$",
+                 id="layout-pages-not-seq"),
     pytest.param(lambda: KVCacheLayout((512,), []), r"^groups is empty: expected at least one KV-cache group$",
                  id="layout-no-group"),
     pytest.param(lambda: KVCacheLayout((512,), [[LayerRef(0, 1)], []]),
                  r"^groups\[1\] has no refs: expected at least one LayerRef per group$", id="layout-empty-group"),
     pytest.param(lambda: KVCacheLayout((512,), [[(0, 512)]]),  # type: ignore[list-item]
-                 r"^groups\[0\]\[0\] must be a LayerRef, got tuple$", id="layout-not-ref"),
+                 r"^groups\[0\]\[0\] must be a LayerRef \(e\.g\. LayerRef\(0, 512\)\), got tuple \(0, 512\)$",
+                 id="layout-not-ref"),
     pytest.param(lambda: KVCacheLayout((512,), [[LayerRef(0, 1), LayerRef(1, 1)]]),
                  r"^groups\[0\]\[1\]\.tensor_idx = 1 is out of range: expected 0 <= tensor_idx < 1$",
                  id="layout-tensor-idx"),
     pytest.param(lambda: KVCacheLayout((512, 256), [[LayerRef(1, 300)]]),
                  r"^groups\[0\]\[0\]\.page_size_bytes = 300 exceeds tensor_page_bytes\[1\] = 256: expected <= 256$",
                  id="layout-page-too-big"),
-    pytest.param(lambda: LayerRef(-1, 512), r"^LayerRef\.tensor_idx must be >= 0, got -1$", id="ref-negative"),
-    pytest.param(lambda: LayerRef(0, 0), r"^LayerRef\.page_size_bytes must be >= 1, got 0$", id="ref-zero-page"),
+    pytest.param(lambda: LayerRef(-1, 512), r"^LayerRef\.tensor_idx must be >= 0, got -1 \(e\.g\. 0\)$",
+                                            id="ref-negative"),
+    pytest.param(lambda: LayerRef(0, 0), r"^LayerRef\.page_size_bytes must be >= 1, got 0 \(e\.g\. 1\)$",
+                                         id="ref-zero-page"),
     pytest.param(lambda: EX_LAYOUT.cpu_row_bytes(2, 3), r"^tensor_idx = 2 is out of range: expected < 2$",
                  id="cpu-row-bytes-tensor"),
 ]
@@ -529,9 +550,9 @@ def test_layout_planner_writes_what_plan_copies_returns(sc: Scenario, direction:
 
 
 def test_layout_planner_validates_its_geometry_when_built() -> None:
-    with pytest.raises(InvalidTransferError, match=r"^gpu\[1\]\.rows must be >= 1, got 0$"):
+    with pytest.raises(InvalidTransferError, match=r"^gpu\[1\]\.rows must be >= 1, got 0 \(e\.g\. 1\)$"):
         Planner(EX_LAYOUT, gpu_with(1, rows=0), EX_CPU, 3)
-    with pytest.raises(InvalidTransferError, match=r"^blocks_per_chunk must be >= 1, got 0$"):
+    with pytest.raises(InvalidTransferError, match=r"^blocks_per_chunk must be >= 1, got 0 \(e\.g\. 1\)$"):
         Planner(EX_LAYOUT, EX_GPU, EX_CPU, 0)
     with pytest.raises(InvalidTransferError, match=r"^got 1 GPU tensor geometries, expected 2 "):
         Planner(EX_LAYOUT, EX_GPU[:1], EX_CPU, 3)

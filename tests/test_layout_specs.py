@@ -39,18 +39,18 @@ def test_layout_specs_check_int_accepts_python_and_numpy_ints(value: Any) -> Non
 @pytest.mark.parametrize("value", [True, np.True_, 2.0, np.float64(2.0), "2", None, np.array(2)])
 def test_layout_specs_check_int_refuses_non_ints_naming_the_parameter(value: Any) -> None:
     shown = re.escape(f"{type(value).__name__} {value!r}")
-    with pytest.raises(InvalidTransferError, match=rf"^num_cpu_chunks must be an int, got {shown}$"):
+    with pytest.raises(InvalidTransferError, match=rf"^num_cpu_chunks must be an int, got {shown} \(e\.g\. 1\)$"):
         check_int("num_cpu_chunks", value, minimum=1)
 
 
 @pytest.mark.rule("R7")
 def test_layout_specs_check_int_bounds() -> None:
     assert check_int("rank", 0, minimum=0, maximum=3) == 0 and check_int("x", -5) == -5
-    with pytest.raises(InvalidTransferError, match=r"^blocks_per_chunk must be >= 1, got 0$"):
+    with pytest.raises(InvalidTransferError, match=r"^blocks_per_chunk must be >= 1, got 0 \(e\.g\. 1\)$"):
         check_int("blocks_per_chunk", np.int64(0), minimum=1)
-    with pytest.raises(InvalidTransferError, match=r"^rank must be an int in \[0, 3\], got 4$"):
+    with pytest.raises(InvalidTransferError, match=r"^rank must be an int in \[0, 3\], got 4 \(e\.g\. 0\)$"):
         check_int("rank", 4, minimum=0, maximum=3)
-    with pytest.raises(InvalidTransferError, match=r"^x must be <= 3, got 4$"):
+    with pytest.raises(InvalidTransferError, match=r"^x must be <= 3, got 4 \(e\.g\. 0\)$"):
         check_int("x", 4, maximum=3)
 
 
@@ -95,7 +95,7 @@ def test_layout_specs_numpy_blocks_per_chunk_accepted_and_bool_refused_by_the_pl
     cpu = [TensorGeometry(0x90000, 4, 1024, 1024)]
     planner = Planner(layout, gpu, cpu, np.int64(2))  # type: ignore[arg-type]
     assert planner.blocks_per_chunk == 2 and type(planner.blocks_per_chunk) is int
-    with pytest.raises(InvalidTransferError, match=r"^blocks_per_chunk must be an int, got bool True$"):
+    with pytest.raises(InvalidTransferError, match=r"^blocks_per_chunk must be an int, got bool True \(e\.g\. 1\)$"):
         Planner(layout, gpu, [TensorGeometry(0x90000, 4, 512, 512)], True)  # type: ignore[arg-type]
 
 
@@ -149,9 +149,10 @@ def test_layout_specs_an_int_too_large_for_a_float_is_named_by_its_size() -> Non
         check_timeout(10**400)
     with pytest.raises(InvalidTransferError, match=r"^delay = an int of 16610 bits is too large.*seconds\)$"):
         check_seconds("delay", 10**5000)  # str() of this int would raise ValueError (over 4300 digits)
-    with pytest.raises(InvalidTransferError, match=r"^x must be <= 3, got an int of 16610 bits$"):
+    with pytest.raises(InvalidTransferError, match=r"^x must be <= 3, got an int of 16610 bits \(e\.g\. 0\)$"):
         check_int("x", 10**5000, maximum=3)
-    with pytest.raises(InvalidTransferError, match=r"^x must be an int in \[0, 3\], got a negative int of 16610 bits$"):
+    with pytest.raises(InvalidTransferError, match=r"^x must be an int in \[0, 3\], got a negative int of 16610 bits"
+                                                   r" \(e\.g\. 0\)$"):
         check_int("x", -10**5000, minimum=0, maximum=3)
 
 
@@ -172,7 +173,8 @@ def test_layout_specs_real_validators_accept_finite_numbers_as_python_floats(val
 def test_layout_specs_infinity_means_no_bound_only_where_allowed() -> None:
     assert check_timeout(math.inf) is None and check_timeout(np.float64("inf")) is None and check_timeout(None) is None
     assert check_seconds("s", math.inf, allow_inf=True) == math.inf
-    with pytest.raises(InvalidTransferError, match=r"^s is infinite: expected a finite number of seconds >= 0$"):
+    with pytest.raises(InvalidTransferError, match=r"^s is infinite: expected a finite number of seconds >= 0"
+                                                   r" \(e\.g\. 1\.0\)$"):
         check_seconds("s", math.inf)
     with pytest.raises(InvalidTransferError, match="negative"):
         check_seconds("s", -math.inf, allow_inf=True)
@@ -209,5 +211,6 @@ def test_layout_specs_check_id_array_names_the_parameter_and_the_ids() -> None:
         check_id_array("rows", [0, True], noun="rows")
     with pytest.raises(InvalidTransferError, match=r"^rows\[0\] = -1 is negative: expected >= 0$"):
         check_id_array("rows", [-1])
-    with pytest.raises(InvalidTransferError, match=r"^rows must have an integer dtype, got float64$"):
+    with pytest.raises(InvalidTransferError, match=r"^rows must have an integer dtype \(e\.g\. \[0, 1, 2\]\), got"
+                                                   r" float64$"):
         check_id_array("rows", [1.5])

@@ -162,6 +162,25 @@ def test_region_and_create_worker_refuse_bools_and_non_ints_by_name(bpc: Any, ch
     assert be.ledger.live().get("mapping", 0) == 0
 
 
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("create", ["allocate", "create_worker", "create_reference_worker"])
+def test_region_too_big_to_map_names_the_field_the_size_and_a_value_that_fits(create: str) -> None:
+    """``num_cpu_chunks=2**40`` (3 PiB: more than an x86-64 or arm64 address space) once gave a bare
+    ``[Errno 12] Cannot allocate memory``: the OSError now names the field, its value, the size and an example."""
+    be = SimBackend()
+    with pytest.raises(OSError, match=r"num_cpu_chunks=1099511627776 with blocks_per_chunk=3 ") as info:
+        if create == "allocate":
+            kv.HostRegion.allocate(be, small_layout(), 3, 2**40)
+        else:
+            getattr(kv, create)(be, patterned_gpu(be, small_layout()), small_layout(), blocks_per_chunk=3,
+                                num_cpu_chunks=2**40)
+    text = str(info.value)
+    assert info.value.errno is not None and "GiB" in text and str(3 * 1024 * 2**40) in text
+    example = int(text.split("e.g. num_cpu_chunks=")[1].split(",", maxsplit=1)[0])
+    kv.HostRegion.allocate(be, small_layout(), 3, example).release()  # the example maps
+    assert be.ledger.live().get("mapping", 0) == 0
+
+
 # ---------------------------------------------------------------------------------- the backend it was built on
 
 

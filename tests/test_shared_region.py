@@ -687,3 +687,70 @@ def test_shared_region_quarantine_by_registration_keeps_the_whole_mapping(shm_di
     assert r0.kept_ranges == (kv.KeptRange(0, r0.nbytes, "test"),) and r0.quarantined_bytes == r0.nbytes
     assert be0.registrations() == pins and be0.ledger.quarantined()["pinned"] == len(pins)
     r1.release()
+
+
+# ------------------------------------------------ a region's lifetime: TP=4 -> TP=2 on one host (docs/canonical.md)
+def _worker_on(region: kv.SharedRegion, seed: int | None) -> tuple[kv.CPUOffloadingWorker, list[Any]]:
+    """A worker owning ``region`` on its backend, over GPU tensors holding ``gpu_pattern(seed)`` (zeros: None)."""
+    be = region.backend
+    gpu = ([be.from_host(h) for h in ranks.gpu_pattern(seed)] if seed is not None
+           else [be.empty_device((ranks.GPU_BLOCKS, ranks.PAGE_BYTES)) for _ in range(ranks.NUM_TENSORS)])
+    return kv.create_worker(be, gpu, ranks.layout(), blocks_per_chunk=ranks.BPC, num_cpu_chunks=ranks.CHUNKS,
+                            region=region), gpu
+
+
+@pytest.mark.rule("R17")
+def test_shared_region_new_group_finding_no_file_says_it_created_an_empty_one(shm_dir: str,
+                                                                               caplog: Any) -> None:
+    """The issue's TP=4 -> TP=2 mistake: a TP=4 group (world_size 4) stores; its file's name is given up once all
+    four ranks mapped it; TP=2 ranks opening the same engine id then find no file and create an empty one. That is
+    not silent: a WARNING naming the engine id, and the region's ``created_empty`` and repr say so."""
+    tp4 = [ranks.Rank(shm_dir, "engine-tp", r, 4, replicated=True).open(SimBackend()) for r in range(4)]
+    assert [region.created_empty for region in tp4] == [True, False, False, False]
+    assert "joined an existing file" in repr(tp4[1]) and not os.path.exists(tp4[0].path)
+    for region in tp4:
+        region.release()
+    with caplog.at_level(logging.INFO, logger="kvoffload_ref"):
+        tp2 = ranks.Rank(shm_dir, "engine-tp", 0, 2, replicated=True).open(SimBackend())
+    try:
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "no file at" in r.getMessage()]
+        assert len(warned) == 1 and "'engine-tp'" in warned[0].getMessage()
+        assert "created an empty one" in warned[0].getMessage()
+        assert tp2.created_empty and "created empty here" in repr(tp2)
+    finally:
+        tp2.release()
+
+
+@pytest.mark.rule("R17")
+def test_shared_region_first_creator_of_a_name_logs_at_info_only(shm_dir: str, caplog: Any) -> None:
+    with caplog.at_level(logging.INFO, logger="kvoffload_ref"):
+        region = ranks.Rank(shm_dir, "engine-first", 0, 1).open(SimBackend())
+    region.release()
+    assert [r.levelno for r in caplog.records if "no file at" in r.getMessage()] == [logging.INFO]
+
+
+@pytest.mark.rule("R18")
+def test_shared_region_tp4_to_tp2_on_one_host_through_one_group_and_a_long_lived_owner(shm_dir: str,
+                                                                                        caplog: Any) -> None:
+    """The documented route: one group sized for every rank that will use it (4 + 2 = 6, replicated: every rank
+    sees the same bytes), its rank 0 kept open (the long-lived owner) while the other TP=4 ranks are done; the TP=2
+    ranks join later as ranks 4 and 5, find the file, and load what rank 0 stored."""
+    tp4 = [ranks.Rank(shm_dir, "engine-6", r, 6, replicated=True).open(SimBackend()) for r in range(4)]
+    owner, _ = _worker_on(tp4[0], seed=5)
+    ranks.store_all(owner, 1)
+    for region in tp4[1:]:
+        region.release()  # TP=4 ranks 1-3 are done; rank 0's worker keeps the region (and the name) alive
+    assert os.path.exists(tp4[0].path), "the name stays until all six ranks have mapped it"
+    with caplog.at_level(logging.WARNING, logger="kvoffload_ref"):
+        tp2 = [ranks.Rank(shm_dir, "engine-6", r, 6, replicated=True).open(SimBackend()) for r in (4, 5)]
+    assert not any("no file at" in r.getMessage() for r in caplog.records)
+    assert [region.created_empty for region in tp2] == [False, False]
+    assert not os.path.exists(tp4[0].path), "all six mapped it: the name is given up, the bytes live on"
+    for region in tp2:  # each TP=2 rank loads every chunk and holds what rank 0 stored
+        worker, gpu = _worker_on(region, seed=None)
+        ranks.load_all(worker, 2)
+        assert [r.success for r in worker.get_finished()] == [True]
+        held = [region.backend.to_host(t) for t in gpu]
+        assert all(np.array_equal(a, b) for a, b in zip(held, ranks.gpu_pattern(5), strict=True))
+        assert worker.shutdown().region == "released"
+    assert owner.shutdown().region == "released"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-HINT = 'pip install "kvoffload_ref[conformance]"'
+HINT = 'pip install "hypothesis>=6.100"'
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:

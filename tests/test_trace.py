@@ -120,7 +120,8 @@ def test_trace_demo_and_example_write_a_trace(tmp_path: pathlib.Path, capsys: py
     doc = load_trace(str(out))
     assert check_trace(doc) == []
     processes = [e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"]
-    assert len(processes) == 5 and processes[0].startswith("act 1")
+    assert len(processes) == 11 and processes[0].startswith("act 1")  # act 4: two devices; act 5: six ranks
+    assert {p.split(":")[0] for p in processes} == {f"act {n}" for n in range(1, 6)}
     assert any(e["ph"] == "i" and e["name"].startswith("dma_race") for e in doc["traceEvents"])
     step = tmp_path / "step.json"
     assert _example().main(["--profile", "h200", "--trace", str(step)]) == 0
@@ -283,3 +284,62 @@ def test_trace_cupy_backend_gives_back_the_start_event_of_a_failed_copy(monkeypa
         backend.free_descriptors(buf)
         backend.host_unregister(host.ctypes.data)
         backend.untrack_host(host.ctypes.data)
+
+
+# ------------------------------------------------------------- the host's polling; demo --trace, one panel per act
+def test_trace_host_polling_is_a_track_of_its_own() -> None:
+    """The clock moves only when the host sleeps: those sleeps (and the polls between them) are drawn on the host's
+    track, one span per run of sleeps with its polls counted, never on a device stream's."""
+    from kvoffload_ref.backends.trace_format import HOST_TRACK
+
+    be = SimBackend(trace=True)
+    stream, event = be.create_stream(), be.create_event()
+    be.record(event, stream)
+    be.sleep(0.001)
+    be.query(event)
+    be.sleep(0.002)
+    doc = be.trace_document()
+    tracks = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    host = [e for e in doc["traceEvents"] if e.get("cat") == "host"]
+    assert [(tracks[e["tid"]], e["ph"], e["ts"], e["dur"], e["args"]["polls"]) for e in host] == \
+        [(HOST_TRACK, "X", 0.0, pytest.approx(3000.0), 2)]
+    assert check_trace(doc) == []
+    be.destroy_event(event)
+    be.destroy_stream(stream)
+
+
+@pytest.fixture(scope="module")
+def demo_trace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from kvoffload_ref.demo import demo
+
+    path = tmp_path_factory.mktemp("demo") / "demo.json"
+    assert demo(trace=str(path)) == 0
+    return load_trace(str(path))
+
+
+def test_trace_demo_draws_every_act_in_a_panel_of_its_own(demo_trace: dict[str, Any]) -> None:
+    """demo --trace: five panels, one per act (act 5's six ranks included), each with its own time unit; stores and
+    loads on lanes named so; the host's polling on its own lanes, after the device's."""
+    from kvoffload_ref.trace_plot import panels
+
+    drawn = panels(demo_trace)
+    assert [p.title.split(":")[0] for p in drawn] == ["act 1", "act 2", "act 3", "act 4", "act 5"]
+    assert [p.unit for p in drawn] == ["ms", "s", "s", "us", "us"]
+    act5 = drawn[4]
+    assert sum("TP=4 rank" in label and "store stream" in label for label in act5.labels) == 4
+    assert sum("TP=2 rank" in label and "load stream" in label for label in act5.labels) == 2
+    for panel in drawn:
+        lanes = panel.labels[:panel.host_from]
+        assert any("store stream (" in label for label in lanes) and any("load stream (" in label for label in lanes)
+        assert not any("host" in label for label in lanes), panel.title
+        assert panel.labels[panel.host_from:] and all("host: polling" in label for label in
+                                                      panel.labels[panel.host_from:]), panel.title
+
+
+def test_trace_demo_png_has_a_panel_per_act(demo_trace: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("matplotlib")
+    from kvoffload_ref.trace_plot import plot
+
+    png = tmp_path / "demo.png"
+    assert plot(demo_trace, str(png)) > 200
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 50_000

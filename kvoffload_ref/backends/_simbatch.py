@@ -101,6 +101,8 @@ class SimBatchCalls(SimCore):
             return 0
         with self._lock:
             self._catch_up()
+            if self._trace is not None:
+                self._trace.host_query(self._sched.now)
             count, size, total = 0, PREFIX_FIRST_RUN, len(events)
             # Invariant: stream -> the latest record counted so far on it (insertion keeps the latest per key).
             lasts: dict[object, Record] = {}

@@ -6,7 +6,10 @@ if later (for a wait: when it became the stream's head; the span then covers the
 and violations are instants on the track of the stream they concern (a ``dma_race`` on both operations' tracks:
 memory operations are numbered in enqueue order, as the race detector numbers them for ``Violation.pair``). A
 stall is drawn as a span (category ``fault``) on its stream: a slow fault's for its duration, an ended hang's from
-its start to its end (a hang never ended is not drawn: its stream's later work is listed as never run).
+its start to its end (a hang never ended is not drawn: its stream's later work is listed as never run). The host's
+polling is on a track of its own (:data:`HOST_TRACK`, category ``host``): a run of sleeps between polls one span
+(``polls`` counts its queries), a lone ``query`` an instant, so that a gap on a stream reads as what it is -- the
+host waiting between polls, not the device idle.
 Off (the default), the sim holds no recorder and pays one ``is None`` test per op.
 """
 
@@ -17,7 +20,7 @@ from typing import Any
 
 from kvoffload_ref.backends._simsched import ComputeOp, CopyOp, HangOp, Op, RecordOp, SimStream, SlowOp, WaitOp
 from kvoffload_ref.backends.base import Tag
-from kvoffload_ref.backends.trace_format import TraceBuilder, copy_args, copy_name
+from kvoffload_ref.backends.trace_format import HOST_TRACK, TraceBuilder, copy_args, copy_name
 
 __all__ = ["SimTrace"]
 
@@ -40,6 +43,8 @@ class SimTrace:
         self._memory_ops: list[tuple[int, str, float]] = []
         # Invariant: the number of copy spans in builder (copies that finished).
         self.copies = 0
+        # Invariant: the host's current polling span (its event in builder, its end in seconds), or None.
+        self._polling: tuple[dict[str, Any], float] | None = None
 
     def tid(self, stream: SimStream) -> int:
         """The stream's track."""
@@ -70,6 +75,26 @@ class SimTrace:
             found = self._records.get(id(op.record))
             if found is not None:
                 b.flow(found[0], found[1], tid, t)
+
+    def host_poll(self, start: float, end: float) -> None:
+        """A host sleep between polls (``sleep``: the worker's wait back-off, a proof's polling) on the host track:
+        the clock moved because the host waited, not because the device ran anything. Sleeps that follow one
+        another (only polls between them) are one span, its ``polls`` counting the queries made along it."""
+        last = self._polling
+        if last is not None and last[1] == start:
+            last[0]["dur"] = (end * 1e6) - last[0]["ts"]
+            self._polling = (last[0], end)
+            return
+        self.builder.span(self.builder.track(HOST_TRACK), "host: polling", start, end, "host", {"polls": 1})
+        self._polling = (self.builder.events[-1], end)
+
+    def host_query(self, now: float) -> None:
+        """A host ``query`` of an event (a poll): counted on the polling span it ends, else an instant."""
+        last = self._polling
+        if last is not None and last[1] == now:
+            last[0]["args"]["polls"] += 1
+            return
+        self.builder.instant(self.builder.track(HOST_TRACK), "host: query", now, "host", {})
 
     def memory_op(self, stream: SimStream, name: str | None, tag: Tag | None, now: float) -> None:
         """Number one memory op as the race detector does (called right before it)."""

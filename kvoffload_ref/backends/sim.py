@@ -313,6 +313,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls):
             if self._plan is not None or self._sticky is not None:  # else _fault and _check_alive do nothing
                 self._fault("event_query", recorded.tag)
             self._catch_up()
+            if self._trace is not None:
+                self._trace.host_query(self._sched.now)
             if self._plan is not None or self._sticky is not None:
                 self._check_alive()
             latest = recorded.latest
@@ -430,6 +432,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls):
                 target = float(np.nextafter(now, np.inf))
             self._sched.run(target)
             self._sched.now = max(self._sched.now, target)
+            if self._trace is not None:  # the host's wait, drawn apart from the device's streams
+                self._trace.host_poll(now, self._sched.now)
 
     def clock_advance(self, seconds: float) -> None:
         """Test helper: the same as :meth:`sleep`.

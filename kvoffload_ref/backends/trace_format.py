@@ -20,9 +20,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-__all__ = ["PID", "TraceBuilder", "check_trace", "copy_args", "copy_name", "load_trace", "merge", "write_document",
-           "write_merged"]
+__all__ = ["HOST_TRACK", "PID", "TraceBuilder", "check_trace", "copy_args", "copy_name", "load_trace", "merge",
+           "write_document", "write_merged"]
 
+#: The track of what the host did (its polls and the sleeps between them), apart from every device stream's.
+HOST_TRACK: Final = "host (polling)"
 #: The process id of every event (one device per file).
 PID: Final = 1
 

@@ -1,8 +1,10 @@
 """kvoffload_ref's conformance kit: Hypothesis strategies, a pure model and a rule-based state machine.
 
-Public and documented in docs/conformance.md. It needs Hypothesis: ``pip install "kvoffload_ref[conformance]"``
-(the ``test`` extra brings it too); without it, importing this package raises :class:`HypothesisMissing` (a
-``ModuleNotFoundError``) whose one-line message names that command. The library itself never imports this package.
+Public and documented in docs/conformance.md. It needs Hypothesis: the ``conformance`` extra (``pip install
+"kvoffload_ref[conformance] @ <a checkout's path or VCS URL, or a wheel built from one>"``; the ``test`` extra brings
+it too); without it, importing this package raises :class:`HypothesisMissing` (a ``ModuleNotFoundError``) whose
+one-line message names the command that installs it (``pip install "hypothesis>=6.100"``). The library itself
+never imports this package.
 
 * :mod:`~kvoffload_ref.testing.strategies`: layouts, valid and invalid transfers, faults, policies, setups.
 * :mod:`~kvoffload_ref.testing.adapter`: what an implementation must offer (:class:`WorkerLike`, built by a

@@ -7,8 +7,9 @@ from typing import Final
 
 __all__ = ["INSTALL_HINT", "HypothesisMissing"]
 
-#: How to install the kit's dependency.
-INSTALL_HINT: Final = 'pip install "kvoffload_ref[conformance]"'
+#: How to install the kit's dependency (the conformance extra's one requirement: it works however kvoffload_ref
+#: itself was installed -- from a checkout, a wheel or a VCS URL; the package is not on PyPI).
+INSTALL_HINT: Final = 'pip install "hypothesis>=6.100"'
 
 
 class HypothesisMissing(ModuleNotFoundError):

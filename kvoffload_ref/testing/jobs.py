@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import multiprocessing
+import os
 import queue
 import random
 import sys
@@ -37,6 +38,10 @@ class FactoryError(ValueError):
 def load_factory(reference: str) -> WorkerFactory:
     """Import the worker factory a ``module:callable`` reference names (``callable`` may be dotted).
 
+    The module is looked up as ``python -m`` looks it up: the current directory first on ``sys.path`` (put there
+    when it is not on it already), so ``--factory mymod:make_worker`` finds ``./mymod.py`` without ``PYTHONPATH=.``
+    and the ``reproduce:`` commands run as printed from the directory they were printed in.
+
     Args:
         reference: e.g. ``"kvoffload_ref.testing.mutants:failures_reported_as_success"``.
 
@@ -50,6 +55,7 @@ def load_factory(reference: str) -> WorkerFactory:
     module_name, sep, attribute = reference.partition(":")
     if not sep or not module_name or not attribute:
         raise FactoryError(f"--factory {reference!r}: expected module:callable")
+    _cwd_first_on_path()
     try:
         target: object = importlib.import_module(module_name)
     except ImportError as exc:
@@ -68,6 +74,13 @@ def load_factory(reference: str) -> WorkerFactory:
     if not callable(target):
         raise FactoryError(f"--factory {reference!r}: {attribute!r} is not callable")
     return cast(WorkerFactory, target)
+
+
+def _cwd_first_on_path() -> None:
+    """Put the current directory first on ``sys.path`` unless it is on it already (as ``""`` or by its path)."""
+    cwd = os.getcwd()
+    if not any(entry in ("", ".") or os.path.abspath(entry) == cwd for entry in sys.path):
+        sys.path.insert(0, cwd)
 
 
 def _one_line(exc: BaseException) -> str:
