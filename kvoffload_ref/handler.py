@@ -488,13 +488,11 @@ class DirectionHandler(DrainHalf):
 
     # -- snapshots and helpers ------------------------------------------------------------------------------------
     def stats(self) -> HandlerStats:
-        """A snapshot of this handler. R30: where polls ask the pending head's start event (a deadline, the stall
-        warning), it is asked once if no poll saw it start (a failure there fails the head, R5) before the health
-        fields are read; otherwise no device call."""
-        open_ = self.state is HandlerState.ACCEPTING
-        age = self._running.head_age(self._backend, self._queue[0] if open_ and self._queue else None,
-                                     self._head_failed)
-        health = self._retired.health(age, self._backend.monotonic(), len(self._unproven_streams))
+        """A frozen snapshot; no device call but the clock (R30: the pending head's age is from the start a poll
+        saw)."""
+        head = self._queue[0] if self.state is HandlerState.ACCEPTING and self._queue else None
+        now = self._backend.monotonic()
+        health = self._retired.health(self._running.head_age(head, now), now, len(self._unproven_streams))
         c = self._counts
         return HandlerStats(
             self.direction, self.state.value, len(self._queue), len(self._resolved), c["submitted"], c["completed"],

@@ -416,11 +416,10 @@ class ReferenceHandler:
                                      self.kept_streams)
 
     def stats(self) -> results.HandlerStats:
-        """R30: the pending head's device age first (where polls ask its start event -- a deadline, the stall
-        warning -- asked once if no poll saw it start; a failure there fails the head, R5), then the snapshot."""
+        """A snapshot; no device call but the clock (R30: the pending head's age is from the start a poll saw)."""
         head = self.queue[0] if self.state is lifecycle.HandlerState.ACCEPTING and self.queue else None
-        age = self.running.head_age(self.backend, head, self._head_failed)
-        health = self.retired.health(age, self.backend.monotonic(), len(self.unproven_streams))
+        now = self.backend.monotonic()
+        health = self.retired.health(self.running.head_age(head, now), now, len(self.unproven_streams))
         c = self.counts
         return results.HandlerStats(self.direction, self.state.value, len(self.queue), len(self.ready),
                                     c["submitted"], c["completed"], c["failed"], c["abandoned"],

@@ -414,22 +414,13 @@ class Running:
         """Whether a pending head's device age matters without a deadline (the stall warning is on)."""
         return self.stall_warning is not None
 
-    def head_age(self, backend: Backend, head: LateTransfer | None, failed: Callable[[DeviceError], None]
-                 ) -> float | None:
-        """R30: the device age of the current stream's pending head (None: no head, or no poll saw it start). Where
-        polls ask its start event (a deadline on it, or the stall warning on) this asks it too if no poll saw it
-        start yet, and a failed query fails the head (``failed``, R5); elsewhere it asks nothing: ``stats()`` then
-        stays a snapshot without device calls (no observation the caller did not make, no fault consumed)."""
-        if head is None:
-            return None
-        now = backend.monotonic()
-        if head.deadline is None and not self.watches:
-            return None if head.started is None else now - head.started
-        try:
-            return started_age(backend, head, now)
-        except DeviceError as exc:
-            failed(exc)
-            return None
+    @staticmethod
+    def head_age(head: LateTransfer | None, now: float) -> float | None:
+        """R30: the device age at ``now`` of the current stream's pending head, from the start a poll saw (None: no
+        head, or no poll saw it start). ``stats()`` asks the device nothing: a snapshot observes nothing the caller
+        did not, consumes no fault and fails no job; the polls that watch a head (a deadline on it, the stall
+        warning on) see its start (R26)."""
+        return None if head is None or head.started is None else now - head.started
 
     def overdue(self, backend: Backend, direction: Direction, head: LateTransfer) -> bool:
         """R26/R30: whether a pending head passed its deadline (counted from the first poll that saw it start); a

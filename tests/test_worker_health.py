@@ -53,7 +53,9 @@ def test_worker_stats_health_is_empty_on_an_idle_worker(kind: str) -> None:
 def test_worker_stats_age_of_a_stuck_load_grows_on_the_backend_clock(kind: str) -> None:
     be, w = _worker(kind, [_hang("load", 2)], stall_warning=100.0)  # polls (and stats) watch the head's start
     w.submit_load(2, cspec([0]), gspec([5, 6, 7]))
-    assert w.stats().load.oldest_unproven_age == 0.0  # stats asks the start event: it started now
+    assert w.stats().load.oldest_unproven_age is None  # stats asks the device nothing: no poll saw it start yet
+    w.get_finished()  # this poll sees it started (the stall warning watches the head)
+    assert w.stats().load.oldest_unproven_age == 0.0
     be.clock_advance(2.5)
     stats = w.stats()
     assert stats.load.oldest_unproven_age == pytest.approx(2.5)
@@ -69,6 +71,7 @@ def test_worker_stats_age_counts_from_the_device_start_not_the_submission(kind: 
     be, w = _worker(kind, [_hang("load", 2)], latency=1.0, stall_warning=100.0)
     w.submit_load(1, cspec([0]), gspec([1]))
     w.submit_load(2, cspec([1]), gspec([2]))
+    w.get_finished()
     assert w.stats().load.oldest_unproven_age == 0.0  # job 1, the head, started at once
     be.clock_advance(1.5)
     assert [r.job_id for r in w.get_finished()] == [1]
@@ -159,14 +162,13 @@ def test_worker_stall_warning_spares_a_job_that_completes_in_time(kind: str,
 
 @pytest.mark.rule("R30")
 @pytest.mark.parametrize("kind", list(CREATE))
-def test_worker_stats_start_query_failure_fails_the_head(kind: str) -> None:
-    """Where polls ask the start event (here: the head's deadline), stats() polls too: the first query of job 2's
-    events is its start event's, asked by stats(); its failure is the job's (R5: reported failed, with what it
-    poisoned), never swallowed by the snapshot."""
+def test_worker_stats_start_query_failure_is_found_by_the_next_poll_not_by_stats(kind: str) -> None:
+    """stats() asks the device nothing, with a deadline on the head too: a start event whose query fails is found by
+    the next poll, which fails the job (R5: reported failed, with what it poisoned)."""
     be, w = _worker(kind, [kv.Fault("event_query", "error", direction="load", job_id=2, nth=1)])
-    w.submit_load(2, cspec([0]), gspec([5, 6]), deadline=10.0)  # a deadline: polls (and stats) ask its start
+    w.submit_load(2, cspec([0]), gspec([5, 6]), deadline=10.0)  # a deadline: polls ask its start
     stats = w.stats().load
-    assert (stats.queued, stats.unreported, stats.oldest_unproven_age, stats.retired_streams) == (0, 1, None, 1)
+    assert (stats.queued, stats.unreported, stats.oldest_unproven_age, stats.retired_streams) == (1, 0, None, 0)
     (result,) = w.get_finished()
     assert not result.success and result.invalid_blocks == (5, 6)
     w.shutdown()
@@ -174,27 +176,30 @@ def test_worker_stats_start_query_failure_fails_the_head(kind: str) -> None:
 
 @pytest.mark.rule("R30")
 @pytest.mark.parametrize("kind", list(CREATE))
-def test_worker_stats_without_deadline_or_stall_warning_makes_no_device_call(kind: str) -> None:
-    """Nothing asks a plain worker's start events (no deadline, no stall warning): stats() stays a snapshot without
-    device calls (it observes nothing the caller did not, consumes no fault) and reports no age."""
+@pytest.mark.parametrize("deadline", [None, 10.0])
+def test_worker_stats_makes_no_device_call(kind: str, deadline: float | None) -> None:
+    """stats() stays a snapshot without device calls (it observes nothing the caller did not, consumes no fault);
+    without a deadline or the stall warning no poll asks a start event either: no age."""
     be, w = _worker(kind, [_hang("load", 2)])
-    w.submit_load(2, cspec([0]), gspec([5, 6, 7]))
+    w.submit_load(2, cspec([0]), gspec([5, 6, 7]), deadline=deadline)
     w.get_finished()
     be.clock_advance(2.0)
     calls: list[str] = []
     be.on_call = lambda point, tag: calls.append(point)
     stats = w.stats()
     be.on_call = None
-    assert stats.load.oldest_unproven_age is None and stats.load.queued == 1
+    assert stats.load.queued == 1 and stats.load.oldest_unproven_age == (None if deadline is None else 2.0)
     assert [c for c in calls if c != "monotonic"] == []
     w.shutdown()
 
 
 @pytest.mark.rule("R30")
 @pytest.mark.parametrize("kind", list(CREATE))
-def test_worker_stats_asks_the_start_of_a_head_with_a_deadline(kind: str) -> None:
+def test_worker_stats_reports_the_start_a_poll_saw_of_a_head_with_a_deadline(kind: str) -> None:
     be, w = _worker(kind, [_hang("load", 2)])  # no stall warning: the deadline makes polls ask the start
     w.submit_load(2, cspec([0]), gspec([5, 6, 7]), deadline=10.0)
+    assert w.stats().load.oldest_unproven_age is None
+    w.get_finished()
     assert w.stats().load.oldest_unproven_age == 0.0
     be.clock_advance(2.0)
     assert w.stats().load.oldest_unproven_age == pytest.approx(2.0)

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends._simcost import CostModel, CostProfile, profile_named
-from kvoffload_ref.backends._simmem import DescriptorWords, Memory, Span, address, host_view
+from kvoffload_ref.backends._simmem import DescriptorWords, Memory, Span, address
 from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, ViolationKind, transfer_name
 from kvoffload_ref.backends._simsched import (
     ComputeOp,
@@ -52,11 +52,8 @@ from kvoffload_ref.backends.base import (
 from kvoffload_ref.backends.copy_paths import CopyPath
 from kvoffload_ref.backends.trace_format import write_document
 from kvoffload_ref.errors import (
-    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED,
-    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,
     CUDA_ERROR_ILLEGAL_ADDRESS,
     CUDA_ERROR_INVALID_RESOURCE_HANDLE,
-    CUDA_ERROR_INVALID_VALUE,
     DeviceError,
     InvalidTransferError,
     SimHang,
@@ -171,144 +168,6 @@ class SimCore:
 
     def __repr__(self) -> str:
         return f"<SimBackend t={self._sched.now:.6g}s violations={len(self._violations)}>"
-
-    # -- host memory -------------------------------------------------------------------------------------------
-
-    def track_host(self, ptr: int, nbytes: int) -> None:
-        """Announce a host mapping [ptr, ptr+nbytes) (ledger kind "mapping", key ptr); copies may then use it.
-
-        The caller vouches that the memory stays mapped until :meth:`untrack_host`. No device failure applies.
-
-        Raises:
-            InvalidTransferError: an address or size that is not an int, not positive, or ends beyond the int64
-                address range; or a range overlapping live memory.
-        """
-        ptr = check_int("track_host: ptr", ptr, maximum=INT64_MAX)
-        nbytes = check_int("track_host: nbytes", nbytes, maximum=INT64_MAX)
-        if ptr <= 0 or nbytes <= 0 or ptr + nbytes > INT64_MAX:
-            raise InvalidTransferError(f"track_host({ptr:#x}, {nbytes}): address and size must be positive, and "
-                                       "the range must end within the int64 address range")
-        if self.on_call is not None:
-            self.on_call("track_host", None)
-        with self._lock:
-            self._memory.add(Span(ptr, ptr + nbytes, True, host_view(ptr, nbytes)))
-            self._ledger.acquire("mapping", ptr)
-
-    def untrack_host(self, ptr: int) -> None:
-        """Forget the host mapping starting at ptr (fault point ``unmap``).
-
-        Pending copies touching it are recorded (``unmap_under_dma``) and poisoned: they will not touch it and
-        will raise the sticky illegal-address error when they execute. An unknown ptr is recorded
-        (``invalid_release``). Ranges still pinned inside it stay registered (as after a failed unregister).
-
-        Raises:
-            DeviceError: an injected ``unmap`` fault (nothing happens: the mapping stays tracked and live).
-        """
-        if self.on_call is not None:
-            self.on_call("untrack_host", None)
-        with self._lock:
-            self._release_fault("unmap")
-            self._catch_up()
-            pieces = self._memory.mapping_pieces(ptr)
-            if not pieces:
-                self._violate("invalid_release", f"untrack_host({ptr:#x}): no tracked mapping starts there")
-                return
-            for span in pieces:  # the mapping whole, or what untrack_host_pages left of it (R29)
-                where = f"mapping [{span.start:#x}, {span.end:#x})"
-                self._poison_pending(span.start, span.end, "unmap_under_dma", f"{where} was untracked")
-                self._memory.remove(span.start)
-            self._ledger.release("mapping", ptr)
-
-    def untrack_host_pages(self, ptr: int, nbytes: int) -> None:
-        """Forget the page-aligned piece ``[ptr, ptr+nbytes)`` of one tracked host mapping (R29: a page-granular
-        unmap; fault point ``unmap``). The rest of the mapping stays tracked, and the mapping stays one ledger
-        "mapping" (key: its start) until :meth:`untrack_host` of its start forgets what is left of it.
-
-        Pending copies touching the piece are recorded (``unmap_under_dma``) and poisoned, as for
-        :meth:`untrack_host`; a copy submitted later that touches it touches memory outside every live span
-        (``illegal_address``). A piece not inside one tracked mapping is recorded (``invalid_release``). Ranges
-        pinned inside the piece stay registered (as after a failed unregister).
-
-        Raises:
-            InvalidTransferError: ``ptr`` or ``nbytes`` is not an int >= 1, or ``ptr`` is not page-aligned, or
-                the piece ends neither on a page boundary nor at the end of its mapping (R7).
-            DeviceError: an injected ``unmap`` fault (nothing happens).
-        """
-        ptr = check_int("untrack_host_pages: ptr", ptr, minimum=1, maximum=INT64_MAX)
-        nbytes = check_int("untrack_host_pages: nbytes", nbytes, minimum=1, maximum=INT64_MAX - ptr)
-        if self.on_call is not None:
-            self.on_call("untrack_host", None)
-        with self._lock:
-            self._release_fault("unmap")
-            self._catch_up()
-            span = self._memory.span_holding(ptr, nbytes)
-            end = ptr + nbytes
-            if span is None or not span.is_host:
-                self._violate("invalid_release", f"untrack_host_pages({ptr:#x}, {nbytes}): not inside one tracked "
-                              "mapping")
-                return
-            if ptr % PAGE or (end % PAGE and end != span.end):
-                raise InvalidTransferError(f"untrack_host_pages({ptr:#x}, {nbytes}): a piece begins on a page "
-                                           f"boundary ({PAGE} bytes) and ends on one or at its mapping's end")
-            self._poison_pending(ptr, end, "unmap_under_dma", f"pages [{ptr:#x}, {end:#x}) were untracked")
-            self._memory.cut(ptr, end)
-
-    def host_register(self, ptr: int, nbytes: int) -> None:
-        """Pin [ptr, ptr+nbytes) of a tracked mapping (ledger kind "pinned", key ptr). Fault point.
-
-        Raises:
-            InvalidTransferError: ``ptr`` or ``nbytes`` is not an int (or beyond int64); nothing is counted.
-            DeviceError: an injected fault or a lost device; status 1 if the range is not inside one tracked
-                mapping; 712 if it overlaps a pinned range.
-        """
-        ptr = check_int("host_register: ptr", ptr, maximum=INT64_MAX)
-        nbytes = check_int("host_register: nbytes", nbytes, maximum=INT64_MAX)
-        if self.on_call is not None:
-            self.on_call("host_register", None)
-        with self._lock:
-            self._fault("host_register", None)
-            span = self._memory.span_holding(ptr, nbytes) if nbytes > 0 else None
-            if span is None or not span.is_host:
-                raise DeviceError(f"host_register({ptr:#x}, {nbytes}): not inside one tracked host mapping",
-                                  CUDA_ERROR_INVALID_VALUE)
-            if self._memory.pins_overlapping(ptr, ptr + nbytes):
-                raise DeviceError(f"host_register({ptr:#x}, {nbytes}): overlaps a pinned range",
-                                  CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
-            self._memory.pin(ptr, ptr + nbytes)
-            self._unpinned.discard(ptr)
-            self._ledger.acquire("pinned", ptr)
-
-    def host_unregister(self, ptr: int) -> None:
-        """Unpin the range registered at ptr. Fault point.
-
-        Pending copies touching the range are recorded (``unregister_under_dma``) and poisoned (they raise the
-        sticky illegal-address error when they execute).
-
-        Raises:
-            DeviceError: an injected fault or a lost device (the range stays pinned); 713 if nothing is
-                registered at ptr (a second unregister is also recorded as ``double_unregister``).
-        """
-        if self.on_call is not None:
-            self.on_call("host_unregister", None)
-        with self._lock:
-            self._fault("host_unregister", None)
-            if ptr not in self._memory.pinned:
-                if ptr in self._unpinned:
-                    self._violate("double_unregister", f"host_unregister({ptr:#x}) called twice")
-                raise DeviceError(f"host_unregister({ptr:#x}): not registered",
-                                  CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
-            self._catch_up()
-            end = self._memory.pinned[ptr]
-            self._poison_pending(ptr, end, "unregister_under_dma",
-                                 f"pinned range [{ptr:#x}, {end:#x}) was unregistered")
-            self._memory.unpin(ptr)
-            self._unpinned.add(ptr)
-            self._ledger.release("pinned", ptr)
-
-    def registrations(self) -> list[tuple[int, int]]:
-        """The ``(start, end)`` of every range registered and not unregistered, in address order (R25)."""
-        with self._lock:
-            return sorted(self._memory.pinned.items())
 
     def _check_registrations(self, buf: DescriptorBuffer, count: int, tag: Tag | None) -> None:
         """R25: record ``crosses_registration`` for a copy with a host span in two registrations (the sim merges

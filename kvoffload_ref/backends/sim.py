@@ -50,6 +50,7 @@ import numpy.typing as npt
 from kvoffload_ref.backends._simarrays import SimArrayCalls
 from kvoffload_ref.backends._simbatch import SimBatchCalls
 from kvoffload_ref.backends._simcore import describe, tag_of, transfer_name
+from kvoffload_ref.backends._simhost import SimHostCalls
 from kvoffload_ref.backends._simrace import Violation, ViolationKind, copy_access, rows_access
 from kvoffload_ref.backends._simsched import (
     ComputeOp,
@@ -85,7 +86,7 @@ I64 = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
 
 
-class SimBackend(SimArrayCalls, SimBatchCalls):
+class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls):
     """The deterministic simulated device (see the module docstring). Implements :class:`Backend`.
 
     Args:
