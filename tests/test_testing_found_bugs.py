@@ -13,6 +13,7 @@ import sys
 import textwrap
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -113,3 +114,40 @@ def test_testing_found_finalizer_does_not_deadlock_on_the_ledger_lock() -> None:
     except subprocess.TimeoutExpired:
         pytest.fail("the finalizer's shutdown deadlocked on the ledger lock")
     assert done.stdout.strip() == "finished", done.stderr
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.rule("R27")
+@pytest.mark.parametrize("create", [kv.create_worker, kv.create_reference_worker])
+def test_testing_found_a_late_copy_the_drain_proves_before_an_interrupt_leaves_nothing_to_keep(create: Any) -> None:
+    # Found by a 100,000-step campaign on the reference worker: job 1 fails (its end event's first query), job 2
+    # (nothing to copy) behind it; both are late. The shutdown's drain proves job 1's late copy (its hold ends,
+    # take_released() says so even after shutdown), then an interrupt stops the drain at job 2: only job 2 is
+    # unproven, and it touches no byte, so R29 keeps nothing and the region is released. The kit expected a
+    # quarantine: it now takes the releases a shutdown's drain made before it judges the region.
+    plan = kv.FaultPlan([kv.Fault("event_query", "error", job_id=1, nth=1)])
+    be = SimBackend(plan)
+    layout = kv.KVCacheLayout((8, 8), ((kv.LayerRef(0, 8), kv.LayerRef(1, 8)),))
+    w = create(be, [be.empty_device((4, 8)), be.empty_device((4, 8))], layout, blocks_per_chunk=1,
+               num_cpu_chunks=2, policy=kv.ShutdownPolicy(timeout=0.0))
+    w.submit_load(1, kv.CPULoadStoreSpec([0, 1]), kv.GPULoadStoreSpec([0, 1], (2,), (0,)))
+    w.submit_load(2, kv.CPULoadStoreSpec([]), kv.GPULoadStoreSpec([], (0,), (0,)))
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, False), (2, False)]
+    be.clock_advance(0.01)  # job 1's copy has run (nobody observed it yet)
+    queries = []
+
+    def interrupt_at_the_second(point: str, tag: object) -> None:
+        if point == "event_query":
+            queries.append(tag)
+            if len(queries) == 2:
+                raise KeyboardInterrupt
+
+    be.on_call = interrupt_at_the_second
+    with pytest.raises(KeyboardInterrupt):
+        w.shutdown()
+    be.on_call = None
+    report = w.shutdown()
+    assert report.interrupted and report.device_sync == "skipped"
+    assert [(r.job_id, r.gpu_blocks) for r in w.take_released()] == [(1, (0, 1))]  # proven by the drain
+    assert report.region == "released" and report.kept == ()  # job 2 touches nothing (R29)
+    assert not be.violations

@@ -121,3 +121,21 @@ def test_testing_model_hang_blocks_its_stream_only() -> None:
     assert not fresh.blocked and m.any_hung, "... and the direction goes on on a fresh stream (R28)"
     assert m.submit("load", 5, _g(4), _c(1), hung=False, lane="s1").blocked, "the retired stream is wedged"
     assert m.submit("load", 6, _g(5), _c(2), hung=False).blocked is False, "unknown stream: its direction's own"
+
+
+@pytest.mark.rule("R29")
+@pytest.mark.rule("R27")
+def test_testing_model_a_released_late_copy_does_not_keep_the_region() -> None:
+    """Found by a campaign: a late copy a shutdown's drain proved (its release handed out after the shutdown) is no
+    reason to keep the region (R29); one never released is."""
+    from kvoffload_ref.results import HandlerReport, ShutdownReport
+    from kvoffload_ref.testing.shutdown import may_release_unproven
+
+    m = _model()
+    late = m.submit("load", 1, _g(2), _c(0), hung=False, lane="s1")
+    m.error_fired("load", 1)
+    m.resolve(late, False)
+    report = ShutdownReport(HandlerReport(), HandlerReport(), "skipped", "released", {}, {}, (), 0.0, True)
+    assert not may_release_unproven(report, m)
+    m.release(late)
+    assert may_release_unproven(report, m)

@@ -234,6 +234,14 @@ class Checks(MachineBase):
         is open and has a running engine's calls)."""
         if self.phase != "open" or not self.running or self.failed:
             return
+        self._absorb_releases()
+        worker: RunningLike = self.current_worker  # type: ignore[assignment]
+        for rules, message in held_problems(held_sets(worker.held()), self.current_model):
+            self._check(False, rules, message)
+
+    def _absorb_releases(self) -> None:
+        """R27: each ``take_released()`` record against the model (after every step, and right after a shutdown:
+        its drain may prove a late copy, which R29's region check must know)."""
         worker: RunningLike = self.current_worker  # type: ignore[assignment]
         model, race = self.current_model, self.current_race
         records = list(worker.take_released())
@@ -245,8 +253,6 @@ class Checks(MachineBase):
                 self._check(False, rules, message)
             model.release(model.transfers[record.job_id])
             type(self).counters.released += 1
-        for rules, message in held_problems(held_sets(worker.held()), model):
-            self._check(False, rules, message)
 
     @invariant()
     def ledger_balances(self) -> None:

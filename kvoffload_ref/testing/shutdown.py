@@ -76,13 +76,14 @@ def expectations(model: Model, device: SimDevice, policy: ShutdownPolicy) -> Exp
 
 def may_release_unproven(report: ReportLike, model: Model) -> bool:
     """R29: whether the region may be released although the device was not proven idle: no copy the worker never
-    proved -- reported failed, or neither drained nor proven-unreaped in the report, or a ghost -- moves a byte.
+    proved -- reported failed and never released (R27: a release says its copy was observed done), or neither drained
+    nor proven-unreaped in the report, or a ghost -- moves a byte.
     (A job id reused after a failure hides the older transfer from the model; the sim's violation check still
     catches a region given back under a copy.)"""
     proven = {o.result.job_id for part in (report.store, report.load) for o in getattr(part, "jobs", ())
               if o.ended == "drained" or (o.ended == "unreaped" and o.result.success)}
     return not model.ghost_touches and not any(
-        t.status != "succeeded" and t.job_id not in proven and any(m.size for m in t.moves)
+        t.status != "succeeded" and not t.released and t.job_id not in proven and any(m.size for m in t.moves)
         for t in model.transfers.values())
 
 

@@ -41,6 +41,7 @@ class ShutdownRules(MachineBase):
         def _check_report(self, report: ReportLike, start: float, expect: Expectations,
                           settled: frozenset[int]) -> None: ...
         def _check_outcomes(self, report: ReportLike, settled: frozenset[int], *, proven_in_time: bool) -> None: ...
+        def _absorb_releases(self) -> None: ...
 
     # -- shutdown -----------------------------------------------------------------------------------------------
     @precondition(lambda self: self.phase == "open" and self.age >= self.lifetime)
@@ -99,7 +100,10 @@ class ShutdownRules(MachineBase):
 
     def _call_shutdown(self) -> ReportLike:
         try:
-            return self.current_worker.shutdown()
+            report = self.current_worker.shutdown()
+            if self.running and not self.failed:  # R27/R29: late copies the drain proved are released, not unproven
+                self._absorb_releases()
+            return report
         except SimHang as exc:
             self._fail()
             raise ConformanceError("R11: shutdown() made an unbounded blocking wait (SimHang)") from exc
