@@ -40,8 +40,14 @@ def _outcome(call: Any) -> tuple[str, object]:
     except BaseException as exc:  # SimHang too: both must raise the same
         return "raised", type(exc).__name__
     if isinstance(out, list):
-        return "results", [(r.job_id, r.success, r.transfer_size, r.invalid_blocks, r.transfer_type) for r in out]
+        return "results", [(r.job_id, r.success, r.transfer_size, r.invalid_blocks, r.transfer_type,
+                            getattr(getattr(r, "error", None), "reason", None)) for r in out]
     return "returned", out
+
+
+def _holds(worker: Any) -> tuple[object, ...]:
+    """R27: what is held, and the holds that ended (each handed out once), comparably."""
+    return worker.held(), [(r.job_id, r.direction, r.gpu_blocks, r.cpu_chunks) for r in worker.take_released()]
 
 
 def _report(report: Any) -> tuple[object, ...]:
@@ -59,6 +65,9 @@ def _report(report: Any) -> tuple[object, ...]:
 @pytest.mark.rule("R12")
 @pytest.mark.rule("R13")
 @pytest.mark.rule("R22")
+@pytest.mark.rule("R26")
+@pytest.mark.rule("R27")
+@pytest.mark.rule("R28")
 @settings(derandomize=True, max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setups(plans=st.lists(st.one_of(AIMED, completion_faults(list(JOBS))), max_size=2).map(tuple),
               schedules=("ordered",)), st.data())
@@ -68,20 +77,32 @@ def test_reference_and_engine_agree_on_every_result_report_and_byte(setup: Any, 
                                  reference_worker_factory(devices[1].backend, devices[1].gpu, setup)]
     specs = transfer_specs(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks, setup.num_cpu_chunks)
     for job in JOBS:
-        op = data.draw(st.sampled_from(["store", "load", "wait", "get_finished"]))
+        op = data.draw(st.sampled_from(["store", "load", "wait", "get_finished", "cancel", "advance"]))
         if op in ("store", "load"):
             gpu_spec, cpu_spec = data.draw(specs)
             args = (gpu_spec, cpu_spec) if op == "store" else (cpu_spec, gpu_spec)
+            deadline = data.draw(st.sampled_from([None, None, 1e-5, 1e-3]))  # R26
             calls = [getattr(w, f"submit_{op}") for w in workers]
-            outs = [_outcome(lambda c=c, j=job, a=args: c(j, *a)) for c in calls]
-            # The caller's duty (R20): order the next transfer after this one, so that no race decides a byte.
+            outs = [_outcome(lambda c=c, j=job, a=args: c(j, *a, deadline=deadline)) for c in calls]
+            if data.draw(st.booleans()):  # R26/R27: cancelled at once; its blocks stay held while its copy may run
+                outs += [_outcome(lambda w=w, j=job: w.cancel([j])) for w in workers]
+            # The caller's duty (R20): order the next transfer after this one, so that no race decides a byte (a
+            # cancelled one's blocks are held instead: a later transfer touching them is refused, R27).
             outs += [_outcome(lambda w=w, j=job: w.wait([j], timeout=setup.policy.timeout)) for w in workers]
+        elif op == "cancel":
+            ids = data.draw(st.lists(st.sampled_from(list(JOBS)), max_size=3))
+            outs = [_outcome(lambda w=w, i=ids: w.cancel(i)) for w in workers]
+        elif op == "advance":
+            for device in devices:
+                device.advance(1e-3)
+            outs = [_outcome(w.get_finished) for w in workers]
         elif op == "wait":
             ids = data.draw(st.lists(st.sampled_from(list(JOBS)), max_size=3))
             outs = [_outcome(lambda w=w, i=ids: w.wait(i, timeout=0.5)) for w in workers]
         else:
             outs = [_outcome(w.get_finished) for w in workers]
-        assert outs[0::2] == outs[1::2] if len(outs) == 4 else outs[0] == outs[1], (op, job, outs)
+        assert outs[0::2] == outs[1::2] if len(outs) > 2 else outs[0] == outs[1], (op, job, outs)
+        assert _holds(workers[0]) == _holds(workers[1]), (op, job)
     assert _outcome(workers[0].get_finished) == _outcome(workers[1].get_finished)
     cpu = [w.cpu_snapshot() for w in workers]
     assert all(np.array_equal(a, b) for a, b in zip(*cpu, strict=True))
