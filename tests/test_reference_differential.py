@@ -83,7 +83,7 @@ def test_reference_and_engine_agree_on_every_result_report_and_byte(setup: Any, 
             args = (gpu_spec, cpu_spec) if op == "store" else (cpu_spec, gpu_spec)
             deadline = data.draw(st.sampled_from([None, None, 1e-5, 1e-3]))  # R26
             calls = [getattr(w, f"submit_{op}") for w in workers]
-            outs = [_outcome(lambda c=c, j=job, a=args: c(j, *a, deadline=deadline)) for c in calls]
+            outs = [_outcome(lambda c=c, j=job, a=args, d=deadline: c(j, *a, deadline=d)) for c in calls]
             if data.draw(st.booleans()):  # R26/R27: cancelled at once; its blocks stay held while its copy may run
                 outs += [_outcome(lambda w=w, j=job: w.cancel([j])) for w in workers]
             # The caller's duty (R20): order the next transfer after this one, so that no race decides a byte (a

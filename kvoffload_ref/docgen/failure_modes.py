@@ -24,8 +24,8 @@ from kvoffload_ref.faults import Fault, FaultPlan
 from kvoffload_ref.specs import CPULoadStoreSpec, GPULoadStoreSpec, KVCacheLayout, LayerRef
 from kvoffload_ref.worker import CPUOffloadingWorker, ShutdownPolicy, ShutdownReport, create_worker
 
-__all__ = ["GUARANTEES", "ROWS", "Guarantee", "check", "guarantee_table", "render", "run_scenario", "vllm_cells",
-           "write_readme_table"]
+__all__ = ["GUARANTEES", "ROWS", "Guarantee", "check", "guarantee_table", "quiet", "render", "run_scenario",
+           "vllm_cells", "write_readme_table"]
 
 TIMEOUT = 1.0
 _LAYOUT = KVCacheLayout(tensor_page_bytes=(512, 512), groups=((LayerRef(0, 512), LayerRef(1, 512)),))
@@ -281,7 +281,8 @@ def write_readme_table(root: pathlib.Path) -> bool:
     return True
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
+    """The library's logs off while the generated docs' scenarios run (their errors are expected)."""
     log = logging.getLogger("kvoffload_ref")
     previous = log.level
     log.setLevel(logging.CRITICAL + 1)  # child loggers inherit it: the scenarios' expected errors stay quiet
@@ -293,7 +294,7 @@ def _quiet() -> Iterator[None]:
 
 def run_scenario(row: Row, policy: str) -> str:
     """Run one row under one policy ("quarantine" or "release") on the sim and describe the outcome."""
-    with _quiet():
+    with quiet():
         return _DRIVERS[row.setup](row, policy)
 
 

@@ -12,14 +12,13 @@ kvoffload_ref.docgen.fault_table --write`` regenerates the block in docs/simulat
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import pathlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.docgen.failure_modes import quiet
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError
 from kvoffload_ref.facade import WorkerFacade
 from kvoffload_ref.fault_plan import HANG_POINTS, POINTS, TRANSFER_HANG_POINTS, Fault, FaultKind, FaultPlan
@@ -162,17 +161,6 @@ def _run(make: Callable[..., WorkerFacade], fault: Fault | None, at: str) -> _Sc
     return script
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    logger = logging.getLogger("kvoffload_ref")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def measure() -> list[Cell]:
     """Every (point, kind, call) cell where the fault fires, measured on each worker (``Cell.worker``).
 
@@ -182,7 +170,7 @@ def measure() -> list[Cell]:
     ``shutdown``.
     """
     cells: list[Cell] = []
-    with _quiet():
+    with quiet():
         for name, make in _WORKERS.items():
             consulted = _run(make, None, "").consulted
             for point in POINTS:
