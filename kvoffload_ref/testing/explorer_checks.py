@@ -1,4 +1,4 @@
-"""What the call-point explorer checks after each case (R5, R8, R12, R14, R16, R19); see ``explorer.py``.
+"""What the call-point explorer checks after each case (R5, R8, R12, R14, R16, R19, R22); see ``explorer.py``.
 
 Pure functions over an :class:`Outcome`: what the case did (the call's exception, the results, the reports, the
 device's memory, ledger and violation log). Each problem is ``(rule ids, message)``.
@@ -99,6 +99,7 @@ def check_case(case: CaseLike, out: Outcome) -> Iterator[Problem]:
     report = out.reports[0] if out.reports else None
     yield from _accounting(case, out, report)
     yield from _expiries(out, report)
+    yield from _failed_reported_failed(out, report)
     yield from _cancel_carried_out(case, out)
     yield from _bytes(out)
     if report is not None:
@@ -200,6 +201,29 @@ def _expiries(out: Outcome, report: ReportLike | None) -> Iterator[Problem]:
                                                or error.ahead in out.deadlines):
             yield "R26", (f"job {job} was reported behind job {error.ahead!r}, which neither was cancelled nor had "
                           "a deadline")
+
+
+def _failed_reported_failed(out: Outcome, report: ReportLike | None) -> Iterator[Problem]:
+    """R5/R22: a job whose completion the device made fail (a failed configuration's ``error`` fault) is reported
+    ``success=False`` wherever it is reported (``get_finished()`` or the report), listing its destination blocks."""
+    failing = {f.job_id for f in out.setup.faults if f.kind == "error" and f.job_id is not None}
+    if not failing:
+        return
+    jobs = {job: (d, dst) for d, job, _, dst in (*PRELUDE, *out.under_test)}
+    listed = [] if report is None else [o.result for o in getattr(report, "unreported", ())]
+    for result in [*out.results, *listed]:
+        job = getattr(result, "job_id", None)
+        if job not in failing or job not in jobs:
+            continue
+        if getattr(result, "success", False):
+            yield "R5", f"job {job}'s completion failed on the device, yet it was reported success=True"
+            continue
+        direction, dst = jobs[job]
+        want = tuple(sorted({int(b) for b in getattr(dst, "block_ids", ())}))
+        got = tuple(int(b) for b in getattr(result, "invalid_blocks", ()))
+        if got != want:
+            yield "R22", (f"failed {direction} job {job} lists invalid_blocks {list(got)}, not its destination "
+                          f"{list(want)}")
 
 
 def _cancel_carried_out(case: CaseLike, out: Outcome) -> Iterator[Problem]:
