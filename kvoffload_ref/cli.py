@@ -141,7 +141,7 @@ def _explore(args: argparse.Namespace) -> int:
                          points=args.point, progress=print)
     finally:
         logging.disable(logging.NOTSET)
-    return _print_found(result, args.show)
+    return _print_found(result, result.per_method, args.show)
 
 
 def _explore_pairs(args: argparse.Namespace, factory: WorkerFactory) -> int:
@@ -164,16 +164,15 @@ def _explore_pairs(args: argparse.Namespace, factory: WorkerFactory) -> int:
         return 2
     finally:
         logging.disable(logging.NOTSET)
-    return _print_found(result, args.show)
+    return _print_found(result, result.cases_per_method(), args.show)
 
 
-def _print_found(result: Any, show: int) -> int:
-    """Print an explorer's table and its first ``show`` failures; 1 if it found any, else 0."""
+def _print_found(result: Any, cases: dict[str, int], show: int) -> int:
+    """Print an explorer's table, its summary per method and its first ``show`` groups of failures (each once,
+    with its count and one shortest rerun command); 1 if it found any, else 0."""
+    from kvoffload_ref.testing.findings import render  # noqa: PLC0415  (the kit is importable now)
     print(result.table())
-    for failure in result.failures[:show]:
-        print(failure)
-    if len(result.failures) > show:
-        print(f"... and {len(result.failures) - show} more (--show N prints more)")
+    print(render(cases, result.failures, EXPLORE_METHODS, show))
     return 1 if result.failures else 0
 
 
@@ -305,7 +304,7 @@ def _explore_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                          "thread runs another (--second); checks R19's promises between threads as well")
     explore.add_argument("--second", action="append", choices=PAIR_METHODS,
                          help="with --pairs: only this method in the second thread (repeatable)")
-    explore.add_argument("--show", type=int, default=20, help="failures to print in full (default 20)")
+    explore.add_argument("--show", type=int, default=20, help="groups of failures to print in full (default 20)")
     explore.add_argument("--verbose", action="store_true", help="show the library's logs (quiet by default)")
 
 

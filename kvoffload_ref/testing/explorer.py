@@ -88,6 +88,8 @@ class ExploreResult:
     # Invariant: (method, config) -> number of backend calls the method makes there (the points explored).
     points: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     cases: int = 0
+    # Invariant: method -> cases run (the findings' summary); its values sum to ``cases``.
+    per_method: dict[str, int] = dataclasses.field(default_factory=dict)
     failures: list[Failure[Case]] = dataclasses.field(default_factory=list)
 
     def table(self) -> str:
@@ -403,6 +405,7 @@ def explore(factory: WorkerFactory = reference_factory, *, configs: Iterable[str
                     continue
                 failures = run_case(case, factory, name)
                 result.cases += 1
+                result.per_method[method] = result.per_method.get(method, 0) + 1
                 found += len(failures)
                 result.failures.extend(failures)
             if progress is not None:

@@ -92,6 +92,10 @@ class PairCase:
         """What was done where, for a failure's first line."""
         return f"{self.first} paused at backend call #{self.point} while {self.second} ran ({self.config})"
 
+    def kind(self) -> tuple[str, str]:
+        """The paused method and what ran meanwhile (what findings are grouped by, with the problem)."""
+        return self.first, f"while {self.second}"
+
     def reproduction(self, factory: str = REFERENCE_FACTORY) -> str:
         """The command that reruns this case alone."""
         return (f"kvoffload-ref explore --pairs --factory {factory} --config {self.config} --method {self.first} "
@@ -126,6 +130,13 @@ class PairResult:
         lines.append(f"{sum(self.points.values())} call points, {sum(self.cases.values())} cases, "
                      f"{len(self.failures)} failures")
         return "\n".join(lines)
+
+    def cases_per_method(self) -> dict[str, int]:
+        """Paused method -> cases run (the findings' summary)."""
+        per: dict[str, int] = {}
+        for (first, _, _), n in self.cases.items():
+            per[first] = per.get(first, 0) + n
+        return per
 
 
 class _Control:

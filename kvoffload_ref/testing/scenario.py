@@ -125,6 +125,10 @@ class Case:
         """What was done where, for a failure's first line."""
         return f"{self.method} at backend call #{self.point} with {self.injection} ({self.config})"
 
+    def kind(self) -> tuple[str, str]:
+        """The method and how it was interrupted (what findings are grouped by, with the problem)."""
+        return self.method, self.injection
+
     def reproduction(self, factory: str = REFERENCE_FACTORY) -> str:
         """The command that reruns this case alone."""
         return (f"kvoffload-ref explore --factory {factory} --config {self.config} --method {self.method} "
@@ -132,7 +136,10 @@ class Case:
 
 
 class _Reproducible(Protocol):
+    @property
+    def point(self) -> int: ...
     def describe(self) -> str: ...
+    def kind(self) -> tuple[str, str]: ...
     def reproduction(self, factory: str = ...) -> str: ...
 
 
