@@ -4,9 +4,9 @@ One wrong behaviour usually breaks a rule at many call points: a dropped result 
 it, in every configuration and under every injection. :func:`group` folds the failures by (method, how it was
 interrupted, problem) -- the problem is the rules' tags and the message with its numbers (job ids, blocks, call
 points) left out -- and keeps, for each group, its shortest reproducing case: the one with the fewest backend calls
-before the interruption point (the first such one found). :func:`render` prints a summary per method and each group
-once, with its count and that case's rerun command (after a line per distinct problem). Both explorers (``explorer.py``, ``pairs.py``) print through
-it; ``kvoffload-ref explore`` is the command.
+before the interruption point (the first such one found). :func:`render` prints a summary per method, a line per
+distinct problem, and each group once, with its count and that case's rerun command. Both explorers
+(``explorer.py``, ``pairs.py``) print through it; ``kvoffload-ref explore`` is the command.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def render(cases: Mapping[str, int], failures: Sequence[Failure[Any]], order: Se
         lines.extend(f"  {p}: {sum(len(g.cases) for g in gs)} cases in {_many(len(gs), 'group')}"
                      for p, gs in problems.items())
     if groups:
-        lines.append(f"{_many(len(groups), 'group')} (by method, interruption and problem; the rerun is the case with the "
-                     "fewest backend calls before its point):")
+        lines.append(f"{_many(len(groups), 'group')} (by method, interruption and problem; the rerun is the case "
+                     "with the fewest backend calls before its point):")
         lines.extend(str(g) for g in groups[:show])
     if len(groups) > show:
         lines.append(f"... and {len(groups) - show} more groups (--show N prints more)")
