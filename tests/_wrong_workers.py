@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,19 @@ def drops_a_result(backend: Backend, gpu: Sequence[object], setup: Setup) -> Wor
 
     def get_finished() -> list[Any]:
         return [r for r in handed() if r.job_id != DROPPED]
+
+    worker.get_finished = get_finished
+    return worker  # type: ignore[no-any-return]
+
+
+def forgets_what_failures_poisoned(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """kvoffload_ref's worker, except that a failed result lists no ``invalid_blocks`` (R22: it lists the
+    destination blocks whose contents are now undefined)."""
+    worker: Any = reference_factory(backend, gpu, setup)
+    handed = worker.get_finished
+
+    def get_finished() -> list[Any]:
+        return [r if r.success else dataclasses.replace(r, invalid_blocks=()) for r in handed()]
 
     worker.get_finished = get_finished
     return worker  # type: ignore[no-any-return]

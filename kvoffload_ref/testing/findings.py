@@ -49,8 +49,8 @@ class Group:
 
     def __str__(self) -> str:
         return (f"{self.problem}  {self.method} / {self.how}: {len(self.cases)} cases\n"
-                f"    shortest: {self.shortest.case.describe()}: {self.shortest.message}\n"
-                f"    rerun:    {self.shortest.case.reproduction(self.shortest.factory)}")
+                f"    shortest:  {self.shortest.case.describe()}: {self.shortest.message}\n"
+                f"    reproduce: {self.shortest.case.reproduction(self.shortest.factory)}")
 
 
 def group(failures: Iterable[Failure[Any]]) -> list[Group]:
@@ -117,7 +117,7 @@ def render(cases: Mapping[str, int], failures: Sequence[Failure[Any]], order: Se
         lines.extend(f"  {p}: {sum(len(g.cases) for g in gs)} cases in {_many(len(gs), 'group')}"
                      for p, gs in problems.items())
     if groups:
-        lines.append(f"{_many(len(groups), 'group')} (by method, interruption and problem; the rerun is the case "
+        lines.append(f"{_many(len(groups), 'group')} (by method, interruption and problem; the reproduction is the case "
                      "with the fewest backend calls before its point):")
         lines.extend(str(g) for g in groups[:show])
     if len(groups) > show:
