@@ -121,5 +121,5 @@ def render(cases: Mapping[str, int], failures: Sequence[Failure[Any]], order: Se
                      "with the fewest backend calls before its point):")
         lines.extend(str(g) for g in groups[:show])
     if len(groups) > show:
-        lines.append(f"... and {len(groups) - show} more groups (--show N prints more)")
+        lines.append(f"... and {_many(len(groups) - show, 'more group')} (--show N prints more)")
     return "\n".join(lines)
