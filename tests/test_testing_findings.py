@@ -30,6 +30,7 @@ def test_findings_group_by_method_interruption_and_problem_keeping_the_shortest_
     assert lost.problem == problem_of(failures[0]) == problem_of(failures[1])  # job ids and lists left out
     assert (len(lost.cases), lost.findings) == (3, 4)  # point 2 broke it twice: one case, two findings
     assert lost.shortest is failures[1]  # the fewest calls before the point; the first such one
+    assert "  wait / SIGINT: 3 cases\n" in str(lost)  # the distinct cases, not the findings
     assert "--point 2 " in str(lost) and str(lost).count("reproduce: ") == 1
 
 
