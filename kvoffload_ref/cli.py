@@ -289,8 +289,10 @@ def _explore_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        "The call-point explorer: for each configuration, public method and backend call the method "
                        "makes, build a fresh worker, interrupt it there (a KeyboardInterrupt, a SystemExit, two "
                        "interrupts, a real SIGINT, a signal handler calling shutdown()) and check R5, R8, R12, R14, "
-                       "R16 and R19. Prints the call points per method and configuration. Exit 0: no rule broken; "
-                       "1: a failure (each printed with the command that reruns it); 2: bad usage.")
+                       "R16, R19 and R22. Prints the call points per method and configuration, a summary per "
+                       "method, and the failures grouped by (method, interruption, problem), each group once with "
+                       "its count and the command that reruns its shortest case. Exit 0: no rule broken; 1: a "
+                       "failure; 2: bad usage.")
     explore.add_argument("--factory", default=REFERENCE_FACTORY, metavar="MODULE:CALLABLE",
                          help="the worker factory, as for fuzz (default: kvoffload_ref's own worker)")
     explore.add_argument("--config", action="append", choices=EXPLORE_CONFIGS, help="only this configuration "

@@ -48,7 +48,7 @@ class Group:
     findings: int = 0
 
     def __str__(self) -> str:
-        return (f"{self.problem}  {self.method} / {self.how}: {len(self.cases)} cases\n"
+        return (f"{self.problem}  {self.method} / {self.how}: {_many(len(self.cases), 'case')}\n"
                 f"    shortest:  {self.shortest.case.describe()}: {self.shortest.message}\n"
                 f"    reproduce: {self.shortest.case.reproduction(self.shortest.factory)}")
 
@@ -117,8 +117,8 @@ def render(cases: Mapping[str, int], failures: Sequence[Failure[Any]], order: Se
         lines.extend(f"  {p}: {sum(len(g.cases) for g in gs)} cases in {_many(len(gs), 'group')}"
                      for p, gs in problems.items())
     if groups:
-        lines.append(f"{_many(len(groups), 'group')} (by method, interruption and problem; the reproduction is the case "
-                     "with the fewest backend calls before its point):")
+        lines.append(f"{_many(len(groups), 'group')} (by method, interruption and problem; the reproduction is the "
+                     "case with the fewest backend calls before its point):")
         lines.extend(str(g) for g in groups[:show])
     if len(groups) > show:
         lines.append(f"... and {_many(len(groups) - show, 'more group')} (--show N prints more)")
