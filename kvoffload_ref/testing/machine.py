@@ -88,6 +88,12 @@ class OffloadingMachine(CancelRules, OrderingRules, ConcurrentRules, ShutdownRul
 
     def teardown(self) -> None:
         """Always shut down (checked like the rule unless the run already failed) and check the ledger (R16)."""
+        try:
+            self._teardown()
+        finally:
+            self._stop_logs()
+
+    def _teardown(self) -> None:
         if self.phase == "open" and self.worker is not None:
             if self.failed:  # only clean up: the run already reported its failure
                 with contextlib.suppress(Exception, SimHang):
