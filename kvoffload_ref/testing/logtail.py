@@ -77,5 +77,7 @@ class LogTail(logging.Handler):
         """The kept lines under a header saying how many were logged ("" when none were)."""
         if not self.seen:
             return ""
-        head = f"# the library logged {self.seen} lines during the failing run; the last {len(self.records)}:"
+        lines = "line" if self.seen == 1 else "lines"
+        head = (f"# the library logged {self.seen} {lines} during the failing run (its cleanup included); the last "
+                f"{len(self.records)}:")
         return "\n".join([head, *(f"#   {line}" for line in self.lines())])

@@ -105,7 +105,8 @@ class MachineBase(RuleBasedStateMachine):
         shrink_seconds: how long Hypothesis may shrink a failure (see ``settings.bounded_shrinking``).
         last_reproduction: the reproduction script of the last failing run ("" before any failure): a test file
             ending in the violated rule's assertion (``reproduction.as_test``).
-        last_logs: the library's last log lines before the last failure ("" when it logged none).
+        last_logs: the library's last log lines of the last failing run, its cleanup included ("" when it logged
+            none).
         quiet_logs: keep the library's log lines (the last ``logtail.KEEP``) instead of passing them to the root
             logger, and show them only with a failure.
         on_first_violation: called with the counters when the first violation is found (the campaign's
@@ -248,16 +249,20 @@ class MachineBase(RuleBasedStateMachine):
         script = as_test(self.script, rules or "the last call raised", message or "an exception",
                          asserts if rules else "True")
         cls.last_reproduction = script  # the last failing run: after shrinking, the shrunk one
-        cls.last_logs = self.logs.summary() if self.logs is not None else ""
-        note("# Reproduction (runnable Python, a test):\n" + script + (f"\n{cls.last_logs}" if cls.last_logs else ""))
+        note("# Reproduction (runnable Python, a test):\n" + script)
         if first:
             for hook in cls.on_first_violation:
                 hook(counters)
 
     def _stop_logs(self) -> None:
-        """Give the library's logger back (teardown)."""
+        """Give the library's logger back (teardown); a failing run's last log lines are noted (and kept)."""
         if self.logs is not None:
             self.logs.remove()
+            if self.script_noted:
+                cls = type(self)
+                cls.last_logs = self.logs.summary()
+                if cls.last_logs:
+                    note(cls.last_logs)
 
     def _check(self, ok: bool, rules: str, message: str, asserts: str | None = None) -> None:
         """Fail the run with ``rules: message`` unless ``ok``; ``asserts`` is the check in the script's terms."""
