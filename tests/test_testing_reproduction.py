@@ -3,16 +3,22 @@ a machine run under pytest keeps the library's log lines off the report (the las
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
+import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import seed
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvoffload_ref.testing import ConformanceError, make_machine, mutants
+from kvoffload_ref.backends.base import Backend
+from kvoffload_ref.testing import ConformanceError, Setup, WorkerLike, make_machine, mutants, reference_factory
+from kvoffload_ref.testing.campaign import REPRO_BEGIN, REPRO_END, run_campaign
 from kvoffload_ref.testing.logtail import KEEP
 from kvoffload_ref.testing.reproduction import NO_SCRIPT_FORM, as_test
 from kvoffload_ref.testing.settings import bounded_shrinking, kit_settings
@@ -65,3 +71,35 @@ def test_testing_machine_under_pytest_notes_one_reproduction_and_keeps_the_logs_
     kept = [line for line in machine.last_logs.splitlines() if line.startswith("#   ")]
     assert 0 < len(kept) <= KEEP and kept == [line for line in notes.splitlines() if line.startswith("#   ")]
     assert logging.getLogger("kvoffload_ref").propagate and logging.getLogger("kvoffload_ref").handlers == []
+
+
+class _KeepsUnderRelease(mutants._Wrapper):
+    """kvoffload_ref's worker, except that its report says "quarantined" under the release policy (R12)."""
+
+    def shutdown(self) -> object:
+        report = self._inner.shutdown()
+        return dataclasses.replace(report, region="quarantined") if report.region == "released" else report
+
+
+def keeps_under_release(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """A worker that keeps the region under the release policy (R12 violated)."""
+    return _KeepsUnderRelease(reference_factory(backend, gpu, setup))  # type: ignore[return-value]
+
+
+@pytest.mark.rule("R12")
+def test_testing_release_policy_reproduction_asserts_the_region(tmp_path: pathlib.Path) -> None:
+    """The release policy's fate (R12) closes the reproduction as ``assert report.region == 'released'``: the script
+    fails with the wrong worker and passes with kvoffload_ref's own."""
+    out = io.StringIO()
+    assert run_campaign(400, 1, "release", out, factory=keeps_under_release, shrink_seconds=1.0) == 1
+    script = out.getvalue().split(REPRO_BEGIN + "\n", 1)[1].split(REPRO_END, 1)[0]
+    assert "assert report.region == 'released', \"R12: policy 'release' left the region" in script
+    module = "from test_testing_reproduction import keeps_under_release"
+    assert module in script
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parent)}
+    path = tmp_path / "repro.py"
+    for text, status in ((script, 1), (script.replace("w = keeps_under_release(", "w = reference_factory("), 0)):
+        path.write_text(text)
+        done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60, check=False,
+                              cwd=tmp_path, env=env)
+        assert done.returncode == status, done.stdout[-2000:] + done.stderr[-2000:]

@@ -24,6 +24,7 @@ from kvoffload_ref.testing.shutdown import (
     Expectations,
     expectations,
     interrupted_problems,
+    script_check,
 )
 
 __all__ = ["ShutdownRules"]
@@ -88,7 +89,7 @@ class ShutdownRules(MachineBase):
                 for rules, message in interrupted_problems(report, device=self.current_device,
                                                            policy=self.current_setup.policy,
                                                            elapsed=elapsed, model=self.current_model):
-                    self._check(False, rules, message)
+                    self._check(False, rules, message, script_check((rules, message)))
                 self._check_outcomes(report, settled, proven_in_time=False)
                 return
             finally:
