@@ -32,6 +32,7 @@ from kvoffload_ref.testing.outcomes import accounting_problems, attribution_prob
 from kvoffload_ref.testing.shutdown import (
     Expectations,
     report_problems,
+    script_check,
 )
 
 __all__ = ["Checks"]
@@ -133,7 +134,7 @@ class Checks(MachineBase):
         for rules, message in report_problems(report, model=self.current_model, device=self.current_device,
                                               policy=self.current_setup.policy,
                                               elapsed=self.current_device.clock() - start, expect=expect):
-            self._check(False, rules, message)
+            self._check(False, rules, message, script_check((rules, message)))
         self._check_outcomes(report, settled, proven_in_time=expect.must_release and not report.interrupted)
         self._check_switches(report)
 
