@@ -89,8 +89,9 @@ def _reproduction(out: str) -> str:
 def _library_lines(text: str) -> list[str]:
     """The lines of ``text`` the library logged (as the kit keeps them, or as Python's last-resort handler prints
     them: the finalizer's and the shutdown's warnings, which every failing run here logs)."""
-    return [line for line in text.splitlines() if re.search(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) kvoffload_ref\.", line)
-            or "from its finalizer" in line or "could not be proven idle" in line]
+    logged = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) kvoffload_ref\.")
+    return [line for line in text.splitlines()
+            if logged.search(line) or "from its finalizer" in line or "could not be proven idle" in line]
 
 
 @pytest.mark.rule("R5")

@@ -66,7 +66,8 @@ def _progress(counters: Counters, goal: str, started: float) -> str:
     seconds = max(time.perf_counter() - started, 1e-9)
     return (f"fuzz: steps {c.steps}/{goal}  {c.steps / seconds:,.0f} steps/s  {seconds:.1f} s  runs {c.runs}  "
             f"faults injected {c.faults_injected} (fired {c.faults_fired})  violations {c.violations}"
-            f"{c.shrinking()}  accepted release-policy hazards {c.hazards}  quarantined {c.quarantined}/{c.shutdowns}\n")
+            f"{c.shrinking()}  accepted release-policy hazards {c.hazards}  "
+            f"quarantined {c.quarantined}/{c.shutdowns}\n")
 
 
 def _traceback(exc: BaseException) -> str:

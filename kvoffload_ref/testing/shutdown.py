@@ -107,7 +107,7 @@ def script_check(problem: Problem) -> str | None:
     Returns:
         A Python expression over ``report`` and ``dev``, true when the rule holds; None for the others.
     """
-    rules, message = problem
+    message = problem[1]
     for start, expression in _SCRIPT_CHECKS:
         if message.startswith(start) and (start != "region " or " but quarantined " in message):
             return expression
