@@ -153,6 +153,8 @@ def make_machine(worker_factory: WorkerFactory = reference_factory, *, name: str
         "capabilities": capabilities or Capabilities(),
         "counters": Counters(),
         "last_reproduction": "",
+        "last_logs": "",
+        "on_first_violation": (),
     }
     machine: type[OffloadingMachine] = type(name, (OffloadingMachine,), attrs)
     case = _bounded_test_case(machine, settings if settings is not None else kit_settings())
