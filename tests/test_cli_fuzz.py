@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from kvoffload_ref import cli
 from kvoffload_ref.cli import main
 from kvoffload_ref.testing.adapter import Capabilities
 from kvoffload_ref.testing.campaign import REPRO_BEGIN, REPRO_END
+from kvoffload_ref.testing.logtail import KEEP
 
 MUTANT = "kvoffload_ref.testing.mutants:failures_reported_as_success"
 HINT = 'pip install "hypothesis>=6.100"'
@@ -67,23 +69,96 @@ def test_cli_fuzz_reference_worker_exits_0(capsys: pytest.CaptureFixture[str]) -
     assert "fuzz: factory reference_factory" in out and "fuzz: OK:" in out
 
 
+def _fuzz(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m kvoffload_ref fuzz ARGV`` in a fresh interpreter, as a user runs it (what a seed finds can
+    depend on the process's history)."""
+    return subprocess.run([sys.executable, "-m", "kvoffload_ref", "fuzz", *argv], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+@pytest.fixture(scope="module")
+def wrong_run() -> subprocess.CompletedProcess[str]:
+    """The wrong worker fuzzed until it fails (R5), its shrink cut short."""
+    return _fuzz("--factory", MUTANT, "--steps", "1500", "--seed", "2", "--shrink-seconds", "1")
+
+
+def _reproduction(out: str) -> str:
+    return out.split(REPRO_BEGIN + "\n", 1)[1].split(REPRO_END, 1)[0]
+
+
+def _library_lines(text: str) -> list[str]:
+    """The lines of ``text`` the library logged (as the kit keeps them, or as Python's last-resort handler prints
+    them: the finalizer's and the shutdown's warnings, which every failing run here logs)."""
+    logged = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) kvoffload_ref\.")
+    return [line for line in text.splitlines()
+            if logged.search(line) or "from its finalizer" in line or "could not be proven idle" in line]
+
+
 @pytest.mark.rule("R5")
-def test_cli_fuzz_wrong_worker_exits_1_with_a_runnable_reproduction(tmp_path: pathlib.Path) -> None:
-    # A fresh interpreter, as a user runs it (what a seed finds can depend on the process's history).
-    done = subprocess.run([sys.executable, "-m", "kvoffload_ref", "fuzz", "--factory", MUTANT, "--steps", "1500",
-                           "--seed", "2", "--shrink-seconds", "1"], capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 1, done.stdout + done.stderr
-    out = done.stdout
+def test_cli_fuzz_wrong_worker_exits_1_with_a_reproduction_that_is_a_test(
+        wrong_run: subprocess.CompletedProcess[str], tmp_path: pathlib.Path) -> None:
+    """The printed reproduction, saved as is: ``python`` exits 1 on the rule's assertion and ``pytest`` fails it;
+    with the wrong worker swapped for kvoffload_ref's own (the bug fixed), both pass."""
+    assert wrong_run.returncode == 1, wrong_run.stdout + wrong_run.stderr
+    out = wrong_run.stdout
     assert "fuzz: FAILED (seed 2) at step " in out and "R5: job" in out
-    script = out.split(REPRO_BEGIN + "\n", 1)[1].split(REPRO_END, 1)[0]
+    script = _reproduction(out)
     assert "from kvoffload_ref.testing.mutants import failures_reported_as_success" in script
     path = tmp_path / "repro.py"
     path.write_text(script)
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60, check=False,
                           cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "success=True" in done.stdout
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "success=True" in done.stdout and "AssertionError: R5: job" in done.stderr
+    tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
+                            capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path)
+    assert tested.returncode == 1 and "1 failed" in tested.stdout, tested.stdout[-2000:]
+    fixed = tmp_path / "fixed.py"
+    fixed.write_text(script.replace("w = failures_reported_as_success(", "w = reference_factory("))
+    done = subprocess.run([sys.executable, str(fixed)], capture_output=True, text=True, timeout=60, check=False,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(fixed)],
+                            capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path)
+    assert tested.returncode == 0 and "1 passed" in tested.stdout, tested.stdout[-2000:]
+
+
+def test_cli_fuzz_prints_the_reproduction_once(wrong_run: subprocess.CompletedProcess[str]) -> None:
+    """The kit's reproduction only: not Hypothesis's "Failing test case" copy of the steps, nor the kit's note."""
+    text = wrong_run.stdout + wrong_run.stderr
+    assert text.count("w = failures_reported_as_success(dev.backend, dev.gpu, setup)") >= 1
+    assert text.count("def test_reproduction() -> None:") == 1
+    assert "Failing test case" not in text and "state.get_finished()" not in text
+
+
+def test_cli_fuzz_failing_run_prints_at_most_the_kept_log_lines(wrong_run: subprocess.CompletedProcess[str]) -> None:
+    """The library's lines are kept off the output while fuzzing; a failure prints the last KEEP, once, before
+    the reproduction (under a header saying how many were logged)."""
+    assert "the library logged " in wrong_run.stdout
+    kept = _library_lines(wrong_run.stdout)
+    assert 0 < len(kept) <= KEEP and all(line.startswith("#   ") for line in kept)
+    assert _library_lines(wrong_run.stderr) == []
+
+
+def test_cli_fuzz_passing_run_prints_no_log_lines() -> None:
+    """A passing campaign prints none of the library's lines; ``--verbose`` shows them (so the fuzzed steps do
+    log, and the first assertion can fail)."""
+    quiet = _fuzz("--steps", "300", "--seed", "5")
+    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+    assert _library_lines(quiet.stdout + quiet.stderr) == []
+    verbose = _fuzz("--steps", "300", "--seed", "5", "--verbose")
+    assert verbose.returncode == 0 and _library_lines(verbose.stdout + verbose.stderr) != []
+
+
+def test_cli_fuzz_progress_after_the_violation_says_shrinking(wrong_run: subprocess.CompletedProcess[str]) -> None:
+    """A progress line is printed when the first violation is found (not after the shrink), naming its step."""
+    lines = wrong_run.stdout.splitlines()
+    failed = next(i for i, line in enumerate(lines) if line.startswith("fuzz: FAILED"))
+    step = lines[failed].split(" at step ", 1)[1].split(" ", 1)[0]
+    progress = [line for line in lines[:failed] if line.startswith("fuzz: steps ")]
+    assert progress and f"(first at step {step}; shrinking)" in progress[0]
+    assert all(" violations 0 " not in line for line in progress)
+    assert int(progress[0].split("fuzz: steps ", 1)[1].split("/", 1)[0]) == int(step)
 
 
 @pytest.mark.rule("R5")

@@ -59,7 +59,10 @@ def test_testing_campaign_fails_with_a_reproduction() -> None:
     assert run_campaign(2000, 1, None, out=out, factory=_phantom_factory) == 1
     text = out.getvalue()
     assert "fuzz: FAILED (seed 1) at step " in text and ": R5: reported job -5" in text
-    assert "# Reproduction (runnable Python):" in text and "w = _phantom_factory(dev.backend, dev.gpu, setup)" in text
+    assert "w = _phantom_factory(dev.backend, dev.gpu, setup)" in text
+    assert text.count("def test_reproduction() -> None:") == 1  # once: Hypothesis's copy of the steps is dropped
+    assert "assert -5 not in [r.job_id for r in results], 'R5: reported job -5" in text
+    assert "Failing test case" not in text
 
 
 def _success_only_reference(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:

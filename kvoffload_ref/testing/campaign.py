@@ -65,8 +65,22 @@ def _progress(counters: Counters, goal: str, started: float) -> str:
     c = counters
     seconds = max(time.perf_counter() - started, 1e-9)
     return (f"fuzz: steps {c.steps}/{goal}  {c.steps / seconds:,.0f} steps/s  {seconds:.1f} s  runs {c.runs}  "
-            f"faults injected {c.faults_injected} (fired {c.faults_fired})  violations {c.violations}  "
-            f"accepted release-policy hazards {c.hazards}  quarantined {c.quarantined}/{c.shutdowns}\n")
+            f"faults injected {c.faults_injected} (fired {c.faults_fired})  violations {c.violations}"
+            f"{c.shrinking()}  accepted release-policy hazards {c.hazards}  "
+            f"quarantined {c.quarantined}/{c.shutdowns}\n")
+
+
+def _traceback(exc: BaseException) -> str:
+    """The failure's traceback without the notes Hypothesis adds (its own copy of the steps: the kit prints the
+    reproduction once, as a test)."""
+    notes = getattr(exc, "__notes__", None)
+    if notes is None:
+        return "".join(traceback.format_exception(exc))
+    del exc.__notes__
+    try:
+        return "".join(traceback.format_exception(exc))
+    finally:
+        exc.__notes__ = notes
 
 
 def _validate(steps: int | None, seconds: float | None) -> None:
@@ -94,7 +108,8 @@ def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: T
         factory: the implementation under test (default: kvoffload_ref's own worker).
         capabilities: the optional behaviours it has (default: all).
         seconds: run batches until this many seconds have passed (instead of ``steps``).
-        quiet: silence the ``kvoffload_ref`` loggers while it runs.
+        quiet: keep the ``kvoffload_ref`` loggers' lines off the output while it runs (the last
+            ``logtail.KEEP`` of a failing run are printed with its report).
         shrink_seconds: how long Hypothesis may shrink a failure (None: Hypothesis's own bound).
         on_progress: called with the machine's counters after every batch.
 
@@ -115,7 +130,16 @@ def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: T
     started = time.perf_counter()
     goal = str(steps) if steps is not None else "-"
     counters = machine.counters
-    with quiet_logs() if quiet else contextlib.nullcontext(), bounded_shrinking(shrink_seconds):
+    machine.quiet_logs = quiet  # the library's lines are kept (the last logtail.KEEP) and shown with a failure
+
+    def found(c: Counters) -> None:  # progress at once: what follows is shrinking, which prints nothing for a while
+        out.write(_progress(c, goal, started))
+        out.flush()
+        if on_progress is not None:
+            on_progress(c)
+
+    machine.on_first_violation = (found,)
+    with bounded_shrinking(shrink_seconds):
         while (counters.steps < steps) if steps is not None else (time.perf_counter() - started < (seconds or 0)):
             examples = TIMED_BATCH
             if steps is not None:
@@ -127,8 +151,10 @@ def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: T
                 out.write(_progress(counters, goal, started))
                 first = counters.first_failure_step
                 out.write(f"fuzz: FAILED (seed {seed}) at step {first} (later steps: shrinking): {exc}\n")
-                out.write("".join(traceback.format_exception(exc)))
-                out.write(f"{REPRO_BEGIN}\n{machine.last_reproduction}\n# violated: {exc}\n{REPRO_END}\n")
+                out.write(_traceback(exc))
+                if machine.last_logs:
+                    out.write(f"{machine.last_logs}\n")
+                out.write(f"{REPRO_BEGIN}\n{machine.last_reproduction}{REPRO_END}\n")
                 out.flush()
                 return 1
             out.write(_progress(counters, goal, started))

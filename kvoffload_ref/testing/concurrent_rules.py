@@ -36,7 +36,7 @@ from kvoffload_ref.testing.adapter import ReportLike
 from kvoffload_ref.testing.machine_base import ConformanceError, MachineBase
 from kvoffload_ref.testing.model import plan_moves
 from kvoffload_ref.testing.outcomes import settled_jobs
-from kvoffload_ref.testing.shutdown import Expectations, report_problems
+from kvoffload_ref.testing.shutdown import Expectations, report_problems, script_check
 from kvoffload_ref.testing.threads import CallPause, Runner, paused_or_done
 
 __all__ = ["INTERLEAVINGS", "ConcurrentRules"]
@@ -91,7 +91,7 @@ class ConcurrentRules(MachineBase):
                                                   elapsed=self.current_device.clock() - start,
                                                   expect=_NO_PREDICTION):
                 if not rules.startswith("R11"):  # a wait paused mid-poll moves the clock too
-                    self._check(False, rules, message)
+                    self._check(False, rules, message, script_check((rules, message)))
             self._check_outcomes(report, settled, proven_in_time=False)
 
     # -- the interleavings ------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from kvoffload_ref.testing.outcomes import accounting_problems, attribution_prob
 from kvoffload_ref.testing.shutdown import (
     Expectations,
     report_problems,
+    script_check,
 )
 
 __all__ = ["Checks"]
@@ -47,9 +48,11 @@ class Checks(MachineBase):
         job = result.job_id
         self._say(f"# -> ({job}, success={result.success})")
         transfer = model.transfers.get(job)
-        self._check(transfer is not None, "R5", f"reported job {job}, which was never (successfully) submitted")
+        unreported = f"{job} not in [r.job_id for r in results]"  # R5: the script's assertion
+        self._check(transfer is not None, "R5", f"reported job {job}, which was never (successfully) submitted",
+                    unreported)
         assert transfer is not None
-        self._check(transfer.status == "pending", "R5", f"job {job} reported twice")
+        self._check(transfer.status == "pending", "R5", f"job {job} reported twice", unreported)
         expired = isinstance(getattr(result, "error", None), TransferExpired)  # R26: ended at once, ahead of others
         self._check(expired or transfer.index > model.last_reported.get(transfer.lane, -1), "R5/R28",
                     f"{transfer.direction} job {job} reported out of submission order (on its stream)")
@@ -85,19 +88,21 @@ class Checks(MachineBase):
 
     def _check_success(self, transfer: ModelTransfer, result: ResultLike) -> None:
         job = transfer.job_id
+        failed = f"all(not r.success for r in results if r.job_id == {job})"  # the script's assertion
         self._check(not transfer.hung, "R5", f"job {job} reported success although a hang selected it: its "
-                                             "completion can never be proven")
+                                             "completion can never be proven", failed)
         self._check(not transfer.blocked, "R4/R5", f"job {job} reported success although it is queued behind a "
-                                                   "hung transfer of its direction")
+                                                   "hung transfer of its direction", failed)
         self._check(not transfer.must_fail, "R5", f"job {job} reported success although an injected error fired "
-                                                  "on its end event (or on the one it was queued behind)")
+                                                  "on its end event (or on the one it was queued behind)", failed)
         self._check(not transfer.released, "R27", f"job {job} reported success although take_released() handed out "
-                                                  "its hold (only a late copy is held)")
+                                                  "its hold (only a late copy is held)", failed)
         self._check(self.current_race.is_observed((transfer.direction, job)), "R5/R20",
                     f"job {job} reported success although the device never saw its completion observed (no query "
                     "of its end event returned True)")
         self._check(result.transfer_size == transfer.nbytes, "R5",
-                    f"job {job} reported {result.transfer_size} bytes, expected {transfer.nbytes}")
+                    f"job {job} reported {result.transfer_size} bytes, expected {transfer.nbytes}",
+                    f"all(not r.success or r.transfer_size == {transfer.nbytes} for r in results if r.job_id == {job})")
 
     def _check_memory(self) -> None:
         """R4/R5: every settled byte (GPU, and the CPU region) holds what the model says it holds."""
@@ -129,7 +134,7 @@ class Checks(MachineBase):
         for rules, message in report_problems(report, model=self.current_model, device=self.current_device,
                                               policy=self.current_setup.policy,
                                               elapsed=self.current_device.clock() - start, expect=expect):
-            self._check(False, rules, message)
+            self._check(False, rules, message, script_check((rules, message)))
         self._check_outcomes(report, settled, proven_in_time=expect.must_release and not report.interrupted)
         self._check_switches(report)
 

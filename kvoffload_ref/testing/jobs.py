@@ -125,7 +125,7 @@ class _Tally:
         running = self.done.count(False)
         return (f"fuzz: {len(self.latest)} jobs ({running} running)  steps {steps}/{goal}  "
                 f"{steps / seconds:,.0f} steps/s  {seconds:.1f} s  runs {sum(c.runs for c in self.latest)}  "
-                f"violations {sum(c.violations for c in self.latest)}  "
+                f"violations {sum(c.violations for c in self.latest)}{self.total().shrinking()}  "
                 f"accepted release-policy hazards {sum(c.hazards for c in self.latest)}\n")
 
     def total(self) -> Counters:

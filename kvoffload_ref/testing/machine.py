@@ -88,6 +88,12 @@ class OffloadingMachine(CancelRules, OrderingRules, ConcurrentRules, ShutdownRul
 
     def teardown(self) -> None:
         """Always shut down (checked like the rule unless the run already failed) and check the ledger (R16)."""
+        try:
+            self._teardown()
+        finally:
+            self._stop_logs()
+
+    def _teardown(self) -> None:
         if self.phase == "open" and self.worker is not None:
             if self.failed:  # only clean up: the run already reported its failure
                 with contextlib.suppress(Exception, SimHang):
@@ -147,6 +153,8 @@ def make_machine(worker_factory: WorkerFactory = reference_factory, *, name: str
         "capabilities": capabilities or Capabilities(),
         "counters": Counters(),
         "last_reproduction": "",
+        "last_logs": "",
+        "on_first_violation": (),
     }
     machine: type[OffloadingMachine] = type(name, (OffloadingMachine,), attrs)
     case = _bounded_test_case(machine, settings if settings is not None else kit_settings())

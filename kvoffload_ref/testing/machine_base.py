@@ -12,7 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
 
 from hypothesis import note
@@ -32,8 +32,10 @@ from kvoffload_ref.testing.adapter import (
     has_running_calls,
     reference_factory,
 )
+from kvoffload_ref.testing.logtail import LogTail
 from kvoffload_ref.testing.model import Model
 from kvoffload_ref.testing.races import RaceModel
+from kvoffload_ref.testing.reproduction import as_test
 from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS
 from kvoffload_ref.testing.strategies import (
     InvalidTransfer,
@@ -79,6 +81,11 @@ class Counters:
     expired: int = 0
     cancels_after_completion: int = 0
 
+    def shrinking(self) -> str:
+        """What a progress line adds once a violation was found ("" before): its step, and that shrinking runs."""
+        first = self.first_failure_step
+        return f" (first at step {first}; shrinking)" if first else ""
+
     def line(self) -> str:
         """A one-line summary."""
         return " ".join(f"{field.name}={getattr(self, field.name)}" for field in dataclasses.fields(self))
@@ -96,7 +103,14 @@ class MachineBase(RuleBasedStateMachine):
         factory_name: how the reproduction header names the factory.
         factory_import: the reproduction's line importing the factory ("" when the kit's imports cover it).
         shrink_seconds: how long Hypothesis may shrink a failure (see ``settings.bounded_shrinking``).
-        last_reproduction: the reproduction script of the last failing run ("" before any failure).
+        last_reproduction: the reproduction script of the last failing run ("" before any failure): a test file
+            ending in the violated rule's assertion (``reproduction.as_test``).
+        last_logs: the library's last log lines of the last failing run, its cleanup included ("" when it logged
+            none).
+        quiet_logs: keep the library's log lines (the last ``logtail.KEEP``) instead of passing them to the root
+            logger, and show them only with a failure.
+        on_first_violation: called with the counters when the first violation is found (the campaign's
+            progress: what follows is shrinking).
         setup_strategy: what setups are drawn.
         capabilities: optional behaviours of the implementation.
         counters: totals over every run of this class.
@@ -108,6 +122,9 @@ class MachineBase(RuleBasedStateMachine):
     factory_import: ClassVar[str] = ""
     shrink_seconds: ClassVar[float | None] = DEFAULT_SHRINK_SECONDS
     last_reproduction: ClassVar[str] = ""
+    last_logs: ClassVar[str] = ""
+    quiet_logs: ClassVar[bool] = True
+    on_first_violation: ClassVar[tuple[Callable[[Counters], None], ...]] = ()
     setup_strategy: ClassVar[st.SearchStrategy[Setup]] = setups()
     capabilities: ClassVar[Capabilities] = Capabilities()
     counters: ClassVar[Counters] = Counters()
@@ -143,6 +160,8 @@ class MachineBase(RuleBasedStateMachine):
         # Invariant: the reproduction so far, one Python line per entry; noted once, when the run fails.
         self.script: list[str] = []
         self.script_noted = False
+        # Invariant: installed (the library's logs kept here) from construction to teardown when quiet_logs.
+        self.logs = LogTail().install() if type(self).quiet_logs else None
         type(self).counters.runs += 1
 
     # -- helpers ------------------------------------------------------------------------------------------------
@@ -191,8 +210,8 @@ class MachineBase(RuleBasedStateMachine):
         self.age += 1
         try:
             yield
-        except (Exception, SimHang):
-            self._fail()
+        except (Exception, SimHang) as exc:
+            self._fail("", f"{type(exc).__name__}: {exc}")
             raise
         except BaseException:  # Hypothesis' own control flow (an example cut short): not a failure
             self.failed = True
@@ -209,20 +228,46 @@ class MachineBase(RuleBasedStateMachine):
         self.script[-1] = f"try:\n    {last}\nexcept {error}:\n    pass"
         note(f"# -> {error}")
 
-    def _fail(self) -> None:
-        """Mark the run failed and note the reproduction script (once)."""
-        self.failed = True
-        counters = type(self).counters
-        counters.first_failure_step = counters.first_failure_step or counters.steps
-        if not self.script_noted:
-            self.script_noted = True
-            script = "\n".join(self.script)
-            type(self).last_reproduction = script  # the last failing run: after shrinking, the shrunk one
-            note("# Reproduction (runnable Python):\n" + script)
+    def _fail(self, rules: str = "", message: str = "", asserts: str | None = None) -> None:
+        """Mark the run failed and note the reproduction (once): a test ending in the violated rule's assertion.
 
-    def _check(self, ok: bool, rules: str, message: str) -> None:
+        Args:
+            rules: the violated rules' ids ("" when a call raised where it must not: the script ends at that call).
+            message: what the check found.
+            asserts: the check as a Python expression over the script's names, true when the rule holds.
+        """
+        self.failed = True
+        cls = type(self)
+        counters = cls.counters
+        first = not counters.first_failure_step
+        counters.first_failure_step = counters.first_failure_step or counters.steps
+        if self.script_noted:
+            return
+        self.script_noted = True
+        counters.violations += 1  # one per failing run: the first found, then each the shrinker tried
+        # A call that raised where no rule lets it: the script raises at that call (and passes once it returns).
+        script = as_test(self.script, rules or "the last call raised", message or "an exception",
+                         asserts if rules else "True")
+        cls.last_reproduction = script  # the last failing run: after shrinking, the shrunk one
+        note("# Reproduction (runnable Python, a test):\n" + script)
+        if first:
+            for hook in cls.on_first_violation:
+                hook(counters)
+
+    def _stop_logs(self) -> None:
+        """Give the library's logger back (teardown); a failing run's last log lines are noted (and kept)."""
+        if self.logs is not None:
+            self.logs.remove()
+            if self.script_noted:
+                cls = type(self)
+                cls.last_logs = self.logs.summary()
+                if cls.last_logs:
+                    note(cls.last_logs)
+
+    def _check(self, ok: bool, rules: str, message: str, asserts: str | None = None) -> None:
+        """Fail the run with ``rules: message`` unless ``ok``; ``asserts`` is the check in the script's terms."""
         if not ok:
-            self._fail()
+            self._fail(rules, message, asserts)
             raise ConformanceError(f"{rules}: {message}")
 
     def _fresh_job(self) -> int:

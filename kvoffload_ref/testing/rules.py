@@ -245,7 +245,7 @@ class TransferRules(MachineBase):
     def get_finished(self) -> None:
         """R5: each job once, per direction in submission order, success only if proven; never blocks."""
         with self._step():
-            self._say("print(w.get_finished())")
+            self._say("results = w.get_finished()\nprint(results)")
             clock = self.current_device.clock()
             results = list(self.current_worker.get_finished())
             self._check(self.current_device.clock() == clock, "R5", "get_finished() blocked (the virtual clock moved)")

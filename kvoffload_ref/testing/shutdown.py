@@ -15,7 +15,7 @@ from kvoffload_ref.testing.model import Model
 from kvoffload_ref.worker import ShutdownPolicy
 
 __all__ = ["MARGIN", "SLACK", "Expectations", "Problem", "expectations", "interrupted_problems", "may_release_unproven",
-           "report_problems"]
+           "report_problems", "script_check"]
 
 #: Virtual seconds a bounded call (shutdown, wait with a timeout) may run past its timeout (R11).
 SLACK: Final = 0.01
@@ -27,6 +27,17 @@ SHUTDOWN_POINTS: Final[frozenset[FaultPoint]] = frozenset({"event_query", "event
 
 #: (rule ids, message)
 Problem = tuple[str, str]
+#: The release policy's fate (R12), as a problem says it.
+RELEASE_LEFT: Final = "policy 'release' left the region"
+#: Problems a reproduction can assert in its own terms (``report``, the last shutdown's; ``dev``, the device):
+#: (the problem's message starts with, the Python expression true when the rule holds).
+_SCRIPT_CHECKS: Final = (
+    (RELEASE_LEFT, "report.region == 'released'"),  # R12
+    ("live after shutdown", "dev.ledger.live() == {}"),  # R16
+    ("ledger quarantined", "dev.ledger.quarantined() == dict(report.quarantined)"),  # R16
+    ("ledger leaked", "dev.ledger.leaked() == dict(report.leaked)"),  # R16
+    ("region ", "(report.region == 'quarantined') == ('mapping' in report.quarantined)"),  # R12 (the ledger's)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +98,22 @@ def may_release_unproven(report: ReportLike, model: Model) -> bool:
         for t in model.transfers.values())
 
 
+def script_check(problem: Problem) -> str | None:
+    """A report's problem as the reproduction's closing assertion, where it has one in the script's terms.
+
+    Args:
+        problem: (rules, message) from :func:`report_problems` or :func:`interrupted_problems`.
+
+    Returns:
+        A Python expression over ``report`` and ``dev``, true when the rule holds; None for the others.
+    """
+    message = problem[1]
+    for start, expression in _SCRIPT_CHECKS:
+        if message.startswith(start) and (start != "region " or " but quarantined " in message):
+            return expression
+    return None
+
+
 def report_problems(report: ReportLike, *, model: Model, device: SimDevice, policy: ShutdownPolicy,
                     elapsed: float, expect: Expectations) -> Iterator[Problem]:
     """Every way the report (and the ledger after it) contradicts the rules and the model."""
@@ -126,7 +153,7 @@ def _fate(report: ReportLike, policy: ShutdownPolicy, expect: Expectations,
     sync, region = report.device_sync, report.region
     if policy.on_unproven == "release":
         if region != "released":
-            yield "R12", f"policy 'release' left the region {region}"
+            yield "R12", f"{RELEASE_LEFT} {region}"
     else:
         fates = ("released",) if sync in ("not_needed", "ok") else (
             ("quarantined", "released") if may_release else ("quarantined",))

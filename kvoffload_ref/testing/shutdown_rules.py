@@ -24,6 +24,7 @@ from kvoffload_ref.testing.shutdown import (
     Expectations,
     expectations,
     interrupted_problems,
+    script_check,
 )
 
 __all__ = ["ShutdownRules"]
@@ -88,7 +89,7 @@ class ShutdownRules(MachineBase):
                 for rules, message in interrupted_problems(report, device=self.current_device,
                                                            policy=self.current_setup.policy,
                                                            elapsed=elapsed, model=self.current_model):
-                    self._check(False, rules, message)
+                    self._check(False, rules, message, script_check((rules, message)))
                 self._check_outcomes(report, settled, proven_in_time=False)
                 return
             finally:
@@ -188,13 +189,16 @@ class ShutdownRules(MachineBase):
             self.phase = "dropped"
             type(self).counters.drops += 1
             ledger = self.current_device.ledger
-            self._check(ledger.live() == {}, "R15/R16", f"live after the worker was dropped: {ledger.live()}")
+            self._check(ledger.live() == {}, "R15/R16", f"live after the worker was dropped: {ledger.live()}",
+                        "dev.ledger.live() == {}")
             elapsed = self.current_device.clock() - start
             timeout = self.current_setup.policy.timeout
             self._check(elapsed <= timeout + SLACK, "R11/R15", f"the finalizer took {elapsed} s")
             kept = "mapping" in ledger.quarantined()
             if self.current_setup.policy.on_unproven == "quarantine" and expect.must_quarantine and stuck_touches:
-                self._check(kept, "R12/R15", "the finalizer released a region a hung transfer may touch")
+                self._check(kept, "R12/R15", "the finalizer released a region a hung transfer may touch",
+                            "'mapping' in dev.ledger.quarantined()")
             if expect.must_release:
-                self._check(not kept, "R12/R15", "the finalizer quarantined a region that could be proven idle")
+                self._check(not kept, "R12/R15", "the finalizer quarantined a region that could be proven idle",
+                            "'mapping' not in dev.ledger.quarantined()")
 

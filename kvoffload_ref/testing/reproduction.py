@@ -1,0 +1,42 @@
+"""A failing run's reproduction as a test: a Python file that runs the steps and asserts the violated rule.
+
+The machine notes each step as a line of Python (:meth:`~kvoffload_ref.testing.machine_base.MachineBase._say`);
+when a check fails, :func:`as_test` wraps the lines in ``def test_reproduction()`` (so ``pytest FILE`` collects it)
+ending in the check as an ``assert`` of what the rule requires, and a ``__main__`` guard that calls it (so ``python
+FILE`` exits non-zero while the rule is violated, 0 once it holds). A check with no Python form ends the test in a
+``raise AssertionError`` stating what the kit found there (it fails until the kit's own run passes).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from typing import Final
+
+__all__ = ["NO_SCRIPT_FORM", "as_test"]
+
+#: The comment on the closing line of a check with no Python form.
+NO_SCRIPT_FORM: Final = "# the kit's check (no Python form) failed here: rerun the kit to confirm a fix"
+_HEADER_START: Final = "import "
+
+
+def as_test(lines: Sequence[str], rules: str, message: str, asserts: str | None) -> str:
+    """The reproduction file: imports, ``def test_reproduction()`` with the steps and the check, a main guard.
+
+    Args:
+        lines: the run's steps as Python (the first may be the imports, each entry one or more lines).
+        rules: the violated rules' ids (e.g. "R5").
+        message: what the check found.
+        asserts: the check as a Python expression over the steps' names (true when the rule holds), or None.
+
+    Returns:
+        The file's text.
+    """
+    header = [lines[0]] if lines and lines[0].startswith(_HEADER_START) else []
+    steps = list(lines[len(header):])
+    verdict = repr(f"{rules}: {message}")
+    final = f"assert {asserts}, {verdict}" if asserts else f"raise AssertionError({verdict})  {NO_SCRIPT_FORM}"
+    body = textwrap.indent("\n".join([*steps, f"# {rules}: the rule the run violated", final]), "    ")
+    doc = f'"""Reproduction of a conformance failure ({rules}): run it with python or pytest."""'
+    return "\n".join([doc, *header, "", "", "def test_reproduction() -> None:", body, "", "",
+                      'if __name__ == "__main__":', "    test_reproduction()", ""])
