@@ -253,12 +253,16 @@ def demo(trace: str | None = None) -> int:
 def _acts() -> int:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(_NoTraceback("  [log %(levelname)s] %(message)s"))
-    logging.getLogger("kvoffload_ref").addHandler(handler)
+    log = logging.getLogger("kvoffload_ref")
+    log.addHandler(handler)
     checks = _Checks()
-    _round_trip(checks)
-    _hung_shutdown(checks, "quarantine")
-    _hung_shutdown(checks, "release")
-    _racy_schedule(checks)
-    canonical_act(checks.check, 5, lambda rank: _device(f"act 5: {rank}"))
+    try:
+        _round_trip(checks)
+        _hung_shutdown(checks, "quarantine")
+        _hung_shutdown(checks, "release")
+        _racy_schedule(checks)
+        canonical_act(checks.check, 5, lambda rank: _device(f"act 5: {rank}"))
+    finally:
+        log.removeHandler(handler)  # the demo's log lines end with it (a caller's process logs as before)
     print(f"\n{checks.passed} checks passed, {len(checks.failed)} failed")
     return 0 if not checks.failed else 1
