@@ -80,11 +80,14 @@ class DrainHalf:
         raise NotImplementedError
 
     # -- the drain (R10, R11, R14, R28) ----------------------------------------------------------------------------
-    def _take_queue(self, current: bool = False) -> list[Transfer]:
+    def _take_queue(self, current: bool = False, first: Transfer | None = None) -> list[Transfer]:
         """Empty the queue and the retired streams' (theirs first; the queue's if its failed head is R22's "failed")
         into the unproven bin; returns the live ones; the retired streams are kept for the proof (R13, R28)."""
         live, late, streams = self._retired.take() if self._retired else ([], [], [])
         taken = [*self._queue, *live] if current else [*live, *self._queue]
+        if first is not None and first in taken:  # R22: the failed head of a retired stream is named first
+            taken.remove(first)
+            taken.insert(0, first)
         self._leave(taken)
         self._queue.clear()
         self._unproven += taken
@@ -135,11 +138,11 @@ class DrainHalf:
     def _drain_retired(self, observe: Callable[[Event], bool]) -> None:
         """R10/R28: prove what retired streams hold within the drain's deadline: a live job proven is drained; a
         live job failed, or pending at the deadline, abandons the rest; late copies proven end their holds."""
-        failures: list[DeviceError] = []
-        self._retired.poll(observe, self._proven_retired, lambda _live, exc, _now: failures.append(exc),
+        failures: list[tuple[DeviceError, Transfer]] = []  # (error, the failed head of a retired stream)
+        self._retired.poll(observe, self._proven_retired, lambda live, exc, _now: failures.append((exc, live[0])),
                            self._free_late, self._backend.monotonic())
         if failures and self._step(HandlerInput.HEAD_FAILED) is Action.ABANDON:
-            self._abandon(failures[0], head_failed=True)
+            self._abandon(failures[0][0], head_failed=True, first=failures[0][1])
         elif self._retired.has_live():
             self._stop_drain(HandlerInput.DEADLINE, DeadlineExceeded(
                 f"a {self.direction} job on a retired stream was not proven complete within the shutdown timeout"))
@@ -154,10 +157,11 @@ class DrainHalf:
         if self._step(event) is Action.ABANDON:
             self._abandon(error)
 
-    def _abandon(self, error: BaseException | None, *, head_failed: bool = False, current: bool = False) -> None:
+    def _abandon(self, error: BaseException | None, *, head_failed: bool = False, current: bool = False,
+                 first: Transfer | None = None) -> None:
         """Stop draining: every queued transfer's completion is unknown (R10), but a failed head's (the queue's if
         ``current``); each names the blocks it poisoned (R22)."""
-        remaining = self._take_queue(current)
+        remaining = self._take_queue(current, first)
         self._counts["abandoned"] += len(remaining)
         self._drain_error = self._drain_error or error
         self._stopped += stopped_outcomes(self.direction, remaining, error, head_failed=head_failed)

@@ -322,11 +322,11 @@ class ReferenceHandler:
     def _drain_retired(self, observe: Callable[[Event], bool]) -> None:
         """R10/R28: prove what retired streams hold within the drain's deadline: a live job proven is drained; a
         live job failed, or pending at the deadline, abandons the rest; late copies proven end their holds."""
-        failures: list[errors.DeviceError] = []
-        self.retired.poll(observe, self._proven_retired, lambda _live, exc, _now: failures.append(exc),
+        failures: list[tuple[errors.DeviceError, _Transfer]] = []  # (error, the failed head of a retired stream)
+        self.retired.poll(observe, self._proven_retired, lambda live, exc, _now: failures.append((exc, live[0])),
                           self._free_late, self.backend.monotonic())
         if failures and self.step(HandlerInput.HEAD_FAILED) is Action.ABANDON:
-            self._abandon(failures[0], head_failed=True)
+            self._abandon(failures[0][0], head_failed=True, first=failures[0][1])
         elif self.retired.has_live():
             self._stop(HandlerInput.DEADLINE, errors.DeadlineExceeded(
                 f"a {self.direction} job on a retired stream was not proven complete within the shutdown timeout"))
@@ -339,11 +339,14 @@ class ReferenceHandler:
         if self.step(event) is Action.ABANDON:
             self._abandon(error)
 
-    def _take_queue(self, current: bool = False) -> list[_Transfer]:
+    def _take_queue(self, current: bool = False, first: _Transfer | None = None) -> list[_Transfer]:
         """Every live transfer still queued (retired streams' first, or the current stream's when its head failed:
         R22 names that head "failed"), now unproven; late ones join them (R13)."""
         live, late, streams = self.retired.take()
         taken = [*self.queue, *live] if current else [*live, *self.queue]
+        if first is not None and first in taken:  # R22: the failed head of a retired stream is named first
+            taken.remove(first)
+            taken.insert(0, first)
         self.queue = collections.deque()
         for t in taken:
             t.resolved = True
@@ -351,10 +354,11 @@ class ReferenceHandler:
         self.unproven_streams += streams
         return taken
 
-    def _abandon(self, error: BaseException | None, *, head_failed: bool = False, current: bool = False) -> None:
+    def _abandon(self, error: BaseException | None, *, head_failed: bool = False, current: bool = False,
+                 first: _Transfer | None = None) -> None:
         """R10: every queued transfer's completion is unknown (but a failed head's: the current stream's when
         ``current``); R22: each names its blocks."""
-        remaining = self._take_queue(current)
+        remaining = self._take_queue(current, first)
         self.counts["abandoned"] += len(remaining)
         self.drain_error = self.drain_error or error
         self.outcomes += results.stopped_outcomes(self.direction, remaining, error, head_failed=head_failed)

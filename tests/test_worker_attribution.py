@@ -211,3 +211,30 @@ def test_worker_drain_names_the_failed_head_of_the_current_stream_not_a_retired_
     report = w.shutdown()
     assert sorted((o.result.job_id, o.ended) for o in report.unreported) == [(1, "abandoned"), (3, "failed")]
     assert report.store.abandoned == 2
+
+
+@pytest.mark.rule("R10")
+@pytest.mark.rule("R22")
+@pytest.mark.rule("R28")
+@pytest.mark.parametrize("kind", list(CREATE))
+def test_worker_drain_names_the_failed_head_of_the_retired_stream_it_failed_on(kind: str) -> None:
+    # Two retired streams each keep a live hung job (1 and 3; the cancels of 2 and 4 retired them). In the drain,
+    # stream A's job 1 is pending at the deadline and stream B's job 3 fails when observed: the report names job 3
+    # "failed" (its own end event's error) and job 1 only "abandoned".
+    be, w = _worker(kind, [kv.Fault("copy", "hang", job_id=1), kv.Fault("copy", "hang", job_id=3)])
+    w.submit_store(1, gspec([0]), cspec([0]))
+    w.submit_store(2, gspec([1]), cspec([1]))
+    w.cancel([2])
+    w.submit_store(3, gspec([2]), cspec([2]))
+    w.submit_store(4, gspec([3]), cspec([3]))
+    w.cancel([4])
+    assert [(r.job_id, r.error.reason) for r in w.get_finished()] == [(2, "cancel"), (4, "cancel")]
+
+    def job_3_fails(point: str, tag: object) -> None:
+        if point == "event_query" and tag == ("store", 3):
+            raise kv.DeviceError("job 3's end event reports an error", 719)
+
+    be.on_call = job_3_fails
+    report = w.shutdown()
+    be.on_call = None
+    assert sorted((o.result.job_id, o.ended) for o in report.unreported) == [(1, "abandoned"), (3, "failed")]
