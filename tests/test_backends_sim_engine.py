@@ -72,17 +72,22 @@ def done_at(event: Event) -> float:
 def two_stream_schedule(link_model: str, between: str = "records") -> dict[str, float]:
     """Stream A queues a1 a2 a3 (16 pages each, store) at t=0; stream B queues b1 (8 pages, store) at 50 us.
     ``between``: what A has between a1 and a2 besides the events (``"records"``: nothing; ``"compute"``: a 1 us
-    compute op; ``"done wait"``: a wait on an event already complete). Returns each copy's finish time."""
+    compute op; ``"done wait"``: a wait on an event already complete; ``"pending wait"``: a wait on an event
+    recorded after 200 us of compute on another stream). Returns each copy's finish time."""
     rig = Rig(link_model)
     be = rig.be
     a, b = be.create_stream(), be.create_stream()
-    done = be.create_event()
+    done, later = be.create_event(), be.create_event()
     be.record(done, be.current_stream())
+    be.enqueue_compute_write(be.empty_device((1, 64)), [0], 1, 200e-6, stream="other")
+    be.record(later, be.compute_stream("other"))
     a1 = rig.copy(a, "store", range(0, 16))
     if between == "compute":
         be.enqueue_compute_write(be.empty_device((1, 64)), [0], 1, 1e-6, stream=a)
     elif between == "done wait":
         be.wait_event(a, done)
+    elif between == "pending wait":
+        be.wait_event(a, later)
     a2 = rig.copy(a, "store", range(16, 32))
     a3 = rig.copy(a, "store", range(32, 48))
     be.clock_advance(50e-6)
@@ -125,6 +130,16 @@ def test_sim_engine_a_compute_op_between_two_copies_lets_the_other_stream_go_fir
     assert t["b1"] == pytest.approx(a1 + L8), "the engine yields to B"
     assert t["a2"] == pytest.approx(a1 + L8 + L16)
     assert t["a3"] == pytest.approx(a1 + L8 + 2 * L16 + CALL), "a2 and a3 are a block again"
+
+
+def test_sim_engine_a_wait_not_yet_satisfied_ends_a_block() -> None:
+    """A wait on A between a1 and a2 for an event complete only at 200 us: when a1 finishes the engine is not held
+    (A cannot go on), so b1 goes at once; a2 starts at 200 us and finds the engine free again."""
+    t = two_stream_schedule("fifo", "pending wait")
+    a1 = CALL + L16
+    assert t["b1"] == pytest.approx(a1 + L8)
+    assert t["a2"] == pytest.approx(200e-6 + CALL + L16)
+    assert t["a3"] == pytest.approx(200e-6 + 2 * (CALL + L16))
 
 
 def test_sim_engine_serves_in_arrival_order_not_by_stream() -> None:
