@@ -32,8 +32,8 @@ L8 = 8 * PAGE / RATE     # 8 pages: 52.4288 us
 class Rig:
     """A device array and a pinned host array of 128 pages; copies of page ranges between them."""
 
-    def __init__(self, link_model: str = "fifo", profile: CostProfile = ENGINE) -> None:
-        be = self.be = SimBackend(profile=profile, link_model=link_model)  # type: ignore[arg-type]
+    def __init__(self, link_model: str = "fifo", profile: CostProfile = ENGINE, trace: bool = False) -> None:
+        be = self.be = SimBackend(profile=profile, link_model=link_model, trace=trace)  # type: ignore[arg-type]
         self.dev = be.array_info(be.empty_device((128, PAGE)))
         self.host = np.zeros(128 * PAGE, np.uint8)
         self.hptr = int(self.host.ctypes.data)
@@ -69,12 +69,13 @@ def done_at(event: Event) -> float:
     return float(latest.done_at)
 
 
-def two_stream_schedule(link_model: str, between: str = "records") -> dict[str, float]:
+def two_stream_schedule(link_model: str, between: str = "records", rig: Rig | None = None) -> dict[str, float]:
     """Stream A queues a1 a2 a3 (16 pages each, store) at t=0; stream B queues b1 (8 pages, store) at 50 us.
     ``between``: what A has between a1 and a2 besides the events (``"records"``: nothing; ``"compute"``: a 1 us
     compute op; ``"done wait"``: a wait on an event already complete; ``"pending wait"``: a wait on an event
-    recorded after 200 us of compute on another stream). Returns each copy's finish time."""
-    rig = Rig(link_model)
+    recorded after 200 us of compute on another stream). ``rig``: the rig to use (else a new one). Returns each
+    copy's finish time."""
+    rig = rig or Rig(link_model)
     be = rig.be
     a, b = be.create_stream(), be.create_stream()
     done, later = be.create_event(), be.create_event()
@@ -104,6 +105,19 @@ def test_sim_engine_fifo_serves_one_streams_queued_copies_as_a_block() -> None:
     assert t["a3"] == pytest.approx(3 * CALL + 3 * L16)
     assert t["b1"] == pytest.approx(3 * CALL + 3 * L16 + L8), "b1 waits for A's whole block"
     assert two_stream_schedule("fifo", "done wait") == pytest.approx(t), "a completed wait does not end a block"
+
+
+def test_sim_engine_trace_shows_how_long_a_copy_waited_for_its_engine() -> None:
+    """The timeline's copy spans carry ``engine_wait_s`` when a copy queued for its engine: b1 arrived at 52 us and
+    was served when A's block ended; A's copies never queued (their fixed phases are their own)."""
+    rig = Rig(trace=True)
+    t = two_stream_schedule("fifo", rig=rig)
+    waits = [(e["args"]["bytes"], e["args"].get("engine_wait_s"))
+             for e in rig.be.trace_document()["traceEvents"] if e.get("cat") == "copy"]
+    assert waits == [(16 * PAGE, None)] * 3 + [(8 * PAGE, pytest.approx(t["a3"] - (50e-6 + CALL)))]   # 268.5728 us
+    fair = Rig("fair", trace=True)
+    two_stream_schedule("fair", rig=fair)
+    assert not any("engine_wait_s" in e.get("args", {}) for e in fair.be.trace_document()["traceEvents"])
 
 
 def test_sim_engine_fair_shares_the_same_schedule() -> None:

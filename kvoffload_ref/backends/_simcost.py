@@ -192,7 +192,8 @@ def profile_named(profile: str | CostProfile) -> CostProfile:
 class Flow:
     """One priced copy: its path, its phase and, in the link phase, its progress."""
 
-    __slots__ = ("bytes", "count", "demand", "direction", "due", "link", "path", "rate", "remaining", "since")
+    __slots__ = ("bytes", "count", "demand", "direction", "due", "link", "path", "rate", "remaining", "since",
+                 "waited")
 
     def __init__(self, path: PathName, direction: Direction, nbytes: int, count: int, demand: float) -> None:
         self.path, self.direction, self.bytes, self.count, self.demand = path, direction, nbytes, count, demand
@@ -202,6 +203,9 @@ class Flow:
         # Invariant: in the link phase, bytes left at ``since`` moving at ``rate``; ``due`` the finish time of
         # the heap entry that is current (every other entry of this op is stale).
         self.remaining, self.rate, self.since, self.due = float(nbytes), 0.0, 0.0, math.inf
+        # Invariant: the seconds it waited for its copy engine ("fifo"; set when served, else 0.0); while it
+        # waits, ``since`` is when it arrived.
+        self.waited = 0.0
 
 
 class CostModel:
@@ -275,7 +279,7 @@ class CostModel:
         if not isinstance(flow, Flow):
             return True
         if not flow.link:
-            flow.link = True
+            flow.link, flow.since = True, t
             if self._engines is None:
                 self._serve(op, t)
                 return False
@@ -306,7 +310,7 @@ class CostModel:
         """``op``'s bytes start moving at ``t`` (it joins the link's rates)."""
         flow = op.flow
         assert isinstance(flow, Flow)   # Invariant: a copy in the link phase was priced
-        flow.since = t
+        flow.waited, flow.since = t - flow.since, t
         self._active.append((op, flow))
         self._rebalance(t, flow)
 
