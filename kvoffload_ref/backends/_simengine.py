@@ -50,7 +50,7 @@ def block_successor(op: CopyOp) -> CopyOp | None:
 
     Returns:
         The first op queued behind ``op`` past records and completed waits, if it is a copy. (Every op queued
-        then was submitted by ``t``: the clock never moves past work not yet run.)
+        then was submitted by the time ``op`` finishes: the clock never moves past work not yet run.)
     """
     queue = op.stream.queue
     for nxt in itertools.islice(queue, 1, None):
