@@ -21,7 +21,7 @@ from typing import Any, Final, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends._simcost import CostModel, CostProfile, profile_named
+from kvoffload_ref.backends._simcost import CostModel, CostProfile, LinkModel, profile_named
 from kvoffload_ref.backends._simmem import DescriptorWords, Memory, Span, address
 from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, ViolationKind, transfer_name
 from kvoffload_ref.backends._simsched import (
@@ -95,7 +95,7 @@ class SimCore:
     def __init__(self, faults: FaultSource | None = None, *, latency: float = PROFILE_VALUE,
                  pinned_bandwidth: float = PROFILE_VALUE, pageable_bandwidth: float = PROFILE_VALUE,
                  hang_horizon: float = 3600.0, race_check: bool = True, profile: str | CostProfile = "simple",
-                 copy_path: CopyPath = "auto", trace: bool = False) -> None:
+                 copy_path: CopyPath = "auto", trace: bool = False, link_model: LinkModel | None = None) -> None:
         try:
             chosen = profile_named(profile)
         except ValueError as exc:
@@ -110,8 +110,10 @@ class SimCore:
         if not isinstance(trace, bool):
             raise InvalidTransferError(f"trace must be a bool, got {type(trace).__name__} {trace!r}")
         # Invariant: the cost terms in force (the named profile with the explicit overrides applied).
+        # (replace validates link_model: InvalidTransferError naming it, the value and the valid ones).
         self.profile = dataclasses.replace(chosen, call_cost=latency, link_bandwidth=pinned_bandwidth,
-                                           pageable_bandwidth=pageable_bandwidth)
+                                           pageable_bandwidth=pageable_bandwidth,
+                                           link_model=chosen.link_model if link_model is None else link_model)
         # Invariant: "auto", "kernel" or "memcpy" when set through the constructor: the path rule's setting, read
         # when a copy starts (profiles with paths only; "simple" has none).
         self.copy_path: CopyPath = copy_path

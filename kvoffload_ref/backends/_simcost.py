@@ -17,6 +17,12 @@ Every other profile prices a copy in two phases:
    recomputed; a stale heap entry is skipped (:meth:`CostModel.settle`). Device-to-device and host-to-host
    copies do not use the link (they run at their demand rate).
 
+That sharing is the profile's ``link_model``: ``"fair"`` (the default; every copy in its link phase shares its
+direction's link). ``"fifo"`` puts one copy engine per direction in front of the link (``_simengine.py``): a copy
+that ended its fixed phase waits for its engine, which serves one copy at a time in arrival order, one stream's
+queued copies as a block; the copies served (at most one per direction) get their rates from the same rebalance
+(demand, then the duplex cap).
+
 The path is :func:`~kvoffload_ref.backends.copy_paths.choose_path` with the backend's ``copy_path`` and the
 profile's thresholds; ``legal`` is "no host side outside a pinned range". A profile with a ``dma`` path (batched
 DMA, e.g. ``cudaMemcpyBatchAsync``) takes it wherever the rule says memcpy. Compute work that starts while a
@@ -36,6 +42,7 @@ from typing import Final, Literal
 import numpy as np
 
 from kvoffload_ref.backends._simcopy import Plan
+from kvoffload_ref.backends._simengine import FifoEngines
 from kvoffload_ref.backends._simsched import CopyOp, Op
 from kvoffload_ref.backends.copy_paths import (
     DEFAULT_KERNEL_MAX_MEAN_BYTES,
@@ -45,10 +52,15 @@ from kvoffload_ref.backends.copy_paths import (
     choose_path,
     run_starts,
 )
+from kvoffload_ref.errors import InvalidTransferError
 
-__all__ = ["PROFILES", "CostModel", "CostProfile", "Flow", "PathCost", "PathName", "profile_named"]
+__all__ = ["LINK_MODELS", "PROFILES", "CostModel", "CostProfile", "Flow", "LinkModel", "PathCost", "PathName",
+           "profile_named"]
 
 PathName = Literal["memcpy", "kernel", "dma"]
+LinkModel = Literal["fair", "fifo"]
+#: The valid ``CostProfile.link_model`` values.
+LINK_MODELS: Final[tuple[LinkModel, ...]] = ("fair", "fifo")
 Direction = Literal["h2d", "d2h", "local"]
 GB: Final = 1e9
 KiB: Final = 1024
@@ -103,6 +115,12 @@ class CostProfile:
         kernel_min_count: ``auto``'s minimum descriptor count for the kernel (as the CuPy backend's).
         kernel_max_mean_bytes: ``auto``'s largest mean descriptor size for the kernel.
         shared_link: False only for ``"simple"``: no link phase, every copy alone on its own link.
+        link_model: how copies in their link phase take the link: ``"fair"`` (the default: all share their
+            direction's link, rates scaled proportionally) or ``"fifo"`` (one copy engine per direction, arrival
+            order, one stream's queued copies as a block; ``_simengine.py``). Both apply the duplex cap.
+
+    Raises:
+        InvalidTransferError: a ``link_model`` not in :data:`LINK_MODELS`, or ``"fifo"`` without a shared link.
     """
 
     name: str
@@ -117,6 +135,15 @@ class CostProfile:
     kernel_min_count: int = DEFAULT_KERNEL_MIN_COUNT
     kernel_max_mean_bytes: int = DEFAULT_KERNEL_MAX_MEAN_BYTES
     shared_link: bool = True
+    link_model: LinkModel = "fair"
+
+    def __post_init__(self) -> None:
+        if self.link_model not in LINK_MODELS:
+            raise InvalidTransferError(f"CostProfile {self.name!r}: link_model must be one of "
+                                       f"{', '.join(map(repr, LINK_MODELS))}; got {self.link_model!r}")
+        if self.link_model != "fair" and not self.shared_link:
+            raise InvalidTransferError(f"CostProfile {self.name!r}: link_model {self.link_model!r} needs a shared "
+                                       "link (shared_link=True); this profile has no link phase")
 
 
 #: The historical model: 5 us + bytes / 25 GB/s pinned (8 GB/s pageable), no paths, no sharing.
@@ -165,15 +192,20 @@ def profile_named(profile: str | CostProfile) -> CostProfile:
 class Flow:
     """One priced copy: its path, its phase and, in the link phase, its progress."""
 
-    __slots__ = ("bytes", "count", "demand", "direction", "due", "link", "path", "rate", "remaining", "since")
+    __slots__ = ("bytes", "count", "demand", "direction", "due", "link", "path", "rate", "remaining", "since",
+                 "waited")
 
     def __init__(self, path: PathName, direction: Direction, nbytes: int, count: int, demand: float) -> None:
         self.path, self.direction, self.bytes, self.count, self.demand = path, direction, nbytes, count, demand
-        # Invariant: False in the fixed phase, True once in the link phase (then in CostModel._active).
+        # Invariant: False in the fixed phase, True once in the link phase (then in CostModel._active, or under
+        # "fifo" waiting for its engine: rate 0, due +inf, no heap entry).
         self.link = False
         # Invariant: in the link phase, bytes left at ``since`` moving at ``rate``; ``due`` the finish time of
         # the heap entry that is current (every other entry of this op is stale).
         self.remaining, self.rate, self.since, self.due = float(nbytes), 0.0, 0.0, math.inf
+        # Invariant: the seconds it waited for its copy engine ("fifo"; set when served, else 0.0); while it
+        # waits, ``since`` is when it arrived.
+        self.waited = 0.0
 
 
 class CostModel:
@@ -189,10 +221,13 @@ class CostModel:
         self.profile = profile
         # Invariant: the scheduler's heap insertion (an op may have several entries; only its Flow.due is live).
         self._push = push
-        # Invariant: the flows in the link phase, in the order they entered it.
+        # Invariant: the flows moving bytes on the link, in the order they began to (under "fifo": the copies the
+        # engines serve, at most one per direction; a copy waiting for its engine is in the link phase, not here).
         self._active: list[tuple[CopyOp, Flow]] = []
         # Invariant: how many kernel-path copies are in flight (either phase).
         self._kernels = 0
+        # Invariant: None under "fair"; under "fifo" the two copy engines (which copy each serves, and when).
+        self._engines = FifoEngines() if profile.link_model == "fifo" else None
 
     def price(self, op: CopyOp, plan: Plan, slow: int, copy_path: CopyPath, seams: I64 | None = None) -> float:
         """Choose the copy's path (``copy_path``: the backend's setting), attach its :class:`Flow` and return its
@@ -226,6 +261,10 @@ class CostModel:
         op.flow = flow
         if path == "kernel":
             self._kernels += 1
+        if self._engines is not None:   # an engine held for this copy is released if it will not arrive there
+            instead = self._engines.priced(op, "local" if total == 0 else direction)
+            if instead is not None:
+                self._serve(instead[0], instead[1])
         if direction == "local" or total == 0:   # no link phase: finish after the fixed phase and the bytes
             flow.link = True
             flow.due = math.nan   # never in _active; settle finishes it at its first entry
@@ -241,18 +280,39 @@ class CostModel:
             return True
         if not flow.link:
             flow.link, flow.since = True, t
-            self._active.append((op, flow))
-            self._rebalance(t, flow)
+            if self._engines is None:
+                self._serve(op, t)
+                return False
+            served, displaced = self._engines.arrive(op, flow.direction, t)
+            if displaced is not None:   # began at t too, submitted later: back to the queue, no bytes moved
+                gone = displaced.flow
+                assert isinstance(gone, Flow)
+                self._active.remove((displaced, gone))
+                gone.rate, gone.due = 0.0, math.inf
+            if served:
+                self._serve(op, t)
             return False
         if flow.due != t and not math.isnan(flow.due):
             return False
         if not math.isnan(flow.due):
             self._active.remove((op, flow))
-            self._rebalance(t, None)
+            nxt = None if self._engines is None else self._engines.finish(op, flow.direction, t)
+            if nxt is None:
+                self._rebalance(t, None)
+            else:
+                self._serve(nxt, t)
         flow.due = -math.inf   # finished: any later entry of this op is stale
         if flow.path == "kernel":
             self._kernels -= 1
         return True
+
+    def _serve(self, op: CopyOp, t: float) -> None:
+        """``op``'s bytes start moving at ``t`` (it joins the link's rates)."""
+        flow = op.flow
+        assert isinstance(flow, Flow)   # Invariant: a copy in the link phase was priced
+        flow.waited, flow.since = t - flow.since, t
+        self._active.append((op, flow))
+        self._rebalance(t, flow)
 
     def compute_factor(self) -> float:
         """The factor on a compute work starting now (``compute_slowdown`` while a kernel copy is in flight)."""
@@ -276,5 +336,9 @@ class CostModel:
                 self._push(op, f.due)
 
     def in_flight(self) -> int:
-        """How many copies are in the link phase (for tests)."""
+        """How many copies move bytes on the link (for tests; under "fifo" at most one per direction)."""
         return len(self._active)
+
+    def waiting(self) -> int:
+        """How many copies wait for a copy engine (for tests; always 0 under "fair")."""
+        return 0 if self._engines is None else self._engines.waiting()

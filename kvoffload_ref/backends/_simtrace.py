@@ -133,7 +133,10 @@ class SimTrace:
     def _copy_args(op: CopyOp, seconds: float) -> dict[str, object]:
         flow = op.flow
         if flow is not None:
-            return copy_args(flow.bytes, flow.count, flow.path, seconds)  # type: ignore[attr-defined]
+            args = copy_args(flow.bytes, flow.count, flow.path, seconds)  # type: ignore[attr-defined]
+            if flow.waited:  # type: ignore[attr-defined]  # a Flow's: it queued for its copy engine ("fifo")
+                args["engine_wait_s"] = flow.waited  # type: ignore[attr-defined]
+            return args
         plan = op.plan
         nbytes = int(plan.sizes[plan.sizes > 0].sum()) if plan is not None else 0
         return copy_args(nbytes, op.count, "simple", seconds)

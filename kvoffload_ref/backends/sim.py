@@ -107,6 +107,10 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls):
         copy_path: ``"auto"`` (default), ``"kernel"`` or ``"memcpy"``: the path rule the CuPy backend applies
             (``copy_paths.choose_path``), priced by the profile; also the attribute :attr:`copy_path`.
         trace: record a timeline (``trace_document``, ``write_trace``: Chrome trace-event JSON); off by default.
+        link_model: None (default: the profile's, ``"fair"`` for every named profile), ``"fair"`` (the copies in
+            their link phase share it) or ``"fifo"`` (one copy engine per direction: arrival order, one stream's
+            queued copies as a block; ``_simengine.py``, docs/simulator.md "Copy-engine order"). Overrides the
+            profile's ``link_model``; needs a profile with a shared link (not ``"simple"``).
 
     Attributes:
         on_call: None, or ``on_call(point, tag)`` called at the start of every public call (before the internal
@@ -120,8 +124,9 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls):
     Raises:
         InvalidTransferError: a latency that is not a finite number of seconds >= 0, a bandwidth or a horizon that
             is not a finite number > 0 (a bool, a string, NaN, an infinity or an int too large for a float is
-            refused), a ``race_check`` or ``trace`` that is not a bool, an unknown profile or ``copy_path``
-            (R7). It is a ValueError.
+            refused), a ``race_check`` or ``trace`` that is not a bool, an unknown profile or ``copy_path``, a
+            ``link_model`` other than ``"fair"``/``"fifo"`` or ``"fifo"`` under ``"simple"`` (R7). It is a
+            ValueError.
     """
 
     name: str = "sim"
