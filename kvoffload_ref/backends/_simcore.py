@@ -21,7 +21,8 @@ from typing import Any, Final, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends._simcost import CostModel, CostProfile, profile_named
+from kvoffload_ref.backends._simcost import CostModel, CostProfile
+from kvoffload_ref.backends.sim_profiles import profile_named
 from kvoffload_ref.backends._simmem import DescriptorWords, Memory, Span, address
 from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, ViolationKind, transfer_name
 from kvoffload_ref.backends._simsched import (
