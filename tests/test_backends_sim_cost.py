@@ -63,7 +63,7 @@ class Rig:
 
 
 def test_sim_cost_profiles_by_name_with_overrides() -> None:
-    assert set(PROFILES) == {"simple", "h200", "h100"}
+    assert {"simple", "h200", "h100"} <= set(PROFILES)
     assert kv.get_backend("sim").profile == SIMPLE, "the default stays the historical model"
     be = kv.get_backend("sim", profile="h200")
     assert be.profile == H200
