@@ -15,8 +15,8 @@ import kvoffload_ref as kv
 from kvoffload_ref.backends import _cupy_copy, copy_paths
 from kvoffload_ref.backends import cupy as cupy_backend
 from kvoffload_ref.backends._simcost import CostProfile, PathCost
-from kvoffload_ref.backends.sim_profiles import H200, PROFILES, SIMPLE
 from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.backends.sim_profiles import H200, PROFILES, SIMPLE
 from kvoffload_ref.bench.calibration import PATHS, RECORDED_H200, SCHEDULES, calibration_ratios
 from kvoffload_ref.errors import InvalidTransferError
 

@@ -5,6 +5,7 @@ console script in a temporary directory (bad input: a clear message, exit 2)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import pathlib
@@ -109,7 +110,6 @@ def test_cost_table_bad_input_and_an_unnamed_profile() -> None:
         cost_table.build("h100", sizes=(0,))
     with pytest.raises(ValueError, match="positive ints"):
         cost_table.build("h100", counts=(True,))
-    import dataclasses  # noqa: PLC0415
     own = dataclasses.replace(H100, name="mine")
     t = cost_table.build(own, sizes=(4 * KiB,), counts=(1, 2))
     assert t["profile"] == "mine" and t["provenance"] is None
