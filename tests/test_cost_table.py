@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.util
 import io
 import json
 import pathlib
@@ -18,7 +19,9 @@ import pytest
 
 from kvoffload_ref import cost_table
 from kvoffload_ref.backends.sim_profiles import H100, MI355X, PROFILES, PROVENANCE, paths_of
+from kvoffload_ref.cli import main
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 KiB = 1024
 SIZES, COUNTS, MAX = (4 * KiB, 64 * KiB), (1, 16, 64), 1024 * 1024
 ROW_TYPES = {"direction": str, "path": str, "size_bytes": int, "count": int, "time_s": float, "gbps": float,
@@ -125,20 +128,44 @@ def _cli(argv: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess[str]
                           cwd=cwd)
 
 
-def test_cost_table_cli_writes_json_and_csv_and_refuses_bad_input(tmp_path: pathlib.Path) -> None:
+def test_cost_table_cli_writes_json_and_csv_and_refuses_bad_input(tmp_path: pathlib.Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the console script (a JSON file; an unknown profile), and in process for the rest (speed)."""
     small = ["--max-bytes", "16384"]
     done = _cli(["--profile", "mi300x", "--output", "t.json", *small], tmp_path)
     assert done.returncode == 0 and done.stdout == "", done.stderr
     table = json.loads((tmp_path / "t.json").read_text(encoding="utf-8"))
     assert table["profile"] == "mi300x" and table["grid"]["max_bytes"] == 16384
     assert {r["size_bytes"] * r["count"] for r in table["rows"]} <= set(range(16385))
-    done = _cli(["--profile", "gb200", "--format", "csv", *small], tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[0] == ",".join(cost_table.CSV_COLUMNS)
-    assert {line.split(",")[1] for line in done.stdout.splitlines()[1:]} == {"gb200"}
-    for argv, what in ((["--profile", "a100"], "argument --profile: invalid choice: 'a100'"),
-                       (["--profile", "h20", "--format", "xml"], "argument --format: invalid choice: 'xml'"),
+    done = _cli(["--profile", "a100"], tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert "argument --profile: invalid choice: 'a100'" in done.stderr
+    assert all(repr(name) in done.stderr for name in PROFILES), "names the choices"
+    assert main(["cost-table", "--profile", "gb200", "--format", "csv", *small]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == ",".join(cost_table.CSV_COLUMNS)
+    assert {line.split(",")[1] for line in out.splitlines()[1:]} == {"gb200"}
+    for argv, what in ((["--profile", "h20", "--format", "xml"], "argument --format: invalid choice: 'xml'"),
                        ([], "the following arguments are required: --profile")):
-        done = _cli(argv, tmp_path)
-        assert done.returncode == 2 and what in done.stderr and done.stdout == "", (argv, done.stderr)
-    assert all(name in _cli(["--profile", "a100"], tmp_path).stderr for name in PROFILES), "names the choices"
+        with pytest.raises(SystemExit) as exited:
+            main(["cost-table", *argv])
+        assert exited.value.code == 2 and what in capsys.readouterr().err, argv
+
+
+def test_cost_table_worked_example_reads_rows_and_extends_the_line(tmp_path: pathlib.Path) -> None:
+    """docs/examples/cost_table_tier.py (docs/cost-table.md): a count in the grid is read off its row; one past it
+    from the series' line, which is what the sim measures for that count."""
+    spec = importlib.util.spec_from_file_location("_example_cost_table_tier",
+                                                  ROOT / "docs" / "examples" / "cost_table_tier.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    table = cost_table.build("mi300x", sizes=(16 * KiB,), counts=(1, 64, 256), max_bytes=8 * 1024 * 1024)
+    (row,) = [r for r in table["rows"] if (r["direction"], r["path"], r["count"]) == ("h2d", "dma", 64)]
+    assert example.copy_time(table, "h2d", "dma", 16 * KiB, 64) == row["time_s"]
+    measured = cost_table.CopyRig(PROFILES["mi300x"], "dma", 16 * KiB, 1024).time("h2d", 1024)
+    assert example.copy_time(table, "h2d", "dma", 16 * KiB, 1024) == pytest.approx(measured, rel=1e-9)
+    lines = example.report(table)
+    assert lines[0] == "mi300x (from published figures)" and len(lines) == 6
+    assert "16 blocks (64 x 16 KiB) offload: dma " in lines[1] and lines[1].endswith("GB/s")
+    assert "a store and a load together (256 x 16 KiB each, dma)" in lines[5]
