@@ -181,7 +181,7 @@ PROVENANCE: Final[dict[str, Provenance]] = {
         "from published figures", ("ROCm/clr #273",),
         ("D2H, srcAccessOrder=ANY, per-op hipMemcpyAsync (memcpy) and hipMemcpyBatchAsync (dma): 4 KiB, 16 KiB, "
          "64 KiB, 256 KiB, 1 MiB (the source's descriptor counts are not stated; fitted as end-to-end GB/s)",),
-        ("H2D gets the D2H values: #273's H2D per-op figures are within 10 % of them, but its batched H2D is "
+        ("H2D gets the D2H values: #273's H2D per-op figures are within 11 % of them, but its batched H2D is "
          "slower (12.8 GB/s at 256 KiB, 30 at 1 MiB: the profile is 2.3x and 1.7x too fast there)",
          "link 52 GB/s: the largest figure (batched D2H at 1 MiB)", _ASSUMED_DUPLEX,
          "call_cost 14 us: h200's", _ASSUMED_PAGEABLE, "no kernel path (no published figure)",
