@@ -60,14 +60,15 @@ class CopyRig:
         variant, copy_path = path_variant(profile, path)
         # Invariant: the sim every copy of this rig runs on, idle between two calls.
         self.be = SimBackend(profile=variant, copy_path=copy_path)
+        # Invariant: every descriptor's size; row i of either side starts at i x size.
         self.size = size
+        # Invariant: the device rows' base address (an array the sim owns for the rig's life).
         self._dev = self.be.array_info(self.be.empty_device((rows, size))).ptr
-        # Invariant: the host rows, pinned (tracked and registered) for the rig's life.
+        # Invariant: the host rows, pinned (tracked and registered) for the rig's life; _hptr their base address.
         self._host = np.zeros(rows * size, np.uint8)
-        hptr = int(self._host.ctypes.data)
-        self.be.track_host(hptr, self._host.nbytes)
-        self.be.host_register(hptr, self._host.nbytes)
-        self._hptr = hptr
+        self._hptr = int(self._host.ctypes.data)
+        self.be.track_host(self._hptr, self._host.nbytes)
+        self.be.host_register(self._hptr, self._host.nbytes)
 
     def _submit(self, direction: Direction, first: int, count: int) -> tuple[Any, Any]:
         """One copy of rows [first, first + count): device row i <-> host row (first + count - 1 - (i - first))."""
@@ -204,13 +205,26 @@ def build(profile: str | CostProfile, *, sizes: Iterable[int] = DEFAULT_SIZES,
 
 
 def to_json(table: dict[str, Any]) -> str:
-    """The table as indented JSON text (ends with a newline)."""
+    """The table as JSON text.
+
+    Args:
+        table: what :func:`build` returned.
+
+    Returns:
+        Indented JSON, ending with a newline.
+    """
     return json.dumps(table, indent=1) + "\n"
 
 
 def to_csv(table: dict[str, Any]) -> str:
-    """The table's rows as CSV text, :data:`CSV_COLUMNS` (the duplex rows and the provenance's lists are in the
-    JSON form only)."""
+    """The table's rows as CSV text (the duplex rows and the provenance's lists are in the JSON form only).
+
+    Args:
+        table: what :func:`build` returned.
+
+    Returns:
+        A header of :data:`CSV_COLUMNS`, then one line per row; floats as ``repr`` (exact), None as empty.
+    """
     out = io.StringIO()
     writer = csv.DictWriter(out, CSV_COLUMNS, lineterminator="\n")
     writer.writeheader()
