@@ -1,5 +1,5 @@
 """The ``kvoffload-ref`` command line: ``demo``, ``bench``, ``fuzz``, ``explore``, ``diagram``, ``spec``,
-``failure-modes``, ``trace-plot``.
+``failure-modes``, ``trace-plot``, ``cost-table``.
 
 Exit status: 0 success; 1 a check failed (a demo check, a missed bench goal under ``--check``, a conformance
 violation, out-of-date docs); 2 bad usage (bad arguments, an unimportable ``--factory``, Hypothesis missing for
@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvoffload_ref import __version__
+from kvoffload_ref import __version__, cost_table
+from kvoffload_ref.backends.sim_profiles import PROFILES
 from kvoffload_ref.bench import missed_goals, run_bench
 from kvoffload_ref.demo import demo
 from kvoffload_ref.docgen import diagram as diagram_mod
@@ -242,7 +243,24 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
     _fuzz_parser(sub)
     _explore_parser(sub)
+    _cost_table_parser(sub)
     return parser
+
+
+def _cost_table_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    table = _command(sub, "cost-table", "what one copy costs under a sim profile, measured on the sim (JSON, CSV)",
+                     "Measure on the simulated device, under --profile, the time of one copy_batch alone on an "
+                     "idle device per direction (d2h store, h2d load), per copy path the profile has, per "
+                     "descriptor size (1 KiB .. 4 MiB) and count (1 .. 4096; copies over --max-bytes left out), "
+                     "with each series' fixed and per-descriptor cost, a store and a load together against each "
+                     "alone, and the profile's provenance (docs/cost-table.md). Exit 2 for an unknown profile or "
+                     "format.")
+    table.add_argument("--profile", required=True, choices=tuple(PROFILES), help="the sim profile")
+    table.add_argument("--format", choices=("json", "csv"), default="json",
+                       help="json (everything) or csv (one row per direction, path, size, count); default json")
+    table.add_argument("--output", metavar="FILE", default=None, help="write here (default: standard output)")
+    table.add_argument("--max-bytes", type=_positive_int, default=cost_table.DEFAULT_MAX_BYTES,
+                       help=f"the largest copy measured, in bytes (default {cost_table.DEFAULT_MAX_BYTES})")
 
 
 def _command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, short: str,
@@ -329,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trace-plot": lambda a: _trace_plot(a.trace, a.out, a.title),
         "spec": lambda a: _spec(not a.write, a.root),
         "diagram": _diagram,
+        "cost-table": _cost_table,
     }
     return commands[args.command](args)
 
@@ -337,6 +356,17 @@ def _trace_plot(trace: str, out: str, title: str | None) -> int:
     """``kvoffload-ref trace-plot``: 0 written, 2 matplotlib missing or the trace unreadable."""
     from kvoffload_ref import trace_plot  # noqa: PLC0415  (matplotlib is optional: imported only here)
     return trace_plot.main(trace, out, title)
+
+
+def _cost_table(args: argparse.Namespace) -> int:
+    """``kvoffload-ref cost-table``: 0 written."""
+    table = cost_table.build(args.profile, max_bytes=args.max_bytes)
+    text = cost_table.to_json(table) if args.format == "json" else cost_table.to_csv(table)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        pathlib.Path(args.output).write_text(text, encoding="utf-8")
+    return 0
 
 
 def _diagram(args: argparse.Namespace) -> int:

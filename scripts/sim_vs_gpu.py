@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if not usable:
         print(f"\nno usable GPU ({reason}): only the sim's side; the calibration rests on docs/gpu-check.json")
         return 2
-    print("\nA ratio outside +-15 %: refit the h200 profile (kvoffload_ref/backends/_simcost.py) to the new figures.")
+    print("\nA ratio outside +-15 %: refit the h200 profile (kvoffload_ref/backends/sim_profiles.py) "
+          "to the new figures.")
     return 1 if missed else 0
 
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import kvoffload_ref as kv
-from kvoffload_ref.backends._simcost import H200, LINK_MODELS, PROFILES, SIMPLE, CostProfile, PathCost
+from kvoffload_ref.backends._simcost import LINK_MODELS, CostProfile, PathCost
 from kvoffload_ref.backends.base import Event, Stream
 from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.backends.sim_profiles import H200, PROFILES, SIMPLE
 from kvoffload_ref.errors import InvalidTransferError
 
 PAGE = 64 * 1024

@@ -42,7 +42,7 @@ def get_backend(name: str = "auto", **kwargs: Any) -> Backend:
             its backend imports and reports a usable GPU, else the simulated device (logging one INFO line on
             the ``kvoffload_ref`` logger saying why).
         **kwargs: passed to the chosen backend's constructor (for ``"sim"``: e.g. ``profile="h200"``, a cost
-            profile of ``backends._simcost``, with ``latency=``/``pinned_bandwidth=`` as overrides; ``trace=True``).
+            profile of ``backends.sim_profiles``, with ``latency=``/``pinned_bandwidth=`` as overrides; ``trace=True``).
 
     Returns:
         The backend.

@@ -21,7 +21,7 @@ from typing import Any, Final, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends._simcost import CostModel, CostProfile, LinkModel, profile_named
+from kvoffload_ref.backends._simcost import CostModel, CostProfile, LinkModel
 from kvoffload_ref.backends._simmem import DescriptorWords, Memory, Span, address
 from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, ViolationKind, transfer_name
 from kvoffload_ref.backends._simsched import (
@@ -50,6 +50,7 @@ from kvoffload_ref.backends.base import (
     TensorGeometry,
 )
 from kvoffload_ref.backends.copy_paths import CopyPath
+from kvoffload_ref.backends.sim_profiles import profile_named
 from kvoffload_ref.backends.trace_format import write_document
 from kvoffload_ref.errors import (
     CUDA_ERROR_ILLEGAL_ADDRESS,

@@ -1,4 +1,5 @@
-"""The simulated device's cost model: named profiles, the copy-path choice, and the shared PCIe link.
+"""The simulated device's cost model: the cost terms, the copy-path choice, and the shared PCIe link (the
+named profiles are in ``sim_profiles``).
 
 Theory of operation
 -------------------
@@ -54,8 +55,7 @@ from kvoffload_ref.backends.copy_paths import (
 )
 from kvoffload_ref.errors import InvalidTransferError
 
-__all__ = ["LINK_MODELS", "PROFILES", "CostModel", "CostProfile", "Flow", "LinkModel", "PathCost", "PathName",
-           "profile_named"]
+__all__ = ["LINK_MODELS", "CostModel", "CostProfile", "Flow", "LinkModel", "PathCost", "PathName"]
 
 PathName = Literal["memcpy", "kernel", "dma"]
 LinkModel = Literal["fair", "fifo"]
@@ -144,49 +144,6 @@ class CostProfile:
         if self.link_model != "fair" and not self.shared_link:
             raise InvalidTransferError(f"CostProfile {self.name!r}: link_model {self.link_model!r} needs a shared "
                                        "link (shared_link=True); this profile has no link phase")
-
-
-#: The historical model: 5 us + bytes / 25 GB/s pinned (8 GB/s pageable), no paths, no sharing.
-SIMPLE: Final = CostProfile("simple", 5e-6, PathCost(0.0, 0.0, ((1, 25 * GB),)), None, None,
-                            25 * GB, 50 * GB, 8 * GB, shared_link=False)
-
-#: Fitted to docs/gpu-check.json (an H200 over PCIe Gen5 x16, CuPy backend, scattered pages; see the docs).
-H200: Final = CostProfile(
-    "h200", call_cost=14e-6,
-    memcpy=PathCost(0.0, 2.57e-6, ((4 * KiB, 55.2 * GB),)),
-    kernel=PathCost(29e-6, 0.0, ((4 * KiB, 48.05 * GB), (64 * KiB, 50.7 * GB), (MiB, 50.8 * GB))),
-    dma=None,
-    link_bandwidth=55.2 * GB, bidirectional_bandwidth=83.4 * GB, pageable_bandwidth=8 * GB,
-    compute_slowdown=1.06)
-
-#: From vLLM's published H100 figures (blog 2026-01-08, PRs #42212 and #48434; see the docs): batched DMA.
-H100: Final = CostProfile(
-    "h100", call_cost=14e-6,
-    memcpy=PathCost(0.0, 2.57e-6, ((4 * KiB, 50 * GB),)),
-    kernel=PathCost(29e-6, 0.0, ((4 * KiB, 35 * GB), (2 * MiB, 50 * GB))),
-    # the ~0.5 us of CPU per descriptor (#48434) overlaps the DMA: #42212's GB/s are end to end, so no extra term
-    dma=PathCost(0.0, 0.0, ((4 * KiB, 3.8 * GB), (24 * KiB, 7 * GB), (28 * KiB, 42 * GB),
-                               (64 * KiB, 52 * GB))),
-    link_bandwidth=52 * GB, bidirectional_bandwidth=83.4 * GB, pageable_bandwidth=8 * GB,
-    compute_slowdown=1.06)
-
-#: Every named profile.
-PROFILES: Final[dict[str, CostProfile]] = {p.name: p for p in (SIMPLE, H200, H100)}
-
-
-def profile_named(profile: str | CostProfile) -> CostProfile:
-    """A profile by name (or a :class:`CostProfile` as is).
-
-    Raises:
-        ValueError: an unknown name (it is what ``InvalidTransferError`` derives from too).
-    """
-    if isinstance(profile, CostProfile):
-        return profile
-    found = PROFILES.get(profile) if isinstance(profile, str) else None
-    if found is None:
-        raise ValueError(f"unknown sim profile {profile!r}; expected one of {', '.join(map(repr, PROFILES))} "
-                         "or a CostProfile")
-    return found
 
 
 class Flow:

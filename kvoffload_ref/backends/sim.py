@@ -102,8 +102,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls):
         race_check: detect unordered overlapping device operations (violation ``dma_race``, R20); on by
             default.
         profile: the cost model, by name (``"simple"``, the default: ``latency + bytes / bandwidth``;
-            ``"h200"``, ``"h100"``: copy paths, per-descriptor costs and a shared link, ``_simcost.py``,
-            docs/simulator.md) or a ``CostProfile``.
+            ``"h200"``, ``"h100"``, ``"mi300x"``, ``"mi355x"``, ``"gb200"``, ``"h20"``: copy paths,
+            per-descriptor costs and a shared link, ``sim_profiles.py``, docs/simulator.md) or a ``CostProfile``.
         copy_path: ``"auto"`` (default), ``"kernel"`` or ``"memcpy"``: the path rule the CuPy backend applies
             (``copy_paths.choose_path``), priced by the profile; also the attribute :attr:`copy_path`.
         trace: record a timeline (``trace_document``, ``write_trace``: Chrome trace-event JSON); off by default.
