@@ -1,6 +1,11 @@
 """The polling helpers of bounded waits: the back-off between polls (``Backoff``), ``poll_until``, ``wait_polling``
 (a worker's ``wait``, R6/R19) and ``record_and_poll`` (the generic device-level proof, R13).
 
+Every pause between two polls goes through :func:`poll_pause`: a backend that can tell when a poll's answer may
+change next offers ``poll_sleep(seconds)`` (the simulated device: its clock stops at the next completion a poll
+found pending, never past the pause, so a wait returns exactly when the work it awaited completed); any other
+backend sleeps the pause (``sleep``: a real clock, ``FaultyBackend`` over a backend without it, a third party's).
+
 They ask of a backend only the calls they make (the protocols below, which every
 :class:`~kvoffload_ref.backends.base.Backend` satisfies), so this module does not import ``base``; ``base``
 re-exports its names.
@@ -21,6 +26,7 @@ __all__ = [
     "Clock",
     "ProvingDevice",
     "WaitClock",
+    "poll_pause",
     "poll_until",
     "record_and_poll",
     "wait_polling",
@@ -81,6 +87,21 @@ class ProvingDevice(Clock, Protocol[_S_contra, _E]):
         ...
 
 
+def poll_pause(backend: Clock, seconds: float) -> None:
+    """The pause between two polls of a bounded wait: the backend's ``poll_sleep(seconds)`` where it has one (it
+    may end the pause early, at the next completion that can change a poll's answer; never later), else
+    ``sleep(seconds)``.
+
+    Args:
+        backend: whose clock to pause on. seconds: the pause, >= 0 (already bounded by the wait's deadline).
+    """
+    exact = getattr(backend, "poll_sleep", None)
+    if exact is None:
+        backend.sleep(seconds)
+    else:
+        exact(seconds)
+
+
 class Backoff:
     """The pause before the next poll of a bounded wait: it starts at POLL_FIRST_SLEEP and doubles up to
     POLL_MAX_SLEEP after each poll that found the work pending. One backoff may serve several waits in a row (a
@@ -95,9 +116,10 @@ class Backoff:
         self.pause = POLL_FIRST_SLEEP
 
     def sleep(self, backend: Clock, now: float, deadline: float | None) -> None:
-        """Sleep for the current pause (never past ``deadline``) on the backend's clock, then grow the pause."""
+        """Pause for the current pause (never past ``deadline``) on the backend's clock (:func:`poll_pause`: on the
+        sim, up to the next completion a poll found pending), then grow the pause."""
         step = self.pause if deadline is None else min(self.pause, deadline - now)
-        backend.sleep(max(step, 0.0))
+        poll_pause(backend, max(step, 0.0))
         self.pause = min(self.pause * 2, POLL_MAX_SLEEP)
 
 
@@ -135,7 +157,9 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
     ``settled`` takes the worker's lock for one non-blocking poll; the sleeps run without it (R19). It is polled at
     least once. A simulated clock (one with a ``hang_horizon``) sleeps for free, so without a deadline the backoff
     grows without a cap and an unbounded wait reaches the horizon in a few dozen polls; a real clock polls at least
-    every POLL_MAX_SLEEP.
+    every POLL_MAX_SLEEP. Each pause is :func:`poll_pause`: on the sim it ends at the next completion a poll found
+    pending, so the wait returns with the clock exactly at the awaited completion (no pause is then due: on hung
+    work the pauses apply in full, and the horizon is still reached).
 
     Args:
         backend: whose clock and sleep to use. settled: one poll. started: when the wait began (backend clock).
@@ -159,7 +183,7 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
             raise DeadlineExceeded(f"{what} not proven complete by the deadline")
         if horizon is not None:
             backend.check_unbounded_wait(started, now, what)
-        backend.sleep(pause if deadline is None else max(min(pause, deadline - now), 0.0))
+        poll_pause(backend, pause if deadline is None else max(min(pause, deadline - now), 0.0))
         pause = min(pause * 2, longest)
 
 
