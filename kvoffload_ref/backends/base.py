@@ -87,8 +87,8 @@ CALL_POINTS: Final[dict[str, str]] = {
     "destroy_event": "destroy_event", "free_descriptors": "free_descriptors", "track_host": "track_host",
     "untrack_host": "untrack_host", "untrack_host_pages": "untrack_host",
     "current_stream": "current_stream", "compute_stream": "compute_stream",
-    "elapsed": "elapsed", "monotonic": "monotonic", "sleep": "sleep", "poll_sleep": "sleep", "empty_device": "empty_device",
-    "from_host": "from_host", "to_host": "to_host", "array_info": "array_info",
+    "elapsed": "elapsed", "monotonic": "monotonic", "sleep": "sleep", "poll_sleep": "sleep",
+    "empty_device": "empty_device", "from_host": "from_host", "to_host": "to_host", "array_info": "array_info",
 }
 
 #: ``on_call(point, tag)``: called at the start of a backend call, before the backend takes its lock.
