@@ -6,7 +6,9 @@
   thread's queries found pending since its clock last moved -- the only completion that can change what its next
   poll sees -- and never past ``s``. A wait therefore returns with the clock exactly at the completion it awaited,
   where a plain sleep of the back-off would overshoot it by up to the pause. With nothing watched, or nothing watched
-  due within ``s`` (hung work), the pause applies in full, so an unbounded wait still reaches the hang horizon.
+  due within ``s`` (hung work), the pause applies in full, so an unbounded wait still reaches the hang horizon. A
+  shutdown drain awaits everything on its streams (``to_tail``): its pause runs on to the last record queued on a
+  watched record's stream, so it costs a poll per pause, not per transfer, and still ends at the last completion.
 * ``schedule_length()`` is the device-side span of the device ops (copies, compute work, stalls) submitted since
   construction or :meth:`SimClockCalls.mark_schedule`: from the first one's start to the last one's finish, host
   polling not counted, the clock untouched.
@@ -61,7 +63,7 @@ class SimClockCalls(SimCore):
     """The clock and schedule calls of the :class:`~kvoffload_ref.backends.sim.SimBackend` facade (see the module
     docstring)."""
 
-    def poll_sleep(self, seconds: float) -> None:
+    def poll_sleep(self, seconds: float, *, to_tail: bool = False) -> None:
         """The pause between two polls of a bounded wait (``polling.poll_pause``; reported to ``on_call`` as
         ``"sleep"``): advance the clock by ``seconds`` -- or less, to the completion of the first record this thread's
         queries found pending since its clock last moved, running the work due by then. Never past ``seconds``;
@@ -69,6 +71,9 @@ class SimClockCalls(SimCore):
 
         Args:
             seconds: a finite number of seconds >= 0.
+            to_tail: the caller awaits everything queued on those records' streams (a shutdown drain, R10): the pause
+                runs on through each stream's later records and ends when one of those streams' last queued record
+                completes (or at ``seconds``), so a drain's clock still ends exactly at its last completion.
 
         Raises:
             InvalidTransferError: what :meth:`sleep` raises for ``seconds``.
@@ -78,11 +83,12 @@ class SimClockCalls(SimCore):
         seconds = check_seconds("seconds", seconds)
         with self._lock:
             watched = self._watched.pop(threading.get_ident(), None)
-            self._advance(seconds, watched or None)
+            self._advance(seconds, watched or None, to_tail)
 
-    def _advance(self, seconds: float, watched: set[Record] | None) -> None:
+    def _advance(self, seconds: float, watched: set[Record] | None, to_tail: bool = False) -> None:
         """Move the clock by ``seconds`` (``sleep``), or to the first completion of a ``watched`` record if sooner
-        (none already complete: then it does not move). Under the lock."""
+        (none already complete: then it does not move; ``to_tail``: to the completion of the last record queued on
+        a watched record's stream). Under the lock."""
         sched = self._sched
         now = sched.now
         target = now + seconds
@@ -97,7 +103,8 @@ class SimClockCalls(SimCore):
         else:
             sched.catch_up()
             # A watched record completed already (another thread's call ran it): the next poll sees it at once.
-            if not any(r.done for r in watched) and not sched.run(target, until=_completes(watched)):
+            stop = _tail_of(watched) if to_tail else _completes(watched)
+            if not any(r.done for r in watched) and not sched.run(target, until=stop):
                 sched.now = max(sched.now, target)
         if self._trace is not None:  # the host's wait, drawn apart from the device's streams
             self._trace.host_poll(now, sched.now)
@@ -128,6 +135,17 @@ class SimClockCalls(SimCore):
             ended = None if done == 0 else sched.span_end
             seconds = 0.0 if started is None or ended is None else ended - started
             return ScheduleLength(seconds, started, ended, done, sched.span_queued - done)
+
+
+def _tail_of(watched: set[Record]) -> Callable[[Op], bool]:
+    """``Scheduler.run``'s ``until`` for a drain's pause: the op that just finished completed the last record queued
+    on a watched record's stream (no record left in its queue; the record ops ahead of it are near its front)."""
+    streams = {r.stream for r in watched}
+
+    def until(op: Op) -> bool:
+        return (isinstance(op, RecordOp) and op.stream in streams
+                and not any(isinstance(queued, RecordOp) for queued in op.stream.queue))
+    return until
 
 
 def _completes(watched: set[Record]) -> Callable[[Op], bool]:

@@ -87,19 +87,21 @@ class ProvingDevice(Clock, Protocol[_S_contra, _E]):
         ...
 
 
-def poll_pause(backend: Clock, seconds: float) -> None:
-    """The pause between two polls of a bounded wait: the backend's ``poll_sleep(seconds)`` where it has one (it
-    may end the pause early, at the next completion that can change a poll's answer; never later), else
+def poll_pause(backend: Clock, seconds: float, *, to_tail: bool = False) -> None:
+    """The pause between two polls of a bounded wait: the backend's ``poll_sleep(seconds, to_tail=...)`` where it has
+    one (it may end the pause early, at the next completion that can change a poll's answer; never later), else
     ``sleep(seconds)``.
 
     Args:
         backend: whose clock to pause on. seconds: the pause, >= 0 (already bounded by the wait's deadline).
+        to_tail: the poller awaits everything queued on the streams it queried (a shutdown drain, R10): the pause may
+            run on through the work queued behind the record it found pending, up to its stream's last record.
     """
     exact = getattr(backend, "poll_sleep", None)
     if exact is None:
         backend.sleep(seconds)
     else:
-        exact(seconds)
+        exact(seconds, to_tail=to_tail)
 
 
 class Backoff:
@@ -107,19 +109,23 @@ class Backoff:
     POLL_MAX_SLEEP after each poll that found the work pending. One backoff may serve several waits in a row (a
     shutdown drain's heads, R10): the pause then carries over from one awaited transfer to the next instead of
     starting short again, so a queue of thousands of pending transfers costs a poll per pause, not several per
-    transfer."""
+    transfer. A drain's backoff (``to_tail=True``) lets each pause run on to the last record queued on the streams
+    its polls found pending: the drain awaits all of them, so the heads between change nothing it reports."""
 
-    __slots__ = ("pause",)
+    __slots__ = ("pause", "to_tail")
 
-    def __init__(self) -> None:
+    def __init__(self, *, to_tail: bool = False) -> None:
         # Invariant: POLL_FIRST_SLEEP <= pause <= POLL_MAX_SLEEP; never shrinks.
         self.pause = POLL_FIRST_SLEEP
+        # Invariant: True for a drain's backoff: each pause may run on to the tail of the streams a poll found
+        # pending (``poll_pause``); False (a single wait, a proof): it ends at the first completion found pending.
+        self.to_tail = to_tail
 
     def sleep(self, backend: Clock, now: float, deadline: float | None) -> None:
         """Pause for the current pause (never past ``deadline``) on the backend's clock (:func:`poll_pause`: on the
         sim, up to the next completion a poll found pending), then grow the pause."""
         step = self.pause if deadline is None else min(self.pause, deadline - now)
-        poll_pause(backend, max(step, 0.0))
+        poll_pause(backend, max(step, 0.0), to_tail=self.to_tail)
         self.pause = min(self.pause * 2, POLL_MAX_SLEEP)
 
 

@@ -71,8 +71,8 @@ class _WatchedSim(SimBackend):
         super().sleep(seconds)
         self._slept()
 
-    def poll_sleep(self, seconds: float) -> None:
-        super().poll_sleep(seconds)
+    def poll_sleep(self, seconds: float, *, to_tail: bool = False) -> None:
+        super().poll_sleep(seconds, to_tail=to_tail)
         self._slept()
 
     def _slept(self) -> None:
