@@ -295,3 +295,45 @@ def test_clock_mark_schedule_counts_only_what_follows() -> None:
     span = be.schedule_length()
     assert span.start == 1.0 and span.ops == 2 and span.complete
     assert span.seconds == pytest.approx(2e-3, rel=1e-12)   # the compute and the copy ran side by side
+
+
+def test_clock_poll_sleep_to_tail_runs_on_to_the_streams_last_record() -> None:
+    """A drain's pause (``to_tail``) ends at the last record queued on the watched record's stream; a wait's pause
+    at the watched record itself."""
+    for to_tail in (False, True):
+        be = SimBackend()
+        src, dst = (be.array_info(be.empty_device((2, 4096))).ptr for _ in range(2))
+        stream = be.create_stream()
+        ends = []
+        for row in range(2):   # two device-to-device copies, one after the other on one stream
+            buf = be.alloc_descriptors(1)
+            buf.fill(np.array([src + row * 4096]), np.array([dst + row * 4096]), np.array([4096]))
+            be.copy_batch(stream, buf, 1)
+            ends.append(be.create_event())
+            be.record(ends[-1], stream)
+        assert not be.query(ends[0])
+        be.poll_sleep(1.0, to_tail=to_tail)
+        span = be.schedule_length()
+        assert be.monotonic() == span.end < 1.0 and span.ops == (2 if to_tail else 1)
+
+
+@pytest.mark.rule("R6")
+@pytest.mark.parametrize("factory", list(FACTORIES.values()), ids=list(FACTORIES))
+def test_clock_wait_for_a_job_with_work_queued_behind_it_returns_at_its_own_end(factory: Any) -> None:
+    be = SimBackend(profile="h200")
+    w = worker(be, 65536, 8, factory)
+    w.submit_store(1, gspec(range(4)), cspec(range(4)))
+    w.submit_store(2, gspec(range(4, 8)), cspec(range(4, 8)))
+    w.wait({1})
+    span = be.schedule_length()
+    assert span.ops == 1 and span.pending == 1 and be.monotonic() == span.end
+    w.shutdown()
+
+
+def test_clock_schedule_length_counts_work_due_by_now() -> None:
+    """Work due by the current time is run first (as any call that looks at the device), the clock untouched."""
+    be = SimBackend()
+    be.sleep(1.0)
+    be.enqueue_compute_write(be.empty_device((1, 8)), [0], 1, 0.0)
+    span = be.schedule_length()
+    assert span == ScheduleLength(0.0, 1.0, 1.0, 1, 0) and be.monotonic() == 1.0
