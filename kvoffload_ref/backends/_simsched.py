@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 *Clock.* A virtual clock starts at 0.0. Only the backend's ``sleep`` / ``clock_advance`` move it forward freely;
 ``synchronize`` (and ``to_host``) move it to the moment what they wait for completes, or by the hang horizon when
-it never can. Nothing else advances it, so every deadline a test sets is exact and repeatable.
+it never can; a poll pause (``poll_sleep``) by at most its pause, stopping at an op for which ``run``'s ``until``
+holds. Nothing else advances it, so every deadline a test sets is exact and repeatable. The schedule span's
+counters (:meth:`Scheduler.mark`) follow the device ops (not records or waits) as they start and finish.
 
 *Streams.* Each stream is a FIFO of ops (record, wait, copy, compute write, hang, slow stall). The head op of a stream
 starts when the op before it finished (never before it was submitted) and, for a wait, once the awaited event record has

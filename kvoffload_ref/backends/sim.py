@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 *Scheduling.* A virtual clock, per-stream FIFOs of ops and one heap of started ops keyed by finish time
 (``_simsched.py``): only ``sleep``/``clock_advance`` move the clock freely, ``synchronize`` and ``to_host`` move it
-to when what they wait for completes; ops finishing at the same time apply latest-submitted first.
+to when what they wait for completes, and a bounded wait's pause (``poll_sleep``, ``_simclock.py``) to the next
+completion its polls found pending (never past the pause); ops finishing at the same time apply latest-submitted
+first. ``schedule_length`` reads the device-side span of what was queued, host polling not counted.
 
 *Memory.* Device arrays are C-contiguous 2-D uint8 numpy arrays; host mappings announced with ``track_host``
 are viewed through numpy arrays built from their raw address. Each is a *span* in an address map (``_simmem.py``;
