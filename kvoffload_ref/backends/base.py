@@ -361,10 +361,11 @@ class Backend(Protocol):
     tracked mapping (the sim) offers it; a quarantine by registration (R29) announces each unmapped piece through it
     where it exists, and the rest of the mapping stays tracked.
 
-    ``poll_sleep(seconds)`` is optional as well: the pause between two polls of a bounded wait, which a backend that
-    knows when a poll's answer can change next may end early (the sim: at the next completion its queries found
-    pending), never late; it reports the ``on_call`` point ``"sleep"``. The polling helpers call it through
-    ``polling.poll_pause``, which sleeps the pause (:meth:`sleep`) on a backend without it (a real clock).
+    ``poll_sleep(seconds, *, to_tail=False)`` is optional as well: the pause between two polls of a bounded wait,
+    which a backend that knows when a poll's answer can change next may end early (the sim: at the next completion
+    its queries found pending; with ``to_tail``, a drain's, at the last record queued on that stream), never late; it
+    reports the ``on_call`` point ``"sleep"``. The polling helpers call it through ``polling.poll_pause``, which
+    sleeps the pause (:meth:`sleep`) on a backend without it (a real clock).
     """
 
     name: str
