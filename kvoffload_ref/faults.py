@@ -42,6 +42,7 @@ from kvoffload_ref.backends.base import (
     Tag,
     TensorGeometry,
     give_up_past_horizon,
+    poll_pause,
     poll_until,
     record_and_poll,
 )
@@ -409,6 +410,13 @@ class FaultyBackend:
         """Delegated (no lock held)."""
         self._hook("sleep")
         self.inner.sleep(seconds)
+
+    def poll_sleep(self, seconds: float, *, to_tail: bool = False) -> None:
+        """The pause between two polls (``polling.poll_pause``), delegated: the inner backend's ``poll_sleep`` where
+        it has one (the sim's ends at the next completion its queries found pending; a hung event here is never
+        queried there, so its pause applies in full), else its ``sleep``. Reported to the hook as ``"sleep"``."""
+        self._hook("sleep")
+        poll_pause(self.inner, seconds, to_tail=to_tail)
 
     def prove_idle(self, streams: Sequence[Stream], deadline: float) -> bool:
         """Fault point ``device_sync``; then the generic proof through this wrapper (fresh events on ``streams``

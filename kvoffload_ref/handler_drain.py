@@ -113,9 +113,10 @@ class DrainHalf:
         try:
             if interrupted and (self._queue or self._retired):
                 self._stop_drain(HandlerInput.INTERRUPT, None)
-            backend, backoff = self._backend, Backoff()
+            backend, backoff = self._backend, Backoff(to_tail=True)
 
-            def observe(event: Event) -> bool:  # R11; the backoff carries over from head to head (the reference's)
+            def observe(event: Event) -> bool:  # R11; the backoff carries over from head to head (the reference's);
+                # each pause may run on to the stream's last record (to_tail: the drain awaits it all)
                 return poll_until(backend, lambda: backend.query(event), deadline, backoff)
 
             while self._queue:

@@ -296,11 +296,12 @@ class ReferenceHandler:
         self.step(HandlerInput.BEGIN_DRAIN)  # DROP_RESULTS: nothing is reported after shutdown began (R8) ...
         self.outcomes += [JobOutcome(r, "unreaped") for r in self.ready]  # ... but the report lists them (R14)
         self.ready, self.jobs = [], set()
-        backend, backoff = self.backend, Backoff()
+        backend, backoff = self.backend, Backoff(to_tail=True)
 
         def observe(event: Event) -> bool:  # R11: a bounded poll on the backend's clock, never a blocking wait;
             # one backoff for the whole drain: the pause carries over from head to head (a pending queue of
-            # thousands costs a poll per pause, not a short first sleep per transfer)
+            # thousands costs a poll per pause, not a short first sleep per transfer); on the sim each pause may run
+            # on to the stream's last record (to_tail: the drain awaits it all) and ends exactly there
             return poll_until(backend, lambda: backend.query(event), deadline, backoff)
 
         try:

@@ -347,24 +347,25 @@ def test_shutdown_with_zero_timeout_still_proves_completed_work() -> None:
 
 
 class _CountingSim(SimBackend):
-    """A sim that counts its sleeps (the polls of bounded waits)."""
+    """A sim that counts its poll pauses (``poll_sleep``: the pauses between polls of bounded waits)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.sleeps = 0
 
-    def sleep(self, seconds: float) -> None:
-        super().sleep(seconds)
+    def poll_sleep(self, seconds: float, *, to_tail: bool = False) -> None:
+        super().poll_sleep(seconds, to_tail=to_tail)
         self.sleeps += 1
 
 
 @pytest.mark.rule("R10")
 @pytest.mark.rule("R11")
 @pytest.mark.parametrize("factory", [kv.create_worker, kv.create_reference_worker], ids=["engine", "reference"])
-def test_shutdown_drain_of_many_pending_transfers_keeps_its_backoff(factory: Any) -> None:
+def test_shutdown_drain_of_many_pending_transfers_keeps_its_backoff_and_ends_at_the_last(factory: Any) -> None:
     """200 stores still queued on the device when shutdown begins, 10 virtual us each: the drain's pause carries
-    over from head to head, so it sleeps about once per POLL_MAX_SLEEP of device work after a short ramp -- not
-    once or more per transfer -- and still ends within one pause of the last completion."""
+    over from head to head and runs on to the stream's last record (``to_tail``), so it pauses about once per
+    POLL_MAX_SLEEP of device work after a short ramp -- not once or more per transfer -- and ends exactly at the last
+    completion."""
     count, each = 200, 1e-5
     be = _CountingSim(latency=each, pinned_bandwidth=1e18, pageable_bandwidth=1e18)
     layout = small_layout()
@@ -375,10 +376,10 @@ def test_shutdown_drain_of_many_pending_transfers_keeps_its_backoff(factory: Any
     start, before = be.monotonic(), be.sleeps
     report = w.shutdown()
     busy = count * each  # the device's work, all of it still queued at the start
-    ramp = math.ceil(math.log2(POLL_MAX_SLEEP / POLL_FIRST_SLEEP))  # sleeps until the pause reaches its cap
+    ramp = math.ceil(math.log2(POLL_MAX_SLEEP / POLL_FIRST_SLEEP))  # pauses until the pause reaches its cap
     assert report.store.drained == count and report.region == "released"
     assert be.sleeps - before <= ramp + math.ceil(busy / POLL_MAX_SLEEP) + 1, "one pause per head: backoff reset"
-    assert busy <= be.monotonic() - start <= busy + POLL_MAX_SLEEP
+    assert be.monotonic() - start == pytest.approx(busy, rel=1e-9)
 
 
 # -- submission failures leave no trace --------------------------------------------------------------------------

@@ -113,12 +113,24 @@ class SimBatchCalls(SimCore):
                 if counted:
                     lasts.update(zip(map(_STREAM, counted), counted, strict=True))
                 if done < len(run):
+                    pending = _pending_record(self._events, run[done])
+                    if pending is not None:
+                        self._watch(pending)
                     break
                 size *= 2
             if self._race is not None:
                 for last in lasts.values():
                     self._race.observe(last)
             return count
+
+
+def _pending_record(table: dict[int, SimEvent], event: Event) -> Record | None:
+    """The record of ``event`` a prefix query stopped at, if it is live and pending (its completion can change the
+    answer: the caller's next poll pause ends there)."""
+    if table.get(id(event)) is not event:
+        return None
+    latest = cast(SimEvent, event).latest
+    return latest if latest is not None and not latest.done else None
 
 
 def _done_prefix(table: dict[int, SimEvent], events: Sequence[Event]) -> tuple[int, Sequence[Record]]:

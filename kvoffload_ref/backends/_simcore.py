@@ -69,6 +69,9 @@ T = TypeVar("T")
 PAGE: Final = mmap.PAGESIZE
 #: Up to this many pending copies, a release checks them one by one; beyond, in one vectorized pass.
 SMALL_PENDING: Final = 16
+#: A thread's watched records are pruned of the completed ones once it holds this many, then at each power of two
+#: (``SimCore._watch``).
+WATCH_PRUNE: Final = 64
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -168,6 +171,9 @@ class SimCore:
         self._unpinned: set[int] = set()
         # Invariant: None while healthy; once a copy hit an illegal address, why (sticky: never reset).
         self._sticky: str | None = None
+        # Invariant: thread id -> the records that thread's queries found pending since its clock last moved (its
+        # sleep or poll pause); a poll pause stops at the first of them to complete (``_simclock.py``).
+        self._watched: dict[int, set[Record]] = {}
 
     def __repr__(self) -> str:
         return f"<SimBackend t={self._sched.now:.6g}s violations={len(self._violations)}>"
@@ -270,11 +276,23 @@ class SimCore:
     def _catch_up(self) -> None:
         self._sched.catch_up()
 
+    def _watch(self, record: Record) -> None:
+        """A query of the calling thread found ``record`` pending: its completion can change that poll's answer, so
+        the thread's next poll pause ends there (``SimClockCalls.poll_sleep``)."""
+        watched = self._watched.get(threading.get_ident())
+        if watched is None:
+            self._watched[threading.get_ident()] = {record}
+            return
+        watched.add(record)
+        size = len(watched)
+        if size >= WATCH_PRUNE and not size & (size - 1):  # a thread that queries and never pauses: at each power
+            watched.difference_update([r for r in watched if r.done])  # of two, drop what completed (amortized)
+
     def _wait_for(self, record: Record, what: str) -> None:
         """Run work until ``record`` completes; past the hang horizon, advance the clock by it and raise."""
         start = self._sched.now
         done = record.done_at is not None or self._sched.run(
-            start + self._hang_horizon, until=lambda: record.done_at is not None)
+            start + self._hang_horizon, until=lambda _op: record.done_at is not None)
         self._check_alive()
         if not done:
             self._sched.now = max(self._sched.now, start + self._hang_horizon)

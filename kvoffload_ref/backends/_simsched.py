@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 *Clock.* A virtual clock starts at 0.0. Only the backend's ``sleep`` / ``clock_advance`` move it forward freely;
 ``synchronize`` (and ``to_host``) move it to the moment what they wait for completes, or by the hang horizon when
-it never can. Nothing else advances it, so every deadline a test sets is exact and repeatable.
+it never can; a poll pause (``poll_sleep``) by at most its pause, stopping at an op for which ``run``'s ``until``
+holds. Nothing else advances it, so every deadline a test sets is exact and repeatable. The schedule span's
+counters (:meth:`Scheduler.mark`) follow the device ops (not records or waits) as they start and finish.
 
 *Streams.* Each stream is a FIFO of ops (record, wait, copy, compute write, hang, slow stall). The head op of a stream
 starts when the op before it finished (never before it was submitted) and, for a wait, once the awaited event record has
@@ -27,6 +29,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -232,25 +235,39 @@ class Scheduler:
         self.settle: Callable[[Op, float], bool] | None = None
         # Invariant: None, or called with every op as it finishes, before its effect (the timeline recorder).
         self.trace: Callable[[Op, float], None] | None = None
+        # The schedule's span (``mark``): over the device ops (not records or waits) submitted with seq >= span_from.
+        # Invariant: span_start is the earliest start and span_end the latest finish of those that started /
+        # finished (inf / -inf while none has); span_queued counts those submitted, span_done those finished.
+        self.span_from = 0
+        self.span_start, self.span_end = math.inf, -math.inf
+        self.span_queued = self.span_done = 0
 
     def push(self, op: Op, t: float) -> None:
         """Add a heap entry: ``op`` finishes at ``t`` (the cost model's re-estimates; older entries go stale)."""
         heapq.heappush(self._heap, (t, -op.seq, op))
 
+    def mark(self) -> None:
+        """Begin a new schedule span: from now on it counts only the device ops submitted after this call."""
+        self.span_from = next(self._seq)
+        self.span_start, self.span_end = math.inf, -math.inf
+        self.span_queued = self.span_done = 0
+
     def submit(self, op: Op) -> None:
         """Append an op to its stream; start it now if the stream is idle."""
         op.seq = next(self._seq)
         op.submitted_at = self.now
+        if not op.instant:
+            self.span_queued += 1
         queue = op.stream.queue
         queue.append(op)
         if len(queue) == 1:
             self._start_head(op.stream, self.now)
 
-    def run(self, limit: float, until: Callable[[], bool] | None = None) -> bool:
+    def run(self, limit: float, until: Callable[[Op], bool] | None = None) -> bool:
         """Apply, in order, the ops finishing at or before ``limit`` (none once the device is halted).
 
         Returns:
-            True as soon as ``until()`` holds after an op (the clock then stands at that op's finish time).
+            True as soon as ``until(op)`` holds after an op finished (the clock then stands at its finish time).
         """
         heap, halted, settle, finish, pop = self._heap, self._halted, self.settle, self._finish, heapq.heappop
         while heap and heap[0][0] <= limit and not halted():
@@ -259,7 +276,7 @@ class Scheduler:
                 continue
             self.now = max(self.now, t)
             finish(op, t)
-            if until is not None and until():
+            if until is not None and until(op):
                 return True
         return False
 
@@ -286,6 +303,9 @@ class Scheduler:
     def _start_head(self, stream: SimStream, t: float) -> None:
         op = stream.queue[0]
         kind = op.__class__
+        if not op.instant and op.seq >= self.span_from:   # a device op starts (a hang: blocks) as it becomes head
+            begun = t if t >= op.submitted_at else op.submitted_at
+            self.span_start = min(self.span_start, begun)
         if kind is HangOp:
             ended: float | None = op.ended  # type: ignore[attr-defined]  # a HangOp's
             if ended is not None:   # ended while queued behind other work: it finishes as it reaches the head
@@ -317,6 +337,9 @@ class Scheduler:
             for waiter in waiters or ():
                 self._start_head(waiter, t)
         elif kind is not WaitOp:
+            if op.seq >= self.span_from:
+                self.span_done += 1
+                self.span_end = max(self.span_end, t)
             self._apply(op, t)
         if queue:
             self._start_head(stream, t)

@@ -7,8 +7,8 @@ implement it; ``faults.FaultyBackend`` wraps any of them to inject failures.
 Handles (streams, events) are opaque: only the backend that made one may use it. Every call that acts for one
 transfer takes ``tag=(direction, job_id)`` so faults can select a transfer and error messages can name it.
 
-The polling helpers (``Backoff``, ``poll_until``, ``wait_polling``, ``record_and_poll``, the ``POLL_*`` pauses) live
-in ``polling.py`` and are re-exported here.
+The polling helpers (``Backoff``, ``poll_pause``, ``poll_until``, ``wait_polling``, ``record_and_poll``, the
+``POLL_*`` pauses) live in ``polling.py`` and are re-exported here.
 
 Nothing here knows about handlers, regions or workers.
 """
@@ -27,6 +27,7 @@ from kvoffload_ref.backends.polling import (
     POLL_FIRST_SLEEP,
     POLL_MAX_SLEEP,
     Backoff,
+    poll_pause,
     poll_until,
     record_and_poll,
     wait_polling,
@@ -54,6 +55,7 @@ __all__ = [
     "Tag",
     "TensorGeometry",
     "give_up_past_horizon",
+    "poll_pause",
     "poll_until",
     "record_and_poll",
     "wait_polling",
@@ -73,7 +75,8 @@ FaultPoint = Literal[
 #: ``prove_idle`` -> ``"device_sync"``, ``create_stream`` -> ``"stream_create"``, ``create_event`` ->
 #: ``"event_create"``, ``alloc_descriptors`` -> ``"descriptor_alloc"``, ``host_register``, ``host_unregister``),
 #: else the method's own name (the release calls keep theirs: ``destroy_stream``/``destroy_event`` are the fault point
-#: ``"destroy"``, ``free_descriptors`` is ``"free"``, ``untrack_host`` is ``"unmap"``).
+#: ``"destroy"``, ``free_descriptors`` is ``"free"``, ``untrack_host`` is ``"unmap"``); ``poll_sleep``, a wait's
+#: pause between polls, reports ``"sleep"`` as the sleep it stands for.
 CALL_POINTS: Final[dict[str, str]] = {
     "destroy_events": "destroy_event", "free_descriptors_many": "free_descriptors",
     "query_prefix": "event_query",
@@ -84,8 +87,8 @@ CALL_POINTS: Final[dict[str, str]] = {
     "destroy_event": "destroy_event", "free_descriptors": "free_descriptors", "track_host": "track_host",
     "untrack_host": "untrack_host", "untrack_host_pages": "untrack_host",
     "current_stream": "current_stream", "compute_stream": "compute_stream",
-    "elapsed": "elapsed", "monotonic": "monotonic", "sleep": "sleep", "empty_device": "empty_device",
-    "from_host": "from_host", "to_host": "to_host", "array_info": "array_info",
+    "elapsed": "elapsed", "monotonic": "monotonic", "sleep": "sleep", "poll_sleep": "sleep",
+    "empty_device": "empty_device", "from_host": "from_host", "to_host": "to_host", "array_info": "array_info",
 }
 
 #: ``on_call(point, tag)``: called at the start of a backend call, before the backend takes its lock.
@@ -357,6 +360,12 @@ class Backend(Protocol):
     ``untrack_host_pages(ptr, nbytes)`` is optional too: a backend that models a page-granular unmap of part of a
     tracked mapping (the sim) offers it; a quarantine by registration (R29) announces each unmapped piece through it
     where it exists, and the rest of the mapping stays tracked.
+
+    ``poll_sleep(seconds, *, to_tail=False)`` is optional as well: the pause between two polls of a bounded wait,
+    which a backend that knows when a poll's answer can change next may end early (the sim: at the next completion
+    its queries found pending; with ``to_tail``, a drain's, at the last record queued on that stream), never late; it
+    reports the ``on_call`` point ``"sleep"``. The polling helpers call it through ``polling.poll_pause``, which
+    sleeps the pause (:meth:`sleep`) on a backend without it (a real clock).
     """
 
     name: str

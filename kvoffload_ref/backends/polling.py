@@ -1,6 +1,11 @@
 """The polling helpers of bounded waits: the back-off between polls (``Backoff``), ``poll_until``, ``wait_polling``
 (a worker's ``wait``, R6/R19) and ``record_and_poll`` (the generic device-level proof, R13).
 
+Every pause between two polls goes through :func:`poll_pause`: a backend that can tell when a poll's answer may
+change next offers ``poll_sleep(seconds)`` (the simulated device: its clock stops at the next completion a poll
+found pending, never past the pause, so a wait returns exactly when the work it awaited completed); any other
+backend sleeps the pause (``sleep``: a real clock, ``FaultyBackend`` over a backend without it, a third party's).
+
 They ask of a backend only the calls they make (the protocols below, which every
 :class:`~kvoffload_ref.backends.base.Backend` satisfies), so this module does not import ``base``; ``base``
 re-exports its names.
@@ -21,6 +26,7 @@ __all__ = [
     "Clock",
     "ProvingDevice",
     "WaitClock",
+    "poll_pause",
     "poll_until",
     "record_and_poll",
     "wait_polling",
@@ -81,23 +87,45 @@ class ProvingDevice(Clock, Protocol[_S_contra, _E]):
         ...
 
 
+def poll_pause(backend: Clock, seconds: float, *, to_tail: bool = False) -> None:
+    """The pause between two polls of a bounded wait: the backend's ``poll_sleep(seconds, to_tail=...)`` where it has
+    one (it may end the pause early, at the next completion that can change a poll's answer; never later), else
+    ``sleep(seconds)``.
+
+    Args:
+        backend: whose clock to pause on. seconds: the pause, >= 0 (already bounded by the wait's deadline).
+        to_tail: the poller awaits everything queued on the streams it queried (a shutdown drain, R10): the pause may
+            run on through the work queued behind the record it found pending, up to its stream's last record.
+    """
+    exact = getattr(backend, "poll_sleep", None)
+    if exact is None:
+        backend.sleep(seconds)
+    else:
+        exact(seconds, to_tail=to_tail)
+
+
 class Backoff:
     """The pause before the next poll of a bounded wait: it starts at POLL_FIRST_SLEEP and doubles up to
     POLL_MAX_SLEEP after each poll that found the work pending. One backoff may serve several waits in a row (a
     shutdown drain's heads, R10): the pause then carries over from one awaited transfer to the next instead of
     starting short again, so a queue of thousands of pending transfers costs a poll per pause, not several per
-    transfer."""
+    transfer. A drain's backoff (``to_tail=True``) lets each pause run on to the last record queued on the streams
+    its polls found pending: the drain awaits all of them, so the heads between change nothing it reports."""
 
-    __slots__ = ("pause",)
+    __slots__ = ("pause", "to_tail")
 
-    def __init__(self) -> None:
+    def __init__(self, *, to_tail: bool = False) -> None:
         # Invariant: POLL_FIRST_SLEEP <= pause <= POLL_MAX_SLEEP; never shrinks.
         self.pause = POLL_FIRST_SLEEP
+        # Invariant: True for a drain's backoff: each pause may run on to the tail of the streams a poll found
+        # pending (``poll_pause``); False (a single wait, a proof): it ends at the first completion found pending.
+        self.to_tail = to_tail
 
     def sleep(self, backend: Clock, now: float, deadline: float | None) -> None:
-        """Sleep for the current pause (never past ``deadline``) on the backend's clock, then grow the pause."""
+        """Pause for the current pause (never past ``deadline``) on the backend's clock (:func:`poll_pause`: on the
+        sim, up to the next completion a poll found pending), then grow the pause."""
         step = self.pause if deadline is None else min(self.pause, deadline - now)
-        backend.sleep(max(step, 0.0))
+        poll_pause(backend, max(step, 0.0), to_tail=self.to_tail)
         self.pause = min(self.pause * 2, POLL_MAX_SLEEP)
 
 
@@ -135,7 +163,9 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
     ``settled`` takes the worker's lock for one non-blocking poll; the sleeps run without it (R19). It is polled at
     least once. A simulated clock (one with a ``hang_horizon``) sleeps for free, so without a deadline the backoff
     grows without a cap and an unbounded wait reaches the horizon in a few dozen polls; a real clock polls at least
-    every POLL_MAX_SLEEP.
+    every POLL_MAX_SLEEP. Each pause is :func:`poll_pause`: on the sim it ends at the next completion a poll found
+    pending, so the wait returns with the clock exactly at the awaited completion (no pause is then due: on hung
+    work the pauses apply in full, and the horizon is still reached).
 
     Args:
         backend: whose clock and sleep to use. settled: one poll. started: when the wait began (backend clock).
@@ -159,7 +189,7 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
             raise DeadlineExceeded(f"{what} not proven complete by the deadline")
         if horizon is not None:
             backend.check_unbounded_wait(started, now, what)
-        backend.sleep(pause if deadline is None else max(min(pause, deadline - now), 0.0))
+        poll_pause(backend, pause if deadline is None else max(min(pause, deadline - now), 0.0))
         pause = min(pause * 2, longest)
 
 

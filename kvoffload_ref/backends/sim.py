@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 *Scheduling.* A virtual clock, per-stream FIFOs of ops and one heap of started ops keyed by finish time
 (``_simsched.py``): only ``sleep``/``clock_advance`` move the clock freely, ``synchronize`` and ``to_host`` move it
-to when what they wait for completes; ops finishing at the same time apply latest-submitted first.
+to when what they wait for completes, and a bounded wait's pause (``poll_sleep``, ``_simclock.py``) to the next
+completion its polls found pending (never past the pause); ops finishing at the same time apply latest-submitted
+first. ``schedule_length`` reads the device-side span of what was queued, host polling not counted.
 
 *Memory.* Device arrays are C-contiguous 2-D uint8 numpy arrays; host mappings announced with ``track_host``
 are viewed through numpy arrays built from their raw address. Each is a *span* in an address map (``_simmem.py``;
@@ -40,7 +42,7 @@ raises.
 from __future__ import annotations
 
 import functools
-import math
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -49,6 +51,7 @@ import numpy.typing as npt
 
 from kvoffload_ref.backends._simarrays import SimArrayCalls
 from kvoffload_ref.backends._simbatch import SimBatchCalls
+from kvoffload_ref.backends._simclock import ScheduleLength, SimClockCalls
 from kvoffload_ref.backends._simcore import describe, tag_of, transfer_name
 from kvoffload_ref.backends._simhost import SimHostCalls
 from kvoffload_ref.backends._simrace import Violation, ViolationKind, copy_access, rows_access
@@ -80,13 +83,13 @@ from kvoffload_ref.errors import (
 )
 from kvoffload_ref.validate import check_id_array, check_int, check_seconds
 
-__all__ = ["SimBackend", "SimEvent", "SimHang", "SimStream", "Violation", "ViolationKind"]
+__all__ = ["ScheduleLength", "SimBackend", "SimEvent", "SimHang", "SimStream", "Violation", "ViolationKind"]
 
 I64 = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
 
 
-class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls):
+class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
     """The deterministic simulated device (see the module docstring). Implements :class:`Backend`.
 
     Args:
@@ -327,6 +330,7 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls):
             if latest is None:
                 return True
             if latest.done_at is None:
+                self._watch(latest)  # the thread's next poll pause ends at its completion (``poll_sleep``)
                 return False
             if self._race is not None:
                 self._race.observe(latest)
@@ -429,17 +433,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls):
             self.on_call("sleep", None)
         seconds = check_seconds("seconds", seconds)
         with self._lock:
-            now = self._sched.now
-            target = now + seconds
-            if target == math.inf:
-                raise InvalidTransferError(f"sleep({seconds!r}) at virtual time {now!r} would move the clock past "
-                                           "the largest float")
-            if target == now and seconds != 0:
-                target = float(np.nextafter(now, np.inf))
-            self._sched.run(target)
-            self._sched.now = max(self._sched.now, target)
-            if self._trace is not None:  # the host's wait, drawn apart from the device's streams
-                self._trace.host_poll(now, self._sched.now)
+            self._watched.pop(threading.get_ident(), None)  # the thread's clock moved: a new poll watches anew
+            self._advance(seconds, None)
 
     def clock_advance(self, seconds: float) -> None:
         """Test helper: the same as :meth:`sleep`.

@@ -65,10 +65,17 @@ class _WatchedSim(SimBackend):
         self.deadline = math.inf
         self.passed_deadline_at: float | None = None
         self.release_at: float | None = None
-        self.sleeps = 0  # sleeps so far: the polls of bounded waits, plus the bench's own clock advances
+        self.sleeps = 0  # sleeps so far: the pauses between polls of bounded waits, plus the bench's own advances
 
     def sleep(self, seconds: float) -> None:
         super().sleep(seconds)
+        self._slept()
+
+    def poll_sleep(self, seconds: float, *, to_tail: bool = False) -> None:
+        super().poll_sleep(seconds, to_tail=to_tail)
+        self._slept()
+
+    def _slept(self) -> None:
         self.sleeps += 1
         if self.passed_deadline_at is None and self.monotonic() >= self.deadline:
             self.passed_deadline_at = time.perf_counter()
