@@ -86,14 +86,17 @@ CALL_POINTS: Final[dict[str, str]] = {
     "current_stream": "current_stream", "compute_stream": "compute_stream",
     "elapsed": "elapsed", "monotonic": "monotonic", "sleep": "sleep", "empty_device": "empty_device",
     "from_host": "from_host", "to_host": "to_host", "array_info": "array_info",
+    "alloc_pinned": "alloc_pinned", "free_pinned": "free_pinned",
 }
 
 #: ``on_call(point, tag)``: called at the start of a backend call, before the backend takes its lock.
 CallHook = Callable[[str, "Tag | None"], None]
 
-ResourceKind = Literal["stream", "event", "descriptor", "pinned", "mapping", "shm_file"]
+#: ``"pinned"``: a registered range of a mapping; ``"pinned_alloc"``: pinned host memory allocated directly
+#: (``backends.pinned``, where registration is refused).
+ResourceKind = Literal["stream", "event", "descriptor", "pinned", "mapping", "shm_file", "pinned_alloc"]
 RESOURCE_KINDS: Final[tuple[ResourceKind, ...]] = (
-    "stream", "event", "descriptor", "pinned", "mapping", "shm_file",
+    "stream", "event", "descriptor", "pinned", "mapping", "shm_file", "pinned_alloc",
 )
 
 

@@ -107,6 +107,9 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls):
         copy_path: ``"auto"`` (default), ``"kernel"`` or ``"memcpy"``: the path rule the CuPy backend applies
             (``copy_paths.choose_path``), priced by the profile; also the attribute :attr:`copy_path`.
         trace: record a timeline (``trace_document``, ``write_trace``: Chrome trace-event JSON); off by default.
+        host_register: ``"allow"`` (default) or ``"refuse"``: a platform that refuses every host registration
+            (``host_register`` raises ``RegistrationRefused``, status 801, as under confidential computing, vLLM
+            #55428); ``alloc_pinned`` still works. Also the attribute ``refuses_registration``.
 
     Attributes:
         on_call: None, or ``on_call(point, tag)`` called at the start of every public call (before the internal
@@ -120,8 +123,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls):
     Raises:
         InvalidTransferError: a latency that is not a finite number of seconds >= 0, a bandwidth or a horizon that
             is not a finite number > 0 (a bool, a string, NaN, an infinity or an int too large for a float is
-            refused), a ``race_check`` or ``trace`` that is not a bool, an unknown profile or ``copy_path``
-            (R7). It is a ValueError.
+            refused), a ``race_check`` or ``trace`` that is not a bool, an unknown profile, ``copy_path`` or
+            ``host_register`` (R7). It is a ValueError.
     """
 
     name: str = "sim"
