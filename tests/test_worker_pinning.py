@@ -121,7 +121,7 @@ def test_a_caller_region_that_the_platform_refuses_to_register_stays_the_callers
     be = SimBackend(host_register="refuse")
     layout = small_layout()
     region = kv.HostRegion.allocate(be, layout, BPC, CPU_CHUNKS)
-    with pytest.raises(RegistrationRefused, match="HostRegion.allocate"):
+    with pytest.raises(RegistrationRefused, match=r"HostRegion\.allocate"):
         CREATE[worker](be, patterned_gpu(be, layout), layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS,
                        region=region)
     assert region.state is RegionState.CALLER_OWNED and region.pinning == "pageable"
