@@ -19,8 +19,15 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends.base import Backend
+from kvoffload_ref.backends.pinned import refuses_registration
 from kvoffload_ref.canonical_plan import CanonicalLayout, as_canonical
-from kvoffload_ref.errors import DeviceError, InvalidTransferError, RegistrationRefused, submission_refused
+from kvoffload_ref.errors import (
+    CUDA_ERROR_NOT_SUPPORTED,
+    DeviceError,
+    InvalidTransferError,
+    RegistrationRefused,
+    submission_refused,
+)
 from kvoffload_ref.lifecycle import WorkerState
 from kvoffload_ref.region import HostRegion
 from kvoffload_ref.results import HeldBlocks, ReleasedHold, ShutdownPolicy, ShutdownReport, TransferResult, WorkerStats
@@ -320,9 +327,11 @@ def build_with_region(build: Callable[[HostRegion], W], backend: Backend, layout
                       canonical: CanonicalLayout | None = None, pinning: Pinning = "auto") -> W:
     """Hand ``region`` to ``build``, or build one (``num_cpu_chunks`` rows per tensor; in canonical mode rows of
     ``canonical page * blocks_per_chunk``, R24) and release it again if ``build`` fails (R1, R2); the original
-    exception propagates. With ``pinning="alloc"`` the region is a pinned allocation; with ``"auto"``, when
-    ``build`` fails because the platform refused to register it (``RegistrationRefused``), it is released and
-    ``build`` runs again over a pinned allocation (a warning, once per backend).
+    exception propagates. With ``pinning="alloc"`` the region is a pinned allocation; with ``"auto"``, too where
+    the backend says in advance that it refuses registration (``backends.pinned.refuses_registration``), and when
+    ``build`` fails because the platform refused to register a mapped region (``RegistrationRefused``), that region
+    is released and ``build`` runs again over a pinned allocation (a warning, once per backend; what the release
+    of the refused region could not release is reported with the new region's, R16).
 
     Raises:
         InvalidTransferError: ``num_cpu_chunks`` is not an int >= 1 (checked also when a region is given).
@@ -331,22 +340,32 @@ def build_with_region(build: Callable[[HostRegion], W], backend: Backend, layout
     if region is not None:
         return build(region)
     cpu_layout = layout if canonical is None else canonical.cpu_layout(layout)
-    mode: Literal["register", "alloc"] = "alloc" if pinning == "alloc" else "register"
+    known = pinning == "auto" and refuses_registration(backend)  # the platform says so: no mapping tried first
+    if known:
+        _warn_fallback(backend, CUDA_ERROR_NOT_SUPPORTED)
+    mode: Literal["register", "alloc"] = "alloc" if pinning == "alloc" or known else "register"
+    first = HostRegion.allocate(backend, cpu_layout, blocks_per_chunk, rows, pinning=mode)
     try:
-        return _build_over(build, HostRegion.allocate(backend, cpu_layout, blocks_per_chunk, rows, pinning=mode))
+        return build(first)
     except RegistrationRefused as exc:
-        if pinning != "auto":
+        first.release()
+        if pinning != "auto" or first.allocated:
             raise
-        if backend not in _WARNED:
-            _WARNED.add(backend)
-            logger.warning(FALLBACK_WARNING, exc.status)
-    return _build_over(build, HostRegion.allocate(backend, cpu_layout, blocks_per_chunk, rows, pinning="alloc"))
-
-
-def _build_over(build: Callable[[HostRegion], W], region: HostRegion) -> W:
-    """``build(region)``; if it fails, ``region`` (built here) is released and the original exception propagates."""
+        _warn_fallback(backend, exc.status)
+    except BaseException:
+        first.release()
+        raise
+    region = HostRegion.allocate(backend, cpu_layout, blocks_per_chunk, rows, pinning="alloc")
+    region.inherit_leaks(first.leaked)  # R16: what releasing the refused mapping left is this worker's to report
     try:
         return build(region)
     except BaseException:
         region.release()
         raise
+
+
+def _warn_fallback(backend: Backend, status: int) -> None:
+    """``pinning="auto"``'s warning, once per backend."""
+    if backend not in _WARNED:
+        _WARNED.add(backend)
+        logger.warning(FALLBACK_WARNING, status)

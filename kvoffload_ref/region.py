@@ -466,6 +466,12 @@ class HostRegion:
 
     keeps_whole: bool = False  #: Whether a quarantine keeps the whole region whatever ``chunks`` says (R29)
 
+    def inherit_leaks(self, leaked: dict[ResourceKind, int]) -> None:
+        """Take over the leaks of a region this one replaces (``pinning="auto"``'s fallback releases the refused
+        mapped region first): they are reported with this region's own ``leaked`` (R16)."""
+        for kind, count in leaked.items():
+            self._held.leaked[kind] = self._held.leaked.get(kind, 0) + count
+
     @property
     def kept_ranges(self) -> tuple[KeptRange, ...]:
         """The ranges of the region kept in quarantine, in address order (R29); () unless quarantined."""

@@ -125,7 +125,7 @@ class Held:
         errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin(shield)]
         for ptr in self.pinned:  # unregister failed: the range is no longer ours to release
             self.backend.ledger.leak("pinned", ptr)
-        self.leaked["pinned"] = len(self.pinned)
+        self.leaked["pinned"] = self.leaked.get("pinned", 0) + len(self.pinned)
         self.pinned.clear()
         return errors
 

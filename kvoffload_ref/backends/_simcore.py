@@ -109,9 +109,10 @@ class SimCore:
             raise InvalidTransferError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
         if host_register not in ("allow", "refuse"):
             raise InvalidTransferError(f"host_register must be 'allow' or 'refuse'; got {host_register!r}")
-        # Invariant: True when the platform refuses every host registration (host_register="refuse": status 801,
-        # as under confidential computing, vLLM #55428); pinned memory then comes from alloc_pinned only.
-        self.refuses_registration: bool = host_register == "refuse"
+        # Invariant: _refuse_register: the platform refuses every host registration (host_register="refuse": 801,
+        # as under confidential computing, vLLM #55428; pinned memory then comes from alloc_pinned only);
+        # refuses_registration: what it says in advance (backends.pinned.refuses_registration), at first the same.
+        self._refuse_register = self.refuses_registration = host_register == "refuse"
         if not isinstance(trace, bool):
             raise InvalidTransferError(f"trace must be a bool, got {type(trace).__name__} {trace!r}")
         # Invariant: the cost terms in force (the named profile with the explicit overrides applied).

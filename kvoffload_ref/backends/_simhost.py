@@ -126,7 +126,7 @@ class SimHostCalls(SimCore):
             self.on_call("host_register", None)
         with self._lock:
             self._fault("host_register", None)
-            if self.refuses_registration:
+            if self._refuse_register:
                 raise RegistrationRefused(f"host_register({ptr:#x}, {nbytes}): this platform does not support host "
                                           "registration (cudaErrorNotSupported)")
             span = self._memory.span_holding(ptr, nbytes) if nbytes > 0 else None
