@@ -105,8 +105,9 @@ class WorkerFacade:
         pinning: ``"auto"`` (default), ``"register"`` or ``"alloc"`` (:data:`Pinning`). ``"auto"``: the region is
             registered; if the platform refuses registration (``RegistrationRefused``, status 801, e.g. under
             confidential computing, vLLM #55428), a region ``create_*`` built is released and rebuilt as a pinned
-            allocation (``HostRegion.allocate(..., pinning="alloc")``; a warning, once per backend), while a
-            region the caller built fails construction with that error (R2: it stays the caller's). Any other
+            allocation (``HostRegion.allocate(..., pinning="alloc")``; a warning, once per backend; allocated at
+            once where the backend says in advance that it refuses, ``refuses_registration``), while a region the
+            caller built fails construction with that error (R2: it stays the caller's). Any other
             failed registration is as ``require_pinned`` says. ``"register"``: registration only; a refusal is
             as any failed registration. ``"alloc"``: ``create_*`` allocate the region pinned; a region given must
             be an allocated one.
