@@ -360,6 +360,11 @@ class Backend(Protocol):
     ``untrack_host_pages(ptr, nbytes)`` is optional too: a backend that models a page-granular unmap of part of a
     tracked mapping (the sim) offers it; a quarantine by registration (R29) announces each unmapped piece through it
     where it exists, and the rest of the mapping stays tracked.
+
+    ``alloc_pinned``/``free_pinned`` (pinned host memory allocated directly, for a platform that refuses host
+    registration) are optional as well: :class:`~kvoffload_ref.backends.pinned.PinnedAllocBackend`; the library
+    calls them through :mod:`kvoffload_ref.backends.pinned`, which refuses with a ``DeviceError`` for a backend
+    without them.
     """
 
     name: str
