@@ -367,6 +367,10 @@ def build_with_region(build: Callable[[HostRegion], W], backend: Backend, layout
 
 def _warn_fallback(backend: Backend, status: int) -> None:
     """``pinning="auto"``'s warning, once per backend."""
-    if backend not in _WARNED:
+    try:
+        if backend in _WARNED:
+            return
         _WARNED.add(backend)
-        logger.warning(FALLBACK_WARNING, status)
+    except TypeError:  # a backend that cannot be weakly referenced: warned each time
+        pass
+    logger.warning(FALLBACK_WARNING, status)
