@@ -8,6 +8,8 @@
   backend's own exception, if any, is the ``__cause__``.
 * :class:`TransferExpired` -- a :class:`DeviceError`: a transfer passed its deadline, was cancelled, or was queued
   behind one that did (R26); ``.reason`` says which.
+* :class:`RegistrationRefused` -- a :class:`DeviceError`: the platform does not allow registering host memory at
+  all (status 801), e.g. under confidential computing (vLLM #55428); a pinned allocation may still work.
 * :class:`BlocksHeldError` -- an :class:`InvalidTransferError`: a submission touches blocks a late copy may still
   write or read (R27).
 * :class:`DeadlineExceeded` -- a bounded wait ran out of time (also a :class:`TimeoutError`).
@@ -35,6 +37,7 @@ __all__ = [
     "LifecycleError",
     "OffloadError",
     "OwnershipError",
+    "RegistrationRefused",
     "ShutdownDeferred",
     "SimHang",
     "TransferExpired",
@@ -169,6 +172,18 @@ class TransferExpired(DeviceError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.reason, self.job_id, self.ahead))
+
+
+class RegistrationRefused(DeviceError):
+    """The platform does not allow registering host memory with the device: ``cudaHostRegister`` fails with
+    ``cudaErrorNotSupported`` (801) for every size and flag, as on an H200 under NVIDIA Confidential Computing
+    (vLLM #55428). Not sticky: the device works on, and a direct pinned allocation (``cudaHostAlloc``) may still be
+    allowed. Raised by a backend's ``host_register``; the workers' ``pinning="auto"`` falls back to a pinned
+    allocation on it (and on nothing else: any other registration failure is an ordinary :class:`DeviceError`).
+    """
+
+    def __init__(self, message: str, status: int = CUDA_ERROR_NOT_SUPPORTED) -> None:
+        super().__init__(message, status)
 
 
 class BlocksHeldError(InvalidTransferError):

@@ -9,27 +9,49 @@ forwards to the core and documents what it promises.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Protocol, TypeVar
+from typing import Final, Literal, Protocol, TypeVar, get_args
 
 import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends.base import Backend
+from kvoffload_ref.backends.pinned import refuses_registration
 from kvoffload_ref.canonical_plan import CanonicalLayout, as_canonical
-from kvoffload_ref.errors import DeviceError, InvalidTransferError, submission_refused
+from kvoffload_ref.errors import (
+    CUDA_ERROR_NOT_SUPPORTED,
+    DeviceError,
+    InvalidTransferError,
+    RegistrationRefused,
+    submission_refused,
+)
 from kvoffload_ref.lifecycle import WorkerState
 from kvoffload_ref.region import HostRegion
 from kvoffload_ref.results import HeldBlocks, ReleasedHold, ShutdownPolicy, ShutdownReport, TransferResult, WorkerStats
 from kvoffload_ref.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, KVCacheLayout
 from kvoffload_ref.validate import check_int, check_positive
 
-__all__ = ["CoreAPI", "WorkerFacade", "WorkerOptions", "build_with_region", "check_options"]
+__all__ = ["CoreAPI", "Pinning", "WorkerFacade", "WorkerOptions", "build_with_region", "check_options"]
 
 W = TypeVar("W")
 F = TypeVar("F", bound="WorkerFacade")
+
+logger = logging.getLogger("kvoffload_ref.worker")
+
+#: How a worker's region is pinned (the workers' ``pinning``): ``"auto"`` registers, and where the platform refuses
+#: registration (``RegistrationRefused``) a region ``create_*`` built is rebuilt as a pinned allocation;
+#: ``"register"`` registers only (a refusal is then like any failed registration); ``"alloc"`` allocates pinned memory.
+Pinning = Literal["auto", "register", "alloc"]
+PINNINGS: Final[tuple[str, ...]] = get_args(Pinning)
+#: The warning ``pinning="auto"`` logs, once per backend, when it falls back to a pinned allocation.
+FALLBACK_WARNING: Final = ("Pinned memory registration (cudaHostRegister) is not supported on this platform "
+                           "(status %d, e.g. under confidential computing); allocating pinned host memory "
+                           "(cudaHostAlloc) for the CPU region instead")
+# Invariant: the backends whose fallback was logged (a warning once per backend).
+_WARNED: weakref.WeakSet[Backend] = weakref.WeakSet()
 
 
 class CoreAPI(Protocol):
@@ -80,12 +102,24 @@ class WorkerFacade:
             then be ``canonical page * blocks_per_chunk`` (``create_*`` build it so). None: plain mode.
         stall_warning: None (off), or seconds: a transfer unproven that long after its start on the device is
             logged once as a warning naming the job, its direction and its age (R30).
+        pinning: ``"auto"`` (default), ``"register"`` or ``"alloc"`` (:data:`Pinning`). ``"auto"``: the region is
+            registered; if the platform refuses registration (``RegistrationRefused``, status 801, e.g. under
+            confidential computing, vLLM #55428), a region ``create_*`` built is released and rebuilt as a pinned
+            allocation (``HostRegion.allocate(..., pinning="alloc")``; a warning, once per backend; allocated at
+            once where the backend says in advance that it refuses, ``refuses_registration``), while a region the
+            caller built fails construction with that error (R2: it stays the caller's). Any other
+            failed registration is as ``require_pinned`` says. ``"register"``: registration only; a refusal is
+            as any failed registration. ``"alloc"``: ``create_*`` allocate the region pinned; a region given must
+            be an allocated one.
 
     Raises:
         InvalidTransferError: tensors, region, compute stream or options do not fit (R7); in canonical mode also a
             mapping that does not verify or does not fit the layout or the region's rows (R24), before any device work.
         OwnershipError: the region is not caller-owned (R1).
         DeviceError: a device call failed; everything acquired is released in reverse order (R2).
+        RegistrationRefused: (a DeviceError) under ``pinning="auto"``, the platform refused to register a region
+            the caller built (the message says what to use instead), or a shared region (which cannot be
+            allocated).
     """
 
     _core: CoreAPI
@@ -259,11 +293,12 @@ class WorkerOptions:
     compute_stream: object | None  # as the caller gave it; the backend resolves it (R7)
     canonical: CanonicalLayout | None = None  # Invariant: None (plain mode) or verified mappings (R24)
     stall_warning: float | None = None  # Invariant: None (off) or seconds > 0 (R30)
+    pinning: Pinning = "auto"  # Invariant: one of PINNINGS
 
 
 def check_options(blocks_per_chunk: object, policy: object, pin_chunk_bytes: object, require_pinned: object,
-                  compute_stream: object | None = None, canonical: object = None, stall_warning: object = None
-                  ) -> WorkerOptions:
+                  compute_stream: object | None = None, canonical: object = None, stall_warning: object = None,
+                  pinning: object = "auto") -> WorkerOptions:
     """R7: a worker's common options, checked before anything is built (``canonical``: see
     :func:`~kvoffload_ref.canonical_plan.as_canonical`; how it fits the layout is checked by ``build_core``).
 
@@ -282,16 +317,22 @@ def check_options(blocks_per_chunk: object, policy: object, pin_chunk_bytes: obj
         raise InvalidTransferError(f"policy must be a ShutdownPolicy or None (e.g. ShutdownPolicy(timeout=5.0)), got "
                                    f"{type(policy).__name__} {policy!r}")
     stall = None if stall_warning is None else check_positive("stall_warning", stall_warning, unit="seconds")
+    if not isinstance(pinning, str) or pinning not in PINNINGS:
+        raise InvalidTransferError(f"pinning must be one of {', '.join(map(repr, PINNINGS))}, got {pinning!r}")
     return WorkerOptions(bpc, policy or ShutdownPolicy(), pin_bytes, require_pinned, compute_stream,
-                         as_canonical(canonical), stall)
+                         as_canonical(canonical), stall, pinning)  # type: ignore[arg-type]  # checked: a Pinning
 
 
 def build_with_region(build: Callable[[HostRegion], W], backend: Backend, layout: KVCacheLayout,
                       blocks_per_chunk: int, num_cpu_chunks: object, region: HostRegion | None,
-                      canonical: CanonicalLayout | None = None) -> W:
+                      canonical: CanonicalLayout | None = None, pinning: Pinning = "auto") -> W:
     """Hand ``region`` to ``build``, or build one (``num_cpu_chunks`` rows per tensor; in canonical mode rows of
     ``canonical page * blocks_per_chunk``, R24) and release it again if ``build`` fails (R1, R2); the original
-    exception propagates.
+    exception propagates. With ``pinning="alloc"`` the region is a pinned allocation; with ``"auto"``, too where
+    the backend says in advance that it refuses registration (``backends.pinned.refuses_registration``), and when
+    ``build`` fails because the platform refused to register a mapped region (``RegistrationRefused``), that region
+    is released and ``build`` runs again over a pinned allocation (a warning, once per backend; what the release
+    of the refused region could not release is reported with the new region's, R16).
 
     Raises:
         InvalidTransferError: ``num_cpu_chunks`` is not an int >= 1 (checked also when a region is given).
@@ -299,10 +340,37 @@ def build_with_region(build: Callable[[HostRegion], W], backend: Backend, layout
     rows = check_int("num_cpu_chunks", num_cpu_chunks, minimum=1)
     if region is not None:
         return build(region)
-    built = HostRegion.allocate(backend, layout if canonical is None else canonical.cpu_layout(layout),
-                                blocks_per_chunk, rows)
+    cpu_layout = layout if canonical is None else canonical.cpu_layout(layout)
+    known = pinning == "auto" and refuses_registration(backend)  # the platform says so: no mapping tried first
+    if known:
+        _warn_fallback(backend, CUDA_ERROR_NOT_SUPPORTED)
+    mode: Literal["register", "alloc"] = "alloc" if pinning == "alloc" or known else "register"
+    first = HostRegion.allocate(backend, cpu_layout, blocks_per_chunk, rows, pinning=mode)
     try:
-        return build(built)
+        return build(first)
+    except RegistrationRefused as exc:
+        first.release()
+        if pinning != "auto" or first.allocated:
+            raise
+        _warn_fallback(backend, exc.status)
     except BaseException:
-        built.release()
+        first.release()
         raise
+    region = HostRegion.allocate(backend, cpu_layout, blocks_per_chunk, rows, pinning="alloc")
+    region.inherit_leaks(first.leaked)  # R16: what releasing the refused mapping left is this worker's to report
+    try:
+        return build(region)
+    except BaseException:
+        region.release()
+        raise
+
+
+def _warn_fallback(backend: Backend, status: int) -> None:
+    """``pinning="auto"``'s warning, once per backend."""
+    try:
+        if backend in _WARNED:
+            return
+        _WARNED.add(backend)
+    except TypeError:  # a backend that cannot be weakly referenced: warned each time
+        pass
+    logger.warning(FALLBACK_WARNING, status)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends import batched
+from kvoffload_ref.backends import batched, pinned
 from kvoffload_ref.backends.base import (
     Backend,
     CallHook,
@@ -119,6 +119,11 @@ class FaultyBackend:
         """The inner backend's (a copy to or from pageable host memory blocks the host there, R11)."""
         return bool(getattr(self.inner, "pageable_copies_block", False))
 
+    @property
+    def refuses_registration(self) -> bool:
+        """The inner backend's (its platform refuses host registration, ``backends.pinned``)."""
+        return pinned.refuses_registration(self.inner)
+
     def check_unbounded_wait(self, started: float, now: float, what: str) -> None:
         """SimHang once a wait without a timeout outlived :attr:`hang_horizon` (no hook, no inner call)."""
         give_up_past_horizon(self._horizon, started, now, what)
@@ -181,6 +186,26 @@ class FaultyBackend:
         """
         self._fault_point("host_register")
         self.inner.host_register(ptr, nbytes)
+
+    def alloc_pinned(self, nbytes: int) -> tuple[int, npt.NDArray[np.uint8]]:
+        """Delegated (``backends.pinned``; raises DeviceError while the device is lost, or where the inner
+        backend cannot allocate pinned memory).
+
+        Raises:
+            DeviceError: a lost device, or the inner backend's error.
+        """
+        self._check_alive("alloc_pinned")
+        return pinned.alloc_pinned(self.inner, nbytes)
+
+    def free_pinned(self, ptr: int) -> None:
+        """Fault point ``unmap`` (the memory is given back), then delegated.
+
+        Raises:
+            DeviceError: an injected fault (the allocation stays), or the inner backend's error.
+        """
+        self._hook("free_pinned")
+        self.plan.check_release("unmap")
+        pinned.free_pinned(self.inner, ptr)
 
     def host_unregister(self, ptr: int) -> None:
         """Fault point ``host_unregister``, then delegated.

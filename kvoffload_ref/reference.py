@@ -22,7 +22,7 @@ from kvoffload_ref import errors, handler_api, lifecycle, lockcheck, results, ta
 from kvoffload_ref.backends.base import Backend, Stream, wait_polling
 from kvoffload_ref.canonical import PageMapping
 from kvoffload_ref.canonical_plan import CanonicalLayout, check_canonical, cpu_pages
-from kvoffload_ref.facade import WorkerFacade, WorkerOptions, build_with_region, check_options
+from kvoffload_ref.facade import Pinning, WorkerFacade, WorkerOptions, build_with_region, check_options
 from kvoffload_ref.handler_api import DirectionHandlerAPI, NewHandler
 from kvoffload_ref.lifecycle import Action, Fate, ProofOutcome, RegionState, WorkerInput, WorkerState
 from kvoffload_ref.process import CallGuard, ProcessOwner, finalize_safely, sigint_deferred
@@ -48,9 +48,9 @@ class ReferenceWorker(WorkerFacade):
                  pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES, require_pinned: bool = False,
                  compute_stream: object | None = None,
                  canonical: CanonicalLayout | Sequence[PageMapping] | None = None,
-                 stall_warning: float | None = None) -> None:
+                 stall_warning: float | None = None, pinning: Pinning = "auto") -> None:
         options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, compute_stream, canonical,
-                                stall_warning)
+                                stall_warning, pinning)
         self._attach(build_core(backend, gpu_tensors, layout, region, options, ReferenceHandler, type(self).__name__))
 
 
@@ -59,17 +59,18 @@ def create_reference_worker(backend: Backend, gpu_tensors: Sequence[object], lay
                             region: HostRegion | None = None, pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
                             require_pinned: bool = False, compute_stream: object | None = None,
                             canonical: CanonicalLayout | Sequence[PageMapping] | None = None,
-                  stall_warning: float | None = None) -> ReferenceWorker:
+                            stall_warning: float | None = None, pinning: Pinning = "auto") -> ReferenceWorker:
     """Build the region (``num_cpu_chunks`` rows per tensor; canonical rows in canonical mode, R24) unless ``region``
     is given, then the worker (R1, R2). The rest: as for :class:`ReferenceWorker` and ``worker.create_worker``."""
     options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, None, canonical,
-                            stall_warning)  # R7 first
+                            stall_warning, pinning)  # R7 first
     return build_with_region(
         lambda r: ReferenceWorker(backend, gpu_tensors, layout, blocks_per_chunk=blocks_per_chunk, region=r,
                                   policy=policy, pin_chunk_bytes=pin_chunk_bytes, require_pinned=require_pinned,
                                   compute_stream=compute_stream, canonical=options.canonical,
-                                      stall_warning=stall_warning),
-        backend, layout, blocks_per_chunk, num_cpu_chunks, region, check_canonical(layout, options.canonical))
+                                  stall_warning=stall_warning, pinning=options.pinning),
+        backend, layout, blocks_per_chunk, num_cpu_chunks, region, check_canonical(layout, options.canonical),
+        options.pinning)
 
 
 def build_core(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheLayout, region: HostRegion,
@@ -81,6 +82,10 @@ def build_core(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheL
     bpc = options.blocks_per_chunk
     canonical = check_canonical(layout, options.canonical)  # R7/R24: the mappings verified and fitting the layout
     check_geometry(layout, gpu, region.geometries(), bpc, cpu_pages(layout, canonical))  # R7: before device work
+    if options.pinning == "alloc" and not region.allocated:  # R7: the region is as the option says
+        raise errors.InvalidTransferError(
+            "pinning='alloc' needs a region of pinned allocated memory: build it with HostRegion.allocate(..., "
+            "pinning='alloc'), or let create_worker build it")
     if region.state is not RegionState.CALLER_OWNED:  # R1: only a caller-owned region is handed over
         tables.step(lifecycle.REGION_TABLE, "region", region.state, lifecycle.RegionInput.ADOPT)
     compute = backend.compute_stream(options.compute_stream)
@@ -89,8 +94,10 @@ def build_core(backend: Backend, gpu_tensors: Sequence[object], layout: KVCacheL
     try:
         # R11: on a backend whose copies to pageable memory block the host, no pageable fallback (a copy under the
         # lock must never block); elsewhere a failure leaves the region pageable (a warning), unless required.
+        # "auto": a refusal of registration is raised, so that create_* can fall back to an allocation.
         required = options.require_pinned or bool(getattr(backend, "pageable_copies_block", False))
-        if not region.pinned and region.pin(options.pin_chunk_bytes, required=required):
+        if not region.pinned and region.pin(options.pin_chunk_bytes, required=required,
+                                            raise_refused=options.pinning == "auto"):
             undo.append(("unpin the region", region.unpin))
         handlers = []
         running = Running(Holds(max(g.rows for g in gpu), max(c.rows for c in region.geometries())),
@@ -218,7 +225,8 @@ class Core:
         with self.call:
             return results.WorkerStats(self.state.value, self.store.stats(), self.load.stats(),
                                        self.region.state.value, self.region.pinned, self.backend.ledger.live(),
-                                       self.region.quarantined_bytes)  # R30: the bytes kept in quarantine
+                                       self.region.quarantined_bytes,  # R30: the bytes kept in quarantine
+                                       self.region.pinning)
 
     def finalize(self) -> None:
         """R15: shut down a worker dropped (or alive at exit) without shutdown(), safely from the collector; R21:
@@ -350,7 +358,7 @@ class Core:
         for table, kinds in (("quarantined", self.region.quarantined_resources), ("leaked", self.region.leaked)):
             for kind, count in kinds.items():  # R16: what is kept, and what a failed release step left
                 run.add(table, kind, count)
-        run.kept = self.region.kept_ranges
+        run.kept, run.pinning = self.region.kept_ranges, self.region.pinning
 
     def _wait_left(self, run: ShutdownRun, shield: Shield) -> float:
         """R11: the seconds the release may still wait (a shared file's lock): what is left of the policy's timeout

@@ -5,6 +5,15 @@ A region is one anonymous ``mmap`` holding one 2-D uint8 CPU tensor per layout t
 made with ``np.frombuffer`` so that ``mmap.close()`` refuses (``BufferError``) while any view is alive, instead of
 succeeding and leaving a dangling view that segfaults later.
 
+*Pinned allocation* (``allocate(..., pinning="alloc")``). Where the platform refuses host registration (status 801,
+``RegistrationRefused``; e.g. under confidential computing, vLLM #55428) the region's memory is instead one pinned
+allocation of the backend (``backends.pinned``; ``cudaHostAlloc``; ledger "pinned_alloc"), with the same views and
+geometry. ``region.pinning`` says which (``"registered"``, ``"allocated"``, or ``"pageable"`` for a mapping not
+registered). For an allocation: R3's release is drop the views -> free the allocation (nothing to unregister or
+unmap); R12's quarantine keeps the allocation, never freed; R29: one allocation is one unit, kept whole (a part of
+it cannot be given back); R25: there is no seam inside it; R21: as for a mapping (a forked child frees nothing).
+A file-backed region (``SharedRegion``) cannot use it.
+
 Ownership (R1) and fate (R3, R12) follow ``lifecycle.REGION_TABLE``: the caller owns a new region; a worker adopts
 it when its constructor succeeds; then only that worker's shutdown releases it, or quarantines it when it cannot
 prove no DMA may still touch it. Release runs R3's steps in order -- unregister pinned ranges (reverse order of
@@ -19,10 +28,11 @@ every CPU row (R25, ``seams.py``): the driver refuses a copy whose host span lie
 A region remembers the backend it was built on (``region.backend``); ``region.check_backend(backend)`` refuses
 another one (R7), since the region's memory is announced to -- and pinned through -- that backend only.
 
-What a region holds (backend, mapping, views, pinned ranges, lifecycle state) lives in a separate ``_Held``
-object, so that a finalizer can hold it without holding the region. A *caller-owned* region dropped without
-``release()`` is released from that finalizer (R3's steps, with a warning); a worker-owned region is the worker's
-to release, and a quarantined one is kept alive by the quarantine registry, so their finalizers do nothing.
+What a region holds (backend, mapping or allocation, views, pinned ranges, lifecycle state) lives in a separate
+``region_held.Held`` object (with R3's steps), so that a finalizer can hold it without holding the region. A
+*caller-owned* region dropped without ``release()`` is released from that finalizer (R3's steps, with a warning); a
+worker-owned region is the worker's to release, and a quarantined one is kept alive by the quarantine registry, so
+their finalizers do nothing.
 
 A region belongs to the process that built it (R21): in a forked child its copy answers queries, refuses what
 would use its memory or device (``snapshot``, ``pin``, ``adopt``, ``check_backend``: ``WorkerClosedError`` naming
@@ -35,25 +45,24 @@ last steps: unlink the file if this process is to unlink it, then close the desc
 
 from __future__ import annotations
 
-import functools
 import logging
 import mmap
-import threading
 import weakref
-from collections.abc import Callable, Container, Iterable, Sequence
-from typing import Final
+from collections.abc import Iterable, Sequence
+from typing import Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref import lifecycle, tables
+from kvoffload_ref.backends import pinned as pinned_memory
 from kvoffload_ref.backends.base import Backend, ResourceKind
-from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipError
+from kvoffload_ref.errors import DeviceError, InvalidTransferError, OwnershipError, RegistrationRefused
 from kvoffload_ref.lifecycle import Action, RegionInput, RegionState
 from kvoffload_ref.process import ProcessOwner
 from kvoffload_ref.quarantine import QuarantinedItem, quarantine, quarantined
+from kvoffload_ref.region_held import Held, view_of
 from kvoffload_ref.region_keep import give_back_unkept, kept_ranges, rows_to_keep
-from kvoffload_ref.results import KeptRange
+from kvoffload_ref.results import KeptRange, RegionPinning
 from kvoffload_ref.seams import DEFAULT_MAX_REGISTER_BYTES, register_chunks
 from kvoffload_ref.shield import Shield
 from kvoffload_ref.specs import KVCacheLayout, TensorGeometry
@@ -74,140 +83,20 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _view(base: npt.NDArray[np.uint8], offset: int, rows: int, row_bytes: int,
-          row_stride: int) -> npt.NDArray[np.uint8]:
-    """A 2-D ``(rows, row_bytes)`` view of ``base`` starting at ``offset``, rows ``row_stride`` bytes apart."""
-    if row_stride == row_bytes:
-        return base[offset: offset + rows * row_bytes].reshape(rows, row_bytes)
-    span = base[offset: offset + (rows - 1) * row_stride + row_bytes]
-    return np.lib.stride_tricks.as_strided(span, shape=(rows, row_bytes), strides=(row_stride, 1))
-
-
-class _Held:
-    """Everything a region holds, apart from the region object: its backend, mapping, views, pinned ranges and
-    lifecycle state, and R3's steps over them. The region's finalizer holds this, never the region."""
-
-    def __init__(self, backend: Backend, mapping: mmap.mmap, base: npt.NDArray[np.uint8], log_rank: int) -> None:
-        self.backend = backend
-        # Invariant: open until release; never closed while the backend may still read it (R12).
-        self.mmap: mmap.mmap | None = mapping
-        # Invariant: the only buffer export of mmap (np.frombuffer); every view derives from it.
-        self.base: npt.NDArray[np.uint8] | None = base
-        self.ptr: int = int(base.ctypes.data)
-        self.nbytes: int = len(mapping)
-        # Invariant: one 2-D view per layout tensor; emptied (dropped) only by release (R3 step 2).
-        self.views: list[npt.NDArray[np.uint8]] = []
-        # Invariant: start addresses of the ranges registered and not yet unregistered, in registration order.
-        self.pinned: list[int] = []
-        # Invariant: start -> size of every range pin() registered (R29 keeps the ones a late copy may touch).
-        self.pin_bytes: dict[int, int] = {}
-        # Invariant: changed only through step(), i.e. tables.step(REGION_TABLE, ...), under lock.
-        self.state = RegionState.CALLER_OWNED
-        # Invariant: what release could not release, by ledger kind (filled by release; zeros omitted by users).
-        self.leaked: dict[ResourceKind, int] = {}
-        self.log_rank = log_rank
-        # Invariant: the process that built the region; in any other (a forked child) nothing here is released.
-        self.owner = ProcessOwner()
-        self.lock = threading.Lock()
-
-    def step(self, event: RegionInput) -> Action:
-        with self.lock:
-            self.state, action = tables.step(lifecycle.REGION_TABLE, "region", self.state, event)
-            return action
-
-    def unpin(self, shield: Shield | None = None, only: Container[int] | None = None) -> list[DeviceError]:
-        """Unregister every pinned range (or those in ``only``), newest first. A failure is logged, left recorded,
-        and returned. With a ``shield``, an interrupt does not stop it (R14): the call is retried, the interrupt
-        kept there. Nothing in a forked child (R21): the pins are the parent's."""
-        if self.owner.inherited():
-            return []
-        failures: list[DeviceError] = []
-        run = (shield or Shield()).run
-        for ptr in [p for p in reversed(self.pinned) if only is None or p in only]:
-            try:
-                run(functools.partial(self.backend.host_unregister, ptr))
-            except DeviceError as exc:
-                logger.warning("cudaHostUnregister failed for rank=%d (code=%d)", self.log_rank, exc.status)
-                failures.append(exc)
-                continue
-            self.pinned.remove(ptr)
-        return failures
-
-    def release_steps(self, release_backing: Callable[[], list[str]], shield: Shield | None = None) -> list[str]:
-        """R3: unregister (reverse) -> drop views -> unmap -> release the backing (unlink, close).
-
-        A failed step is logged; the next steps still run. An interrupt does not stop them (R14): it is kept in
-        ``shield`` (re-raised at the end when no shield is given).
-        """
-        local = shield or Shield()
-        errors = self._unpin_for_release(local)
-        self.views.clear()  # R3 step 2: drop every view the library made, then the base export
-        self.base = None
-        errors.extend(self._unmap(local))
-        errors.extend(release_backing())
-        if shield is None:
-            local.reraise()
-        return errors
-
-    def _unpin_for_release(self, shield: Shield) -> list[str]:
-        """R3 step 1: unregister every range (reverse); a range whose unregister failed is leaked."""
-        errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin(shield)]
-        for ptr in self.pinned:  # unregister failed: the range is no longer ours to release
-            self.backend.ledger.leak("pinned", ptr)
-        self.leaked["pinned"] = len(self.pinned)
-        self.pinned.clear()
-        return errors
-
-    def _unmap(self, shield: Shield) -> list[str]:
-        mapping, self.mmap = self.mmap, None
-        if mapping is None:
-            return []
-        try:
-            mapping.close()
-        except BufferError as exc:  # someone still holds a view: unmapping now would leave it dangling
-            logger.error("Failed to close mmap_obj", exc_info=True)
-            self.backend.ledger.leak("mapping", self.ptr)
-            self.leaked["mapping"] = 1
-            quarantine(QuarantinedItem("region", f"mapping at {self.ptr:#x}", "a view is still exported",
-                                       mapping))
-            return [f"mmap close failed: {exc}"]
-        try:  # the unmap as the device sees it (fault point "unmap")
-            shield.run(functools.partial(self.backend.untrack_host, self.ptr))
-        except DeviceError as exc:  # R3: logged, leaked (R16), and the next steps still run
-            logger.warning("Unmapping the region at %#x failed for rank=%d (code=%d)", self.ptr, self.log_rank,
-                           exc.status)
-            self.backend.ledger.leak("mapping", self.ptr)
-            self.leaked["mapping"] = 1
-            return [f"unmap failed (status {exc.status})"]
-        return []
-
-    def release_dropped(self, kind: str) -> None:
-        """The finalizer: release a region its caller dropped without ``release()`` (R3); nothing otherwise.
-
-        Only a caller-owned region is released here: a worker-owned one is its worker's to release (the worker
-        holds it), a quarantined one is held by the quarantine registry until exit, a released one is done. Nothing
-        in a forked child (R21), before the lock: the fork may have copied it held, and the region is the parent's.
-        """
-        if self.owner.inherited():
-            return
-        if self.step(RegionInput.DROPPED) is not Action.RELEASE:
-            return
-        logger.warning("%s of %d bytes at %#x was dropped without release(); releasing it now (R3)",
-                       kind, self.nbytes, self.ptr)
-        self.release_steps(list)
-
-
 class HostRegion:
-    """Anonymous-mmap host memory for one worker's CPU tensors. Build with :meth:`allocate`."""
+    """Host memory for one worker's CPU tensors: an anonymous mmap, or pinned memory allocated directly where
+    registration is refused (``pinning="alloc"``). Build with :meth:`allocate`."""
 
-    def __init__(self, backend: Backend, mapping: mmap.mmap, offsets: Sequence[int],
+    def __init__(self, backend: Backend, mapping: mmap.mmap | npt.NDArray[np.uint8], offsets: Sequence[int],
                  row_bytes: Sequence[int], num_cpu_chunks: int, *, row_strides: Sequence[int] | None = None,
                  max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> None:
         """Wrap an existing mapping (use :meth:`allocate`). Announces it to the backend (ledger "mapping").
 
         Args:
             backend: the device the mapping is announced to.
-            mapping: the mapping; the region owns it from here on.
+            mapping: the mapping; the region owns it from here on. Or the 1-D uint8 buffer of a pinned allocation
+                of ``backend`` (``backends.pinned.alloc_pinned``): the region owns and frees it (it is already
+                pinned and in the ledger as "pinned_alloc": nothing is announced).
             offsets: byte offset of each CPU tensor's row 0 in the mapping.
             row_bytes: bytes of one row of each CPU tensor.
             num_cpu_chunks: rows per CPU tensor.
@@ -218,17 +107,19 @@ class HostRegion:
             InvalidTransferError: the tensors do not lie inside the mapping (see :func:`check_views`), or
                 ``max_register_bytes`` is not an int >= 1 (R7).
         """
-        offsets, row_bytes, num_cpu_chunks, strides = check_views(len(mapping), offsets, row_bytes, num_cpu_chunks,
+        allocated = isinstance(mapping, np.ndarray)
+        size = int(mapping.size) if isinstance(mapping, np.ndarray) else len(mapping)
+        offsets, row_bytes, num_cpu_chunks, strides = check_views(size, offsets, row_bytes, num_cpu_chunks,
                                                                   row_strides)
         # Invariant: the cap of one registration (R25); seams fall on row boundaries of every view (seams.py).
         self.max_register_bytes = check_int("max_register_bytes", max_register_bytes, minimum=1)
         # Invariant: what the region holds; shared with the finalizer, which never holds the region itself.
-        base = np.frombuffer(mapping, dtype=np.uint8)
-        self._held = held = _Held(backend, mapping, base, self.log_rank)
+        base = mapping if isinstance(mapping, np.ndarray) else np.frombuffer(mapping, dtype=np.uint8)
+        self._held = held = Held(backend, None if isinstance(mapping, np.ndarray) else mapping, base, self.log_rank)
         self.ptr: int = held.ptr
         self.nbytes: int = held.nbytes
         self.num_cpu_chunks = num_cpu_chunks
-        held.views.extend(_view(base, off, num_cpu_chunks, rb, st)
+        held.views.extend(view_of(base, off, num_cpu_chunks, rb, st)
                           for off, rb, st in zip(offsets, row_bytes, strides, strict=True))
         self._geometries = tuple(
             TensorGeometry(ptr=self.ptr + off, rows=num_cpu_chunks, row_bytes=rb, row_stride=st)
@@ -244,15 +135,18 @@ class HostRegion:
         # Invariant: the real seconds the owning worker's release or quarantine may still wait (R11: what is left
         # of its shutdown timeout; set just before, None otherwise): bounds a file-backed region's lock wait.
         self._release_wait: float | None = None
-        backend.track_host(self.ptr, self.nbytes)
+        if not allocated:  # an allocation is in the ledger already ("pinned_alloc")
+            backend.track_host(self.ptr, self.nbytes)
         # Invariant: releases the region if its caller drops it unreleased; detached once released or quarantined.
         self._dropped = weakref.finalize(self, held.release_dropped, type(self).__name__)
         self._dropped.atexit = False  # at exit the backend may be gone; the OS takes the memory back anyway
 
     @classmethod
     def allocate(cls, backend: Backend, layout: KVCacheLayout, blocks_per_chunk: int, num_cpu_chunks: int, *,
-                 max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> HostRegion:
-        """Map and announce a region sized for ``layout`` (not pinned yet; the caller owns it).
+                 max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES,
+                 pinning: Literal["register", "alloc"] = "register") -> HostRegion:
+        """Map and announce a region sized for ``layout`` (not pinned yet; the caller owns it), or allocate it
+        pinned (``pinning="alloc"``: pinned already, for a platform that refuses registration).
 
         Args:
             backend: the device the region will be announced to.
@@ -260,17 +154,25 @@ class HostRegion:
             blocks_per_chunk: GPU blocks per CPU chunk (>= 1).
             num_cpu_chunks: CPU rows per tensor (>= 1).
             max_register_bytes: the most bytes :meth:`pin` registers per call (R25; default 64 GiB).
+            pinning: ``"register"`` (default): an anonymous mapping, registered in R25's chunks by :meth:`pin`;
+                ``"alloc"``: one pinned allocation of the backend (``cudaHostAlloc``; ledger "pinned_alloc"), where
+                the platform refuses registration (vLLM #55428). It is one unit: no seam inside it (R25), freed
+                whole by release (R3), kept whole by a quarantine (R12, R29).
 
         Returns:
             A caller-owned HostRegion.
 
         Raises:
             InvalidTransferError: sizes that are not ints in [1, 2**63 - 1], a region of more bytes than an
-                address spans (2**63 - 1), or a ``max_register_bytes`` that is not an int >= 1.
+                address spans (2**63 - 1), a ``max_register_bytes`` that is not an int >= 1, or an unknown
+                ``pinning``.
             OSError: the system cannot map that much memory (ENOMEM).
+            DeviceError: ``pinning="alloc"`` and the backend cannot allocate pinned memory (or that much).
         """
         blocks_per_chunk, num_cpu_chunks = check_sizes(blocks_per_chunk, num_cpu_chunks)
         check_int("max_register_bytes", max_register_bytes, minimum=1)  # R7: before anything is mapped
+        if pinning not in ("register", "alloc"):
+            raise InvalidTransferError(f"pinning must be 'register' or 'alloc', got {pinning!r}")
         row_bytes = [layout.cpu_row_bytes(t, blocks_per_chunk) for t in range(layout.num_tensors)]
         offsets, total = [], 0
         for rb in row_bytes:
@@ -279,6 +181,8 @@ class HostRegion:
         if total > INT64_MAX:
             raise InvalidTransferError(f"a region of {num_cpu_chunks} chunks of {blocks_per_chunk} blocks would be "
                                        f"{total} bytes: expected at most {INT64_MAX}")
+        if pinning == "alloc":
+            return cls._allocated(backend, total, offsets, row_bytes, num_cpu_chunks, max_register_bytes)
         try:
             mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -286,12 +190,23 @@ class HostRegion:
             raise OSError(exc.errno, map_refused(exc, total, num_cpu_chunks, blocks_per_chunk)) from exc
         return cls(backend, mapping, offsets, row_bytes, num_cpu_chunks, max_register_bytes=max_register_bytes)
 
+    @classmethod
+    def _allocated(cls, backend: Backend, total: int, offsets: list[int], row_bytes: list[int], num_cpu_chunks: int,
+                   max_register_bytes: int) -> HostRegion:
+        """A region over one new pinned allocation of ``total`` bytes, freed again if the region cannot be made."""
+        ptr, buffer = pinned_memory.alloc_pinned(backend, total)
+        try:
+            return cls(backend, buffer, offsets, row_bytes, num_cpu_chunks, max_register_bytes=max_register_bytes)
+        except BaseException:
+            pinned_memory.free_pinned(backend, ptr)
+            raise
+
     #: The rank named in unregister warnings (upstream's text carries one; a private region is rank 0).
     log_rank: int = 0
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.state.value} {self.nbytes} bytes at {self.ptr:#x}, "
-                f"{len(self._pinned)} pinned range(s)>")
+                f"{self.pinning}, {len(self._pinned)} pinned range(s)>")
 
     # -- what the region holds (read-only views of _held, for subclasses, the worker and tests) --------------------
     @property
@@ -369,8 +284,20 @@ class HostRegion:
 
     @property
     def pinned(self) -> bool:
-        """Whether the region is registered with the device."""
-        return bool(self._pinned)
+        """Whether the region's memory is pinned: registered with the device, or a live pinned allocation."""
+        return bool(self._pinned) or self._held.allocation is not None
+
+    @property
+    def pinning(self) -> RegionPinning:
+        """How the region is pinned: ``"registered"`` (its mapping registered by :meth:`pin`), ``"allocated"``
+        (pinned memory allocated directly, ``allocate(..., pinning="alloc")``) or ``"pageable"`` (a mapping not
+        registered). A released region says how it was pinned."""
+        return self._held.pinning
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the region's memory is a pinned allocation (not a mapping)."""
+        return self._held.pinning == "allocated"
 
     @property
     def pinned_ranges(self) -> int:
@@ -407,9 +334,10 @@ class HostRegion:
             cap = min(cap, check_int("pin_chunk_bytes", chunk_bytes, minimum=1))
         return register_chunks(self.ptr, self.nbytes, self._geometries, cap, PAGE)
 
-    def pin(self, chunk_bytes: int | None = None, *, required: bool = True) -> bool:
+    def pin(self, chunk_bytes: int | None = None, *, required: bool = True, raise_refused: bool = False) -> bool:
         """Register the whole region with the device, one ``host_register`` per chunk of
-        :meth:`registration_chunks` (R25: no CPU row straddles two registrations).
+        :meth:`registration_chunks` (R25: no CPU row straddles two registrations). A pinned allocation is pinned
+        already: nothing is registered and True returned.
 
         On a failure, the chunks already registered are unregistered in reverse order; a chunk whose rollback fails
         stays recorded, so release retries it.
@@ -418,16 +346,23 @@ class HostRegion:
             chunk_bytes: a cap for this call besides the region's ``max_register_bytes`` (the smaller applies).
             required: False: a failed registration is logged as a warning (transfers then run from pageable memory)
                 and False returned, instead of raised.
+            raise_refused: raise a refusal of registration by the platform (``RegistrationRefused``) even when
+                ``required`` is False (the workers' ``pinning="auto"``: a region it built falls back to a pinned
+                allocation on it).
 
         Returns:
             True once the region is pinned; False when a registration failed and ``required`` is False.
 
         Raises:
             DeviceError: a registration failed (after the rollback) and ``required`` is True.
+            RegistrationRefused: (a DeviceError) the platform refuses registration, and ``required`` or
+                ``raise_refused`` is True; the message says what to use instead.
             InvalidTransferError: ``chunk_bytes`` is not an int >= 1.
             WorkerClosedError: this is a forked child's copy of the region (R21).
         """
         self._check_owner()
+        if self.allocated:  # R25: one allocation, pinned whole, no seam inside it
+            return True
         chunks = self.registration_chunks(chunk_bytes)
         try:
             for ptr, nbytes in chunks:
@@ -436,16 +371,28 @@ class HostRegion:
                 self._held.pin_bytes[ptr] = nbytes
         except BaseException as exc:
             self.unpin()
+            if isinstance(exc, RegistrationRefused) and (required or raise_refused):
+                raise RegistrationRefused(f"{exc}: {self._refused_hint()}", exc.status) from exc
             if required or not isinstance(exc, DeviceError):
                 raise
             logger.warning("Failed to pin the CPU region (status %d); transfers run from pageable memory", exc.status)
             return False
+        self._held.pinning = "registered"
         return True
+
+    def _refused_hint(self) -> str:
+        """What to do when the platform refuses registration (a file-backed region cannot use an allocation)."""
+        return ("this platform refuses host registration; build the region with HostRegion.allocate(..., "
+                "pinning='alloc'), or let create_worker build it with pinning='auto' or 'alloc'")
 
     def unpin(self) -> list[DeviceError]:
         """Unregister every pinned range, newest first. A failure is logged, left recorded, and returned; in a
-        forked child nothing is unregistered and [] returned (R21: the pins are the parent's)."""
-        return self._held.unpin()
+        forked child nothing is unregistered and [] returned (R21: the pins are the parent's). Nothing for a pinned
+        allocation (it is freed by release, R3)."""
+        failures = self._held.unpin()
+        if not self._pinned and not self.allocated:
+            self._held.pinning = "pageable"
+        return failures
 
     # -- ownership and fate (R1, R3, R12) -------------------------------------------------------------------------
     def adopt(self) -> None:
@@ -514,10 +461,16 @@ class HostRegion:
         self._quarantine_reason, self._release_wait = reason, wait
         if rows is not None and not rows.size:  # R29: nothing an unproven copy may touch: released (R3)
             return self._finish(RegionInput.WORKER_RELEASE, shield)
-        self._keep_rows = None if self.keeps_whole else rows
+        self._keep_rows = None if self.keeps_whole or self.allocated else rows  # R29: an allocation is one unit
         return self._finish(RegionInput.WORKER_QUARANTINE, shield)
 
     keeps_whole: bool = False  #: Whether a quarantine keeps the whole region whatever ``chunks`` says (R29)
+
+    def inherit_leaks(self, leaked: dict[ResourceKind, int]) -> None:
+        """Take over the leaks of a region this one replaces (``pinning="auto"``'s fallback releases the refused
+        mapped region first): they are reported with this region's own ``leaked`` (R16)."""
+        for kind, count in leaked.items():
+            self._held.leaked[kind] = self._held.leaked.get(kind, 0) + count
 
     @property
     def kept_ranges(self) -> tuple[KeptRange, ...]:
@@ -549,7 +502,8 @@ class HostRegion:
         """What a quarantine keeps alive until process exit, by ledger kind ({} unless quarantined, R12/R16)."""
         if self.state is not RegionState.QUARANTINED:
             return {}
-        kept: dict[ResourceKind, int] = {"pinned": len(self._pinned), "mapping": 1, **self._quarantined_backing()}
+        memory: ResourceKind = "pinned_alloc" if self.allocated else "mapping"
+        kept: dict[ResourceKind, int] = {"pinned": len(self._pinned), memory: 1, **self._quarantined_backing()}
         return {kind: count for kind, count in kept.items() if count}
 
     def _quarantined_backing(self) -> dict[ResourceKind, int]:
@@ -562,7 +516,8 @@ class HostRegion:
 
     def _quarantine(self, shield: Shield | None = None) -> list[str]:
         """R12: keep the mapping and pins alive until process exit (R29: with rows to keep, only the registrations
-        that hold them; the rest given back first, in R3's order), after the backing's own step (R18)."""
+        that hold them; the rest given back first, in R3's order), after the backing's own step (R18). A pinned
+        allocation is kept whole and never freed (R29: one allocation is one unit)."""
         local, rows, self._keep_rows = shield or Shield(), self._keep_rows, None
         failures: list[str] = []
         given_back: list[tuple[int, int]] = []  # the (start, end) ranges given back (R29)
@@ -576,11 +531,13 @@ class HostRegion:
         ledger = self._backend.ledger
         for ptr in self._pinned:
             ledger.quarantine("pinned", ptr)
-        ledger.quarantine("mapping", self.ptr)  # the mapping stays one resource, kept whole or in part
+        # the mapping stays one resource, kept whole or in part; an allocation is kept whole, never freed (R12)
+        ledger.quarantine("pinned_alloc" if self.allocated else "mapping", self.ptr)
         reason = self._quarantine_reason
         self._kept = kept_ranges(self.ptr, self.nbytes, self._geometries, rows, given_back, reason)
+        held = "one pinned allocation, kept whole" if self.allocated else f"{len(self._pinned)} pinned range(s)"
         quarantine(QuarantinedItem("region", f"{self.quarantined_bytes} of {self.nbytes} bytes at {self.ptr:#x}, "
-                                   f"{len(self._pinned)} pinned range(s)", reason, self,
+                                   f"{self.pinning}: {held}", reason, self,
                                    tuple((k.offset, k.length) for k in self._kept)))
         logger.warning("Region of %d bytes at %#x quarantined until process exit (%d bytes kept in %d range(s)): %s",
                        self.nbytes, self.ptr, self.quarantined_bytes, len(self._kept), reason)

@@ -48,7 +48,7 @@ NOT_GIVEN_BACK = "could not be given back (a release step failed; see the report
 
 
 class Holdings(Protocol):
-    """What a region holds (``region._Held``), as far as giving part of it back needs."""
+    """What a region holds (``region_held.Held``), as far as giving part of it back needs."""
 
     backend: Backend
     mmap: mmap.mmap | None

@@ -23,6 +23,7 @@ from kvoffload_ref.validate import Int64Array, check_seconds
 __all__ = [
     "DEFAULT_TIMEOUT",
     "DeviceSync",
+    "RegionPinning",
     "Ended",
     "HandlerReport",
     "HandlerStats",
@@ -235,6 +236,9 @@ _POLICIES: Final = {p.value: p for p in Policy}
 #: ``ShutdownReport.device_sync``: the values of :class:`~kvoffload_ref.lifecycle.ProofOutcome`, as strings.
 DeviceSync = Literal["not_needed", "ok", "timeout", "failed", "skipped"]
 RegionFate = Literal["released", "quarantined", "absent"]
+#: How a region's memory is pinned: ``"registered"`` (a mapping, registered in R25's chunks), ``"allocated"``
+#: (pinned memory allocated directly, where registration is refused), ``"pageable"`` (a mapping not registered).
+RegionPinning = Literal["registered", "allocated", "pageable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +275,8 @@ class ShutdownReport:
             exactly once (R8, R14).
         kept: the ranges of the region kept in quarantine, in address order (R29: the registrations an unproven
             copy may still touch; the whole region where it cannot be given back in part); () when released.
+        pinning: how the region was pinned (``"registered"``, ``"allocated"``: a pinned allocation, which a
+            quarantine keeps whole and never frees, or ``"pageable"``).
     """
 
     store: HandlerReport
@@ -283,6 +289,7 @@ class ShutdownReport:
     elapsed: float
     interrupted: bool
     kept: tuple[KeptRange, ...] = ()
+    pinning: RegionPinning = "registered"
 
     @property
     def unreported(self) -> tuple[JobOutcome, ...]:
@@ -531,6 +538,7 @@ class ShutdownRun:
         # Invariant: "quarantined"/"leaked" -> ledger kind -> count, only counts > 0.
         self.counts: dict[str, dict[str, int]] = {"quarantined": {}, "leaked": {}}
         self.kept: tuple[KeptRange, ...] = ()  # Invariant: the region's kept ranges once quarantined (R29).
+        self.pinning: RegionPinning = "registered"  # Invariant: how the region was pinned, once it was finished.
 
     def add(self, table: str, kind: str, count: int) -> None:
         if count:
@@ -541,7 +549,7 @@ class ShutdownRun:
             store=store, load=load, device_sync=self.proof.value,
             region=_REGION_FATE.get(region, "absent"), quarantined=dict(self.counts["quarantined"]),
             leaked=dict(self.counts["leaked"]), errors=tuple(self.errors), elapsed=elapsed,
-            interrupted=self.interrupt is not None, kept=self.kept)
+            interrupted=self.interrupt is not None, kept=self.kept, pinning=self.pinning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -555,3 +563,4 @@ class WorkerStats:
     pinned: bool
     ledger_live: Mapping[ResourceKind, int]
     quarantined_bytes: int = 0  # R30: bytes of this worker's region kept in quarantine (0 while open)
+    pinning: RegionPinning = "registered"  # how the region is pinned ("registered", "allocated", "pageable")

@@ -37,13 +37,14 @@ import os
 import time
 import weakref
 import zlib
-from typing import Final
+from typing import Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends.base import Backend, ResourceKind
-from kvoffload_ref.errors import InvalidTransferError, OwnershipError
+from kvoffload_ref.backends.pinned import refuses_registration
+from kvoffload_ref.errors import InvalidTransferError, OwnershipError, RegistrationRefused
 from kvoffload_ref.lifecycle import RegionState
 from kvoffload_ref.region import DEFAULT_MAX_REGISTER_BYTES, PAGE, HostRegion
 from kvoffload_ref.shared_file import (
@@ -201,6 +202,12 @@ class SharedGeometry:
         return pack_header(state, self.fields())
 
 
+_NO_SHARED_PINNING: Final = (
+    "this platform refuses host registration, and a shared region's file mapping can only be pinned by "
+    "registration (a pinned allocation is private to one process); use a private region: create_worker(..., "
+    "pinning='auto') or pinning='alloc' (or HostRegion.allocate(..., pinning='alloc'))")
+
+
 def _say_created(region: SharedRegion, path: str) -> None:
     """Log how the region was opened. Creating an empty file where this process opened one before is a WARNING:
     whatever the earlier group stored there is not in it (a load from it reads zeros)."""
@@ -297,6 +304,10 @@ class SharedRegion(HostRegion):
                 that is not an int in range, a timeout that is not a finite number of seconds >= 0 -- a bool,
                 NaN, an infinity or an int too large for a float is refused, a ``max_register_bytes`` that is not
                 an int >= 1), or a geometry mismatch with the file (another rank's sizes).
+            RegistrationRefused: (a DeviceError) the backend's platform refuses host registration
+                (``refuses_registration``; e.g. confidential computing, vLLM #55428): a file mapping can only be
+                pinned by registration, and a pinned allocation cannot be shared; use a private region
+                (``create_worker(..., pinning="auto")`` or ``"alloc"``). Checked before the file is touched.
             OwnershipError: this rank is already open in a live process.
             DeadlineExceeded: the file's lock was not free (or an earlier version's creator did not make its file
                 ready) within ``timeout``.
@@ -309,6 +320,8 @@ class SharedRegion(HostRegion):
         timeout = check_seconds("timeout", timeout)
         check_int("max_register_bytes", max_register_bytes, minimum=1)  # R7: before the file is touched
         path = region_path(engine_id, directory)
+        if refuses_registration(backend):
+            raise RegistrationRefused(f"shared region {engine_id!r}: {_NO_SHARED_PINNING}")
         if not os.path.isdir(directory):
             raise FileNotFoundError(errno.ENOENT, "the shared region directory does not exist", os.fspath(directory))
         shared, is_creator = open_file(path, geometry, rank, backend.ledger, os.fspath(directory), timeout)
@@ -325,7 +338,8 @@ class SharedRegion(HostRegion):
 
     @classmethod
     def allocate(cls, backend: Backend, layout: KVCacheLayout, blocks_per_chunk: int, num_cpu_chunks: int, *,
-                 max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> HostRegion:
+                 max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES,
+                 pinning: Literal["register", "alloc"] = "register") -> HostRegion:
         """Not for shared regions: they need an engine id, a rank and a world size.
 
         Raises:
@@ -375,6 +389,9 @@ class SharedRegion(HostRegion):
         return self._base[g.data_offset: g.file_size].reshape(g.num_chunks, g.row_stride).copy()
 
     # -- the file's part of release (R3) and quarantine (R18) ----------------------------------------------------------
+    def _refused_hint(self) -> str:
+        return _NO_SHARED_PINNING
+
     def _release_backing(self) -> list[str]:
         """R3, after the unmap: unlink if this process is the last live opener and the path names our inode, then
         close the descriptor. (Never reached in a forked child: ``_finish`` returns first, R21.)"""

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from kvoffload_ref.backends.base import Backend, Stream
 from kvoffload_ref.canonical import PageMapping
 from kvoffload_ref.canonical_plan import CanonicalLayout, check_canonical
-from kvoffload_ref.facade import WorkerFacade, build_with_region, check_options
+from kvoffload_ref.facade import Pinning, WorkerFacade, build_with_region, check_options
 from kvoffload_ref.handler import DirectionHandler
 from kvoffload_ref.handler_api import DirectionHandlerAPI
 from kvoffload_ref.reference import build_core
@@ -60,9 +60,9 @@ class CPUOffloadingWorker(WorkerFacade):
                  pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES, require_pinned: bool = False,
                  prewarm: int = 1, compute_stream: object | None = None,
                  canonical: CanonicalLayout | Sequence[PageMapping] | None = None,
-                 stall_warning: float | None = None) -> None:
+                 stall_warning: float | None = None, pinning: Pinning = "auto") -> None:
         options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, compute_stream, canonical,
-                                stall_warning)
+                                stall_warning, pinning)
         pooled = check_int("prewarm", prewarm, minimum=0)
 
         def handlers(backend: Backend, direction: Direction, compute: Stream, layout: KVCacheLayout,
@@ -79,7 +79,7 @@ def create_worker(backend: Backend, gpu_tensors: Sequence[object], layout: KVCac
                   region: HostRegion | None = None, pin_chunk_bytes: int = DEFAULT_PIN_CHUNK_BYTES,
                   require_pinned: bool = False, prewarm: int = 1, compute_stream: object | None = None,
                   canonical: CanonicalLayout | Sequence[PageMapping] | None = None,
-                  stall_warning: float | None = None) -> CPUOffloadingWorker:
+                  stall_warning: float | None = None, pinning: Pinning = "auto") -> CPUOffloadingWorker:
     """Build the region (unless given) and the worker (R1, R2).
 
     If construction fails, a region built here is released and the original exception propagates; a region
@@ -89,6 +89,9 @@ def create_worker(backend: Backend, gpu_tensors: Sequence[object], layout: KVCac
         num_cpu_chunks: CPU rows per tensor when building the region (in canonical mode each row is the tensor's
             canonical page times ``blocks_per_chunk``, R24).
         region: an existing caller-owned region to hand over instead of building one.
+        pinning: ``"auto"`` (default): the region built here is registered, or, where the platform refuses
+            registration, rebuilt as a pinned allocation (a warning, once per backend); ``"register"``;
+            ``"alloc"``: built as a pinned allocation. See ``WorkerFacade``.
         The others: as for :class:`CPUOffloadingWorker`.
 
     Returns:
@@ -98,11 +101,12 @@ def create_worker(backend: Backend, gpu_tensors: Sequence[object], layout: KVCac
         InvalidTransferError, OwnershipError, DeviceError: as for :class:`CPUOffloadingWorker`.
     """
     options = check_options(blocks_per_chunk, policy, pin_chunk_bytes, require_pinned, None, canonical,
-                            stall_warning)  # R7 first
+                            stall_warning, pinning)  # R7 first
     check_int("prewarm", prewarm, minimum=0)
     return build_with_region(
         lambda r: CPUOffloadingWorker(backend, gpu_tensors, layout, blocks_per_chunk=blocks_per_chunk, region=r,
                                       policy=policy, pin_chunk_bytes=pin_chunk_bytes, require_pinned=require_pinned,
                                       prewarm=prewarm, compute_stream=compute_stream, canonical=options.canonical,
-                                      stall_warning=stall_warning),
-        backend, layout, blocks_per_chunk, num_cpu_chunks, region, check_canonical(layout, options.canonical))
+                                      stall_warning=stall_warning, pinning=options.pinning),
+        backend, layout, blocks_per_chunk, num_cpu_chunks, region, check_canonical(layout, options.canonical),
+        options.pinning)

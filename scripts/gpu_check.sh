@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check of the CuPy backend: the gpu-marked tests (CuPy arrays, then torch tensors and a torch stream when torch
-# is installed, order_after included), the layer-wise prefetch example, then the benchmark, then the sim's "h200"
+# GPU check of the CuPy backend: the gpu-marked tests (CuPy arrays, a worker over a pinned allocation -- the route
+# where host registration is refused -- included, then torch tensors and a torch stream when torch is installed,
+# order_after included), the layer-wise prefetch example, then the benchmark, then the sim's "h200"
 # cost profile against this GPU on three traced schedules (hard cap about 9.5 minutes in total: it fits one device
 # call of at most 600 s).
 #

@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from kvoffload_ref.backends import cupy as cb
 from kvoffload_ref.backends._cupy_copy import KERNEL_SOURCE, SpanSet
 from kvoffload_ref.backends.base import Backend, DescriptorBuffer, poll_until
-from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError
+from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError, RegistrationRefused
 
 U8 = npt.NDArray[np.uint8]
 
@@ -1524,3 +1524,82 @@ def test_gpu_seam_crossing_plan_is_split_by_the_memcpy_path_byte_exact(gpu: cb.C
         assert np.array_equal(gpu.to_host(back), data)
     finally:
         region.release()
+
+
+# -- pinned allocation where registration is refused (vLLM #55428) --------------------------------------------------
+
+
+def test_fake_host_register_801_is_the_typed_refusal_and_records_nothing(
+        fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    host = np.zeros(8192, np.uint8)
+    ptr = host.ctypes.data
+    backend.track_host(ptr, host.nbytes)
+    rt.fail["hostRegister"] = 801  # cudaErrorNotSupported, for every size and flag
+    assert not backend.refuses_registration
+    with pytest.raises(RegistrationRefused) as info:
+        backend.host_register(ptr, host.nbytes)
+    assert info.value.status == 801 and backend.refuses_registration
+    rt.fail["hostRegister"] = 1  # any other status stays an ordinary DeviceError
+    with pytest.raises(DeviceError) as other:
+        backend.host_register(ptr, 4096)
+    assert type(other.value) is DeviceError and other.value.status == 1
+    assert backend.ledger.live() == {"mapping": 1}
+    backend.untrack_host(ptr)
+
+
+def test_fake_alloc_pinned_calls_host_alloc_directly_and_free_pinned_frees_it(
+        fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    ptr, buffer = backend.alloc_pinned(8192)
+    assert [c for c in rt.calls if c[0] == "hostAlloc"] == [("hostAlloc", 8192)] and ptr in rt.host_allocs
+    assert buffer.size == 8192 and int(buffer.ctypes.data) == ptr and not buffer.any()
+    assert backend.ledger.live() == {"pinned_alloc": 1} and rt.count("hostRegister") == 0
+    dev = backend.from_host(np.arange(2 * 4096, dtype=np.uint64).astype(np.uint8).reshape(2, 4096))
+    buf, count = descriptors(backend, [backend.array_info(dev).ptr], [ptr], [8192])  # pinned: no pageable refusal
+    stream = backend.create_stream()
+    backend.copy_batch(stream, buf, count)
+    assert np.array_equal(buffer, backend.to_host(dev).reshape(-1))
+    backend.free_descriptors(buf)
+    backend.destroy_stream(stream)
+    with pytest.raises(LifecycleError):
+        backend.free_pinned(ptr + 1)
+    rt.fail["freeHost"] = 999
+    with pytest.raises(DeviceError):
+        backend.free_pinned(ptr)
+    assert backend.ledger.live() == {"pinned_alloc": 1}, "a failed free stays live"
+    del rt.fail["freeHost"]
+    backend.free_pinned(ptr)
+    assert ptr not in rt.host_allocs
+
+
+def test_fake_alloc_pinned_checks_its_size(fake: tuple[cb.CupyBackend, FakeRuntime]) -> None:
+    backend, rt = fake
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(InvalidTransferError):
+            backend.alloc_pinned(bad)  # type: ignore[arg-type]
+    assert rt.count("hostAlloc") == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.rule("R3")
+@pytest.mark.rule("R16")
+def test_gpu_worker_round_trip_over_a_pinned_allocation() -> None:
+    backend = cb.CupyBackend(0)
+    kv, layout, data, gpu = _worker_setup(backend)
+    with kv.create_worker(backend, gpu, layout, blocks_per_chunk=2, num_cpu_chunks=16, pinning="alloc",
+                          policy=kv.ShutdownPolicy(timeout=5.0, on_unproven="quarantine")) as w:
+        assert w.stats().pinning == "allocated"
+        w.submit_store(1, kv.GPULoadStoreSpec([5, 9, 1, 3], group_sizes=(4,), block_indices=(0,)),
+                       kv.CPULoadStoreSpec([10, 7]))
+        w.wait({1}, timeout=DEADLINE)
+        w.submit_load(2, kv.CPULoadStoreSpec([10, 7]), kv.GPULoadStoreSpec([20, 21, 22, 23], (4,), (0,)))
+        w.wait({2}, timeout=DEADLINE)
+        results = w.get_finished()
+    report = w.shutdown()
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True)]
+    for t in range(2):
+        assert np.array_equal(backend.to_host(gpu[t])[[20, 21, 22, 23]], data[t][[5, 9, 1, 3]])
+    assert (report.region, report.pinning) == ("released", "allocated")
+    assert backend.ledger.live() == {} and backend.ledger.released().get("pinned_alloc") == 1
+    backend.release_cached_memory()

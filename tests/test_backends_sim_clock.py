@@ -12,8 +12,8 @@ from _support import cspec, gspec, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends import polling
-from kvoffload_ref.backends.sim_profiles import PROFILES
 from kvoffload_ref.backends.sim import ScheduleLength, SimBackend
+from kvoffload_ref.backends.sim_profiles import PROFILES
 from kvoffload_ref.faults import FaultyBackend
 
 FACTORIES = {"engine": kv.create_worker, "reference": kv.create_reference_worker}

@@ -137,9 +137,10 @@ def test_fork_process_owner_names_the_parent_in_a_child() -> None:
 
 # -- regions: inert in the child, the parent's pins, memory and file intact -----------------------------------------
 @pytest.mark.rule("R21")
-def test_fork_inherited_host_region_is_inert_in_the_child() -> None:
-    be = SimBackend()
-    region = kv.HostRegion.allocate(be, small_layout(), 3, 4)
+@pytest.mark.parametrize("pinning", ["register", "alloc"])
+def test_fork_inherited_host_region_is_inert_in_the_child(pinning: Any) -> None:
+    be = SimBackend(host_register="refuse" if pinning == "alloc" else "allow")  # alloc: a pinned allocation
+    region = kv.HostRegion.allocate(be, small_layout(), 3, 4, pinning=pinning)
     region.pin(chunk_bytes=PAGE)
     live = dict(be.ledger.live())
     parent = os.getpid()

@@ -754,3 +754,13 @@ def test_shared_region_tp4_to_tp2_on_one_host_through_one_group_and_a_long_lived
         assert all(np.array_equal(a, b) for a, b in zip(held, ranks.gpu_pattern(5), strict=True))
         assert worker.shutdown().region == "released"
     assert owner.shutdown().region == "released"
+
+
+@pytest.mark.rule("R18")
+def test_a_shared_region_refuses_a_platform_that_refuses_registration(shm_dir: str) -> None:
+    be = SimBackend(host_register="refuse")
+    with pytest.raises(kv.RegistrationRefused, match="use a private region") as info:
+        kv.SharedRegion.open("refused", backend=be, layout=ranks.layout(), blocks_per_chunk=3, num_cpu_chunks=4,
+                          rank=0, world_size=1, directory=shm_dir)
+    assert info.value.status == 801
+    assert os.listdir(shm_dir) == [] and be.ledger.acquired() == {}, "refused before the file is touched"

@@ -99,7 +99,8 @@ class SimCore:
     def __init__(self, faults: FaultSource | None = None, *, latency: float = PROFILE_VALUE,
                  pinned_bandwidth: float = PROFILE_VALUE, pageable_bandwidth: float = PROFILE_VALUE,
                  hang_horizon: float = 3600.0, race_check: bool = True, profile: str | CostProfile = "simple",
-                 copy_path: CopyPath = "auto", trace: bool = False, link_model: LinkModel | None = None) -> None:
+                 copy_path: CopyPath = "auto", trace: bool = False, link_model: LinkModel | None = None,
+                 host_register: str = "allow") -> None:
         try:
             chosen = profile_named(profile)
         except ValueError as exc:
@@ -111,6 +112,12 @@ class SimCore:
             "pageable_bandwidth", pageable_bandwidth, unit="bytes per second")
         if copy_path not in ("auto", "kernel", "memcpy"):
             raise InvalidTransferError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
+        if host_register not in ("allow", "refuse"):
+            raise InvalidTransferError(f"host_register must be 'allow' or 'refuse'; got {host_register!r}")
+        # Invariant: _refuse_register: the platform refuses every host registration (host_register="refuse": 801,
+        # as under confidential computing, vLLM #55428; pinned memory then comes from alloc_pinned only);
+        # refuses_registration: what it says in advance (backends.pinned.refuses_registration), at first the same.
+        self._refuse_register = self.refuses_registration = host_register == "refuse"
         if not isinstance(trace, bool):
             raise InvalidTransferError(f"trace must be a bool, got {type(trace).__name__} {trace!r}")
         # Invariant: the cost terms in force (the named profile with the explicit overrides applied).
@@ -167,6 +174,9 @@ class SimCore:
         # Invariant: start address -> index in _device_arrays (for naming memory in violations).
         self._device_index: dict[int, int] = {}
         self._violations: list[Violation] = []
+        # Invariant: address -> buffer of every live pinned allocation (alloc_pinned, not yet freed); each is also a
+        # live host span and a pinned range of _memory, and a live "pinned_alloc" in the ledger.
+        self._allocs: dict[int, Bytes] = {}
         # Invariant: pointers unregistered and not registered again since (to tell a double unregister).
         self._unpinned: set[int] = set()
         # Invariant: None while healthy; once a copy hit an illegal address, why (sticky: never reset).

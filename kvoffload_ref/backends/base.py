@@ -89,14 +89,17 @@ CALL_POINTS: Final[dict[str, str]] = {
     "current_stream": "current_stream", "compute_stream": "compute_stream",
     "elapsed": "elapsed", "monotonic": "monotonic", "sleep": "sleep", "poll_sleep": "sleep",
     "empty_device": "empty_device", "from_host": "from_host", "to_host": "to_host", "array_info": "array_info",
+    "alloc_pinned": "alloc_pinned", "free_pinned": "free_pinned",
 }
 
 #: ``on_call(point, tag)``: called at the start of a backend call, before the backend takes its lock.
 CallHook = Callable[[str, "Tag | None"], None]
 
-ResourceKind = Literal["stream", "event", "descriptor", "pinned", "mapping", "shm_file"]
+#: ``"pinned"``: a registered range of a mapping; ``"pinned_alloc"``: pinned host memory allocated directly
+#: (``backends.pinned``, where registration is refused).
+ResourceKind = Literal["stream", "event", "descriptor", "pinned", "mapping", "shm_file", "pinned_alloc"]
 RESOURCE_KINDS: Final[tuple[ResourceKind, ...]] = (
-    "stream", "event", "descriptor", "pinned", "mapping", "shm_file",
+    "stream", "event", "descriptor", "pinned", "mapping", "shm_file", "pinned_alloc",
 )
 
 
@@ -366,6 +369,10 @@ class Backend(Protocol):
     its queries found pending; with ``to_tail``, a drain's, at the last record queued on that stream), never late; it
     reports the ``on_call`` point ``"sleep"``. The polling helpers call it through ``polling.poll_pause``, which
     sleeps the pause (:meth:`sleep`) on a backend without it (a real clock).
+    ``alloc_pinned``/``free_pinned`` (pinned host memory allocated directly, for a platform that refuses host
+    registration) are optional as well: :class:`~kvoffload_ref.backends.pinned.PinnedAllocBackend`; the library
+    calls them through :mod:`kvoffload_ref.backends.pinned`, which refuses with a ``DeviceError`` for a backend
+    without them.
     """
 
     name: str

@@ -15,6 +15,7 @@ device on free is never freed on a path that may run while the device hangs (R11
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -41,7 +42,13 @@ from kvoffload_ref.backends._cupy_streams import StreamsMixin
 from kvoffload_ref.backends._cupy_tensors import copy_from_host, copy_to_host, view_tensor
 from kvoffload_ref.backends._cupy_trace import TracingMixin
 from kvoffload_ref.backends.base import DescriptorBuffer, Ledger, Stream, Tag, record_and_poll
-from kvoffload_ref.errors import DeviceError, InvalidTransferError
+from kvoffload_ref.errors import (
+    CUDA_ERROR_NOT_SUPPORTED,
+    DeviceError,
+    InvalidTransferError,
+    LifecycleError,
+    RegistrationRefused,
+)
 from kvoffload_ref.specs import TensorGeometry
 
 __all__ = ["DEFAULT_KERNEL_MAX_MEAN_BYTES", "DEFAULT_KERNEL_MIN_COUNT", "KERNEL_SOURCE", "CopyPath", "CupyBackend",
@@ -105,6 +112,12 @@ class CupyBackend(StreamsMixin, TracingMixin):
         # holds the registered ("pinned") ranges, what the copy kernel may dereference, and their seams (the
         # memcpy path merges no run across one, R25).
         self._mappings: dict[int, int] = {}
+        # Invariant: the start -> size of every live pinned allocation (alloc_pinned, not yet freed: the ledger's
+        # "pinned_alloc" entries); each is also in _spans as a pinned range.
+        self._allocs: dict[int, int] = {}
+        # Invariant: True once hostRegister answered 801 (cudaErrorNotSupported): the platform refuses every
+        # registration (confidential computing, vLLM #55428); a shared region then refuses at once.
+        self.refuses_registration = False
         self._spans = SpanSet()
         self._descriptors = DescriptorPool(self._cuda)
         self._engine = CopyEngine(self._cp, self._cuda)
@@ -254,9 +267,17 @@ class CupyBackend(StreamsMixin, TracingMixin):
 
         Raises:
             DeviceError: the registration failed (e.g. 712 already registered, 1 invalid value).
+            RegistrationRefused: 801 (cudaErrorNotSupported): the platform refuses host registration (under
+                confidential computing, for every size and flag, vLLM #55428); not sticky.
         """
-        with self._cuda(f"host_register({ptr:#x}, {nbytes})"):
-            self._rt.hostRegister(ptr, nbytes, _cuda_rt.HOST_REGISTER_FLAGS)
+        try:
+            with self._cuda(f"host_register({ptr:#x}, {nbytes})"):
+                self._rt.hostRegister(ptr, nbytes, _cuda_rt.HOST_REGISTER_FLAGS)
+        except DeviceError as exc:
+            if exc.status != CUDA_ERROR_NOT_SUPPORTED:
+                raise
+            self.refuses_registration = True
+            raise RegistrationRefused(str(exc)) from exc.__cause__
         kernel_ok = self._host_ptr_ok or self._device_pointer_is_host(ptr)
         self._ledger.acquire("pinned", ptr)
         with self._lock:
@@ -282,6 +303,51 @@ class CupyBackend(StreamsMixin, TracingMixin):
         with self._lock:
             self._spans.discard_pinned(ptr)
         self._ledger.release("pinned", ptr)
+
+    def alloc_pinned(self, nbytes: int) -> tuple[int, npt.NDArray[np.uint8]]:
+        """Allocate ``nbytes`` of pinned host memory with ``cudaHostAlloc(nbytes, 0)`` (``backends.pinned``; ledger
+        "pinned_alloc", key ptr), zeroed like a fresh mapping. Straight from the runtime, not CuPy's pinned memory
+        pool, which would keep freed memory cached (a release must give it back). Copies and the kernel may use it
+        as a registered range (R25: its bounds are seams, none inside it).
+
+        Returns:
+            ``(ptr, buffer)``: the address and a 1-D uint8 numpy view of exactly its bytes (no owner: it must not
+            be used after :meth:`free_pinned`).
+
+        Raises:
+            InvalidTransferError: ``nbytes`` is not an int >= 1.
+            DeviceError: the allocation failed (e.g. 2, out of memory).
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise InvalidTransferError(f"alloc_pinned: nbytes must be an int >= 1, got {nbytes!r}")
+        with self._cuda(f"alloc_pinned({nbytes})"):
+            ptr = int(self._rt.hostAlloc(nbytes, 0))
+        buffer = np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
+        buffer.fill(0)
+        kernel_ok = self._host_ptr_ok or self._device_pointer_is_host(ptr)
+        self._ledger.acquire("pinned_alloc", ptr)
+        with self._lock:
+            self._allocs[ptr] = nbytes
+            self._spans.add_pinned(ptr, ptr + nbytes, kernel=kernel_ok)
+        return ptr, buffer
+
+    def free_pinned(self, ptr: int) -> None:
+        """Free the allocation at ``ptr`` (``cudaFreeHost``). On failure it stays allocated and live in the
+        ledger (the caller decides whether it is leaked). ``cudaFreeHost`` may wait for the device: the library
+        frees a region only once its copies are proven complete (R12), or under ``on_unproven="release"``.
+
+        Raises:
+            LifecycleError: ptr is not a live allocation of this backend (a library bug).
+            DeviceError: the free failed.
+        """
+        if ptr not in self._allocs:
+            raise LifecycleError(f"free_pinned({ptr:#x}): not a live pinned allocation of this backend")
+        with self._cuda(f"free_pinned({ptr:#x})"):
+            self._rt.freeHost(ptr)
+        with self._lock:
+            self._allocs.pop(ptr, None)
+            self._spans.discard_pinned(ptr)
+        self._ledger.release("pinned_alloc", ptr)
 
     # -- descriptor buffers -----------------------------------------------------------------------------------
     def alloc_descriptors(self, capacity: int, *, tag: Tag | None = None) -> DescriptorBuffer:

@@ -114,6 +114,9 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
             their link phase share it) or ``"fifo"`` (one copy engine per direction: arrival order, one stream's
             queued copies as a block; ``_simengine.py``, docs/simulator.md "Copy-engine order"). Overrides the
             profile's ``link_model``; needs a profile with a shared link (not ``"simple"``).
+        host_register: ``"allow"`` (default) or ``"refuse"``: a platform that refuses every host registration
+            (``host_register`` raises ``RegistrationRefused``, status 801, as under confidential computing, vLLM
+            #55428); ``alloc_pinned`` still works. Also the attribute ``refuses_registration``.
 
     Attributes:
         on_call: None, or ``on_call(point, tag)`` called at the start of every public call (before the internal
@@ -127,9 +130,9 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
     Raises:
         InvalidTransferError: a latency that is not a finite number of seconds >= 0, a bandwidth or a horizon that
             is not a finite number > 0 (a bool, a string, NaN, an infinity or an int too large for a float is
-            refused), a ``race_check`` or ``trace`` that is not a bool, an unknown profile or ``copy_path``, a
-            ``link_model`` other than ``"fair"``/``"fifo"`` or ``"fifo"`` under ``"simple"`` (R7). It is a
-            ValueError.
+            refused), a ``race_check`` or ``trace`` that is not a bool, an unknown profile, ``copy_path`` or
+            ``host_register``, a ``link_model`` other than ``"fair"``/``"fifo"`` or ``"fifo"`` under ``"simple"``
+            (R7). It is a ValueError.
     """
 
     name: str = "sim"

@@ -40,7 +40,7 @@ _CONSULTS: dict[str, str] = {
     "event_query": "event_query", "event_sync": "event_sync", "copy": "copy", "device_sync": "device_sync",
     "host_register": "host_register", "host_unregister": "host_unregister", "stream_create": "stream_create",
     "event_create": "event_create", "descriptor_alloc": "descriptor_alloc", "destroy_stream": "destroy",
-    "destroy_event": "destroy", "free_descriptors": "free", "untrack_host": "unmap",
+    "destroy_event": "destroy", "free_descriptors": "free", "untrack_host": "unmap", "free_pinned": "unmap",
 }
 _WORKERS: dict[str, Callable[..., WorkerFacade]] = {"engine": create_worker, "reference": create_reference_worker}
 

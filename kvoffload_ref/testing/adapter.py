@@ -86,6 +86,9 @@ class Setup:
             skips the work if they cannot be observed complete.
         shared_region: the worker's region is a one-rank ``SharedRegion`` (a /dev/shm file) instead of private
             memory (a factory that cannot build one may ignore it).
+        refuse_registration: the device is a platform that refuses host registration (status 801, as under
+            confidential computing, vLLM #55428: ``SimBackend(host_register="refuse")``); the worker's region must
+            then be a pinned allocation (``pinning="auto"`` falls back to one) or run pageable.
     """
 
     layout: KVCacheLayout
@@ -99,6 +102,7 @@ class Setup:
     seed: int = 0
     schedule: str = "racy"
     shared_region: bool = False
+    refuse_registration: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +281,8 @@ class SimDevice:
 
     def __init__(self, setup: Setup, *, race_check: bool = True) -> None:
         self.plan = RecordingPlan(setup.faults)
-        self.sim = SimBackend(self.plan, race_check=race_check)
+        self.sim = SimBackend(self.plan, race_check=race_check,
+                              host_register="refuse" if setup.refuse_registration else "allow")
         self.backend: Backend = self.sim
         self.gpu: list[object] = []
         # Invariant: True once the interrupt armed by interrupt_after() was raised.

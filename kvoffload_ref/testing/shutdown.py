@@ -6,7 +6,7 @@ Pure functions over the model, the device and the report; the machine turns each
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Final
 
 from kvoffload_ref.faults import FaultPoint
@@ -14,8 +14,8 @@ from kvoffload_ref.testing.adapter import ReportLike, SimDevice
 from kvoffload_ref.testing.model import Model
 from kvoffload_ref.worker import ShutdownPolicy
 
-__all__ = ["MARGIN", "SLACK", "Expectations", "Problem", "expectations", "interrupted_problems", "may_release_unproven",
-           "report_problems", "script_check"]
+__all__ = ["MARGIN", "REGION_MEMORY", "SLACK", "Expectations", "Problem", "expectations", "interrupted_problems",
+           "may_release_unproven", "region_kept", "report_problems", "script_check"]
 
 #: Virtual seconds a bounded call (shutdown, wait with a timeout) may run past its timeout (R11).
 SLACK: Final = 0.01
@@ -36,8 +36,18 @@ _SCRIPT_CHECKS: Final = (
     ("live after shutdown", "dev.ledger.live() == {}"),  # R16
     ("ledger quarantined", "dev.ledger.quarantined() == dict(report.quarantined)"),  # R16
     ("ledger leaked", "dev.ledger.leaked() == dict(report.leaked)"),  # R16
-    ("region ", "(report.region == 'quarantined') == ('mapping' in report.quarantined)"),  # R12 (the ledger's)
+    ("region ",  # R12 (the ledger's: a region's memory is a mapping, or a pinned allocation)
+     "(report.region == 'quarantined') == bool({'mapping', 'pinned_alloc'} & set(report.quarantined))"),
 )
+
+
+#: The ledger kinds of a region's memory: a mapping, or a pinned allocation where registration is refused.
+REGION_MEMORY: Final = frozenset({"mapping", "pinned_alloc"})
+
+
+def region_kept(quarantined: Iterable[str]) -> bool:
+    """Whether a quarantine table (the report's, the ledger's: its kinds) keeps a region's memory (R12)."""
+    return not REGION_MEMORY.isdisjoint(quarantined)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,5 +200,5 @@ def _ledger(report: ReportLike, device: SimDevice) -> Iterator[Problem]:
         yield "R16", f"ledger quarantined {ledger.quarantined()}, report says {dict(report.quarantined)}"
     if ledger.leaked() != dict(report.leaked):
         yield "R16", f"ledger leaked {ledger.leaked()}, report says {dict(report.leaked)}"
-    if (report.region == "quarantined") != ("mapping" in report.quarantined):
+    if (report.region == "quarantined") != region_kept(report.quarantined):
         yield "R12", f"region {report.region} but quarantined {dict(report.quarantined)}"
