@@ -87,6 +87,17 @@ class _ProfileValue(float):
 PROFILE_VALUE: float = _ProfileValue("nan")
 
 
+
+def _check_switches(copy_path: object, host_register: object, trace: object, race_check: object) -> None:
+    """Refuse a constructor switch outside its values (R7: InvalidTransferError naming it, the value, the valid)."""
+    if copy_path not in ("auto", "kernel", "memcpy"):
+        raise InvalidTransferError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
+    if host_register not in ("allow", "refuse"):
+        raise InvalidTransferError(f"host_register must be 'allow' or 'refuse'; got {host_register!r}")
+    for name, value in (("trace", trace), ("race_check", race_check)):
+        if not isinstance(value, bool):
+            raise InvalidTransferError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+
 class SimCore:
     """State and internal steps of the simulated device (the constructor's arguments: see ``SimBackend``).
 
@@ -110,16 +121,11 @@ class SimCore:
             "pinned_bandwidth", pinned_bandwidth, unit="bytes per second")
         pageable_bandwidth = chosen.pageable_bandwidth if pageable_bandwidth is PROFILE_VALUE else check_positive(
             "pageable_bandwidth", pageable_bandwidth, unit="bytes per second")
-        if copy_path not in ("auto", "kernel", "memcpy"):
-            raise InvalidTransferError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
-        if host_register not in ("allow", "refuse"):
-            raise InvalidTransferError(f"host_register must be 'allow' or 'refuse'; got {host_register!r}")
+        _check_switches(copy_path, host_register, trace, race_check)
         # Invariant: _refuse_register: the platform refuses every host registration (host_register="refuse": 801,
         # as under confidential computing, vLLM #55428; pinned memory then comes from alloc_pinned only);
         # refuses_registration: what it says in advance (backends.pinned.refuses_registration), at first the same.
         self._refuse_register = self.refuses_registration = host_register == "refuse"
-        if not isinstance(trace, bool):
-            raise InvalidTransferError(f"trace must be a bool, got {type(trace).__name__} {trace!r}")
         # Invariant: the cost terms in force (the named profile with the explicit overrides applied).
         # (replace validates link_model: InvalidTransferError naming it, the value and the valid ones).
         self.profile = dataclasses.replace(chosen, call_cost=latency, link_bandwidth=pinned_bandwidth,
@@ -129,8 +135,6 @@ class SimCore:
         # when a copy starts (profiles with paths only; "simple" has none).
         self.copy_path: CopyPath = copy_path
         hang_horizon = check_positive("hang_horizon", hang_horizon, unit="seconds")
-        if not isinstance(race_check, bool):
-            raise InvalidTransferError(f"race_check must be a bool, got {type(race_check).__name__} {race_check!r}")
         self._plan = faults
         self._latency, self._hang_horizon = latency, hang_horizon
         self._pinned_bw, self._pageable_bw = pinned_bandwidth, pageable_bandwidth
