@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvoffload_ref import cost_table
-from kvoffload_ref.backends.sim_profiles import H100, MI355X, PROFILES, PROVENANCE, paths_of
+from kvoffload_ref.backends.sim_profiles import H20, H100, MI355X, PROFILES, PROVENANCE, paths_of
 from kvoffload_ref.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -92,6 +92,23 @@ def test_cost_table_mi355x_batched_is_slower_at_64_kib() -> None:
     t = cost_table.build(MI355X, sizes=(64 * KiB,), counts=(1, 256), max_bytes=1 << 30)
     gbps = {r["path"]: r["gbps"] for r in t["rows"] if r["direction"] == "d2h" and r["count"] == 256}
     assert gbps["dma"] < gbps["memcpy"]
+
+
+def test_cost_table_reports_each_direction_its_own_costs() -> None:
+    """Where a profile's source measured the directions apart, so do its rows: h20's large copies load at 54 GB/s
+    and store at 50 (kvcached #450: each row's per-descriptor cost is its per-run term plus its bytes at that
+    rate); mi355x's batched 256 KiB copies load at ~12.8 and store at ~30 (ROCm/clr #273), and its duplex row's
+    store and load alone differ by as much."""
+    size = 4 * 1024 * KiB
+    h20 = cost_table.build("h20", sizes=(size,), counts=(1, 4), max_bytes=1 << 30)
+    rate = {r["direction"]: size / (r["per_descriptor_s"] - H20.memcpy.per_descriptor) / 1e9
+            for r in h20["rows"] if r["path"] == "memcpy"}
+    assert rate == pytest.approx({"h2d": 54, "d2h": 50}, rel=1e-6)
+    mi = cost_table.build(MI355X, sizes=(256 * KiB,), counts=(1, 64), max_bytes=1 << 30)
+    gbps = {r["direction"]: r["gbps"] for r in mi["rows"] if r["path"] == "dma" and r["count"] == 64}
+    assert gbps["h2d"] == pytest.approx(12.8, rel=0.05) and gbps["d2h"] == pytest.approx(30, rel=0.05), gbps
+    (duplex,) = [r for r in mi["duplex"] if r["path"] == "dma"]
+    assert duplex["load_alone_s"] / duplex["store_alone_s"] == pytest.approx(30 / 12.8, rel=0.05)
 
 
 def test_cost_table_csv_has_one_row_per_cell(h100_table: dict[str, Any]) -> None:
