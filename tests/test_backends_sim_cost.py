@@ -116,6 +116,64 @@ def test_sim_cost_opposite_directions_run_full_duplex_up_to_the_cap() -> None:
         assert rig.took(load) == pytest.approx(16 * PAGE / rate), profile
 
 
+#: FLAT with loads apart: the path moves loads at 16 GB/s (stores 10), the load link carries 12 GB/s (stores 10).
+DIRS = dataclasses.replace(FLAT, name="dirs",
+                           memcpy=PathCost(0.0, 0.0, ((1, 10 * GB),), load_bandwidth=((1, 16 * GB),)),
+                           kernel=PathCost(0.0, 0.0, ((1, 10 * GB),), load_bandwidth=((1, 16 * GB),)),
+                           load_link_bandwidth=12 * GB, bidirectional_bandwidth=100 * GB)
+
+
+def test_sim_cost_each_direction_reads_its_own_bandwidth_and_link() -> None:
+    """A load reads the path's ``load_bandwidth`` under the ``load_link_bandwidth`` (16 capped at 12 GB/s); a store
+    reads ``bandwidth`` under ``link_bandwidth`` (10); two loads share the load link, two stores the store link;
+    without the load fields both directions read the store's values (FLAT: every existing profile)."""
+    rig = Rig(SimBackend(profile=DIRS))
+    assert rig.took(rig.copy("load", range(0, 16), 1)) == pytest.approx(16 * PAGE / (12 * GB))
+    assert rig.took(rig.copy("store", range(0, 16), 2)) == pytest.approx(16 * PAGE / (10 * GB))
+    pair = [rig.copy("load", range(0, 16), 3), rig.copy("load", range(16, 32), 4)]
+    assert [rig.took(e) for e in pair] == pytest.approx([16 * PAGE / (6 * GB)] * 2), "half the load link each"
+    pair = [rig.copy("store", range(0, 16), 5), rig.copy("store", range(16, 32), 6)]
+    assert [rig.took(e) for e in pair] == pytest.approx([16 * PAGE / (5 * GB)] * 2), "half the store link each"
+    roomy = Rig(SimBackend(profile=dataclasses.replace(DIRS, load_link_bandwidth=20 * GB)))
+    assert roomy.took(roomy.copy("load", range(0, 16), 1)) == pytest.approx(16 * PAGE / (16 * GB)), "the path's"
+    same = Rig(SimBackend(profile=FLAT))
+    assert same.took(same.copy("load", range(0, 16), 1)) == same.took(same.copy("store", range(0, 16), 2))
+    assert (DIRS.link("h2d"), DIRS.link("d2h"), DIRS.link("local"), FLAT.link("h2d")) == \
+        (12 * GB, 10 * GB, 10 * GB, 10 * GB)
+    assert (DIRS.memcpy.rate(PAGE, "h2d"), DIRS.memcpy.rate(PAGE, "d2h"), DIRS.memcpy.rate(PAGE, "local")) == \
+        (16 * GB, 10 * GB, 10 * GB), "a local copy reads the store's points"
+
+
+def test_sim_cost_duplex_cap_scales_each_directions_own_rate() -> None:
+    """A store at 10 GB/s and a load at 12 together under a 15 GB/s cap: both scaled by 15/22 until the load ends;
+    the store's last sixth (it moved 10/12 of its bytes by then) then runs alone at 10 GB/s."""
+    rig = Rig(SimBackend(profile=dataclasses.replace(DIRS, bidirectional_bandwidth=15 * GB)))
+    store, load = rig.copy("store", range(0, 16), 1), rig.copy("load", range(16, 32), 2)
+    both = 16 * PAGE / (12 * GB * 15 / 22)
+    assert rig.took(load) == pytest.approx(both)
+    assert rig.took(store) == pytest.approx(both + 16 * PAGE * (1 - 10 / 12) / (10 * GB))
+
+
+def test_sim_cost_an_explicit_pinned_bandwidth_is_both_directions_link() -> None:
+    be = SimBackend(profile=DIRS, pinned_bandwidth=5 * GB)
+    assert (be.profile.link_bandwidth, be.profile.load_link_bandwidth) == (5 * GB, None)
+    rig = Rig(be)
+    assert rig.took(rig.copy("load", range(0, 16), 1)) == pytest.approx(16 * PAGE / (5 * GB))
+    assert SimBackend(profile=DIRS).profile.load_link_bandwidth == 12 * GB, "the profile's, unless overridden"
+
+
+@pytest.mark.rule("R7")
+def test_sim_cost_per_direction_fields_are_validated() -> None:
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(InvalidTransferError, match="load_link_bandwidth"):
+            dataclasses.replace(FLAT, load_link_bandwidth=bad)
+    for points in ((), ((1, 0.0),), ((4096, GB), (1024, GB)), ((0, GB),), ((1.5, GB),), ((1, "fast"),), [(1, GB)]):
+        with pytest.raises(InvalidTransferError, match="PathCost load_bandwidth"):
+            PathCost(0.0, 0.0, ((1, GB),), load_bandwidth=points)  # type: ignore[arg-type]
+        with pytest.raises(InvalidTransferError, match="PathCost bandwidth"):
+            PathCost(0.0, 0.0, points)  # type: ignore[arg-type]
+
+
 def test_sim_cost_links_are_shared_across_workers_on_one_device() -> None:
     be = SimBackend(profile=FLAT)
     rig_a, rig_b = Rig(be), Rig(be)   # two owners of memory (e.g. two workers), one device

@@ -214,6 +214,19 @@ def test_sim_engine_duplex_cap_applies_to_the_two_engines() -> None:
     assert rig.end(l2) == pytest.approx(both + L16)
 
 
+def test_sim_engine_each_engine_moves_at_its_own_directions_rate() -> None:
+    """Loads at 20 GB/s (the path's ``load_bandwidth`` under a 20 GB/s ``load_link_bandwidth``), stores at 10: two
+    queued loads run one after the other at 20 GB/s while a store runs on its own engine at 10."""
+    fast_loads = dataclasses.replace(ENGINE, memcpy=PathCost(0.0, 0.0, ((1, RATE),), load_bandwidth=((1, 2 * RATE),)),
+                                     load_link_bandwidth=2 * RATE, bidirectional_bandwidth=3 * RATE)
+    rig = Rig(profile=fast_loads)
+    be = rig.be
+    l1, l2 = rig.copy(be.create_stream(), "load", range(0, 16)), rig.copy(be.create_stream(), "load", range(16, 32))
+    store = rig.copy(be.create_stream(), "store", range(32, 48))
+    assert rig.end(store) == pytest.approx(CALL + L16)
+    assert rig.end(l1) == pytest.approx(CALL + L16 / 2) and rig.end(l2) == pytest.approx(CALL + L16)
+
+
 def test_sim_engine_a_hold_for_a_copy_going_the_other_way_is_released_at_once() -> None:
     """A's store a1 then load a2; B's store b1 ready during a1. The store engine, held for A's next copy, learns
     when a2 is priced that it is a load: b1 goes at a1's finish, with no time lost; a2 runs on the load engine."""

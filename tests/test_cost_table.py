@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvoffload_ref import cost_table
-from kvoffload_ref.backends.sim_profiles import H100, MI355X, PROFILES, PROVENANCE, paths_of
+from kvoffload_ref.backends.sim_profiles import H20, H100, MI355X, PROFILES, PROVENANCE, paths_of
 from kvoffload_ref.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -94,6 +94,23 @@ def test_cost_table_mi355x_batched_is_slower_at_64_kib() -> None:
     assert gbps["dma"] < gbps["memcpy"]
 
 
+def test_cost_table_reports_each_direction_its_own_costs() -> None:
+    """Where a profile's source measured the directions apart, so do its rows: h20's large copies load at 54 GB/s
+    and store at 50 (kvcached #450: each row's per-descriptor cost is its per-run term plus its bytes at that
+    rate); mi355x's batched 256 KiB copies load at ~12.8 and store at ~30 (ROCm/clr #273), and its duplex row's
+    store and load alone differ by as much."""
+    size = 4 * 1024 * KiB
+    h20 = cost_table.build("h20", sizes=(size,), counts=(1, 4), max_bytes=1 << 30)
+    rate = {r["direction"]: size / (r["per_descriptor_s"] - H20.memcpy.per_descriptor) / 1e9
+            for r in h20["rows"] if r["path"] == "memcpy"}
+    assert rate == pytest.approx({"h2d": 54, "d2h": 50}, rel=1e-6)
+    mi = cost_table.build(MI355X, sizes=(256 * KiB,), counts=(1, 64), max_bytes=1 << 30)
+    gbps = {r["direction"]: r["gbps"] for r in mi["rows"] if r["path"] == "dma" and r["count"] == 64}
+    assert gbps["h2d"] == pytest.approx(12.8, rel=0.05) and gbps["d2h"] == pytest.approx(30, rel=0.05), gbps
+    (duplex,) = [r for r in mi["duplex"] if r["path"] == "dma"]
+    assert duplex["load_alone_s"] / duplex["store_alone_s"] == pytest.approx(30 / 12.8, rel=0.05)
+
+
 def test_cost_table_csv_has_one_row_per_cell(h100_table: dict[str, Any]) -> None:
     text = cost_table.to_csv(h100_table)
     rows = list(csv.DictReader(io.StringIO(text)))
@@ -154,7 +171,8 @@ def test_cost_table_cli_writes_json_and_csv_and_refuses_bad_input(tmp_path: path
 
 def test_cost_table_worked_example_reads_rows_and_extends_the_line(tmp_path: pathlib.Path) -> None:
     """docs/examples/cost_table_tier.py (docs/cost-table.md): a count in the grid is read off its row; one past it
-    from the series' line, which is what the sim measures for that count."""
+    from the series' line, which is what the sim measures for that count; on mi355x it picks a path per direction
+    (the doc's output)."""
     spec = importlib.util.spec_from_file_location("_example_cost_table_tier",
                                                   ROOT / "docs" / "examples" / "cost_table_tier.py")
     assert spec is not None and spec.loader is not None
@@ -169,3 +187,6 @@ def test_cost_table_worked_example_reads_rows_and_extends_the_line(tmp_path: pat
     assert lines[0] == "mi300x (from published figures)" and len(lines) == 6
     assert "16 blocks (64 x 16 KiB) offload: dma " in lines[1] and lines[1].endswith("GB/s")
     assert "a store and a load together (256 x 16 KiB each, dma)" in lines[5]
+    # mi355x at 16 KiB (ROCm/clr #273): batched is cheaper for a store, the per-op loop for a load
+    lines = example.report(cost_table.build("mi355x", sizes=(16 * KiB,), counts=(1, 64), max_bytes=8 * 1024 * 1024))
+    assert lines[1].endswith(" -> dma, 6.1 GB/s") and lines[2].endswith(" -> memcpy, 5.6 GB/s"), lines

@@ -5,7 +5,8 @@ Run::
 
     kvoffload-ref cost-table --profile h20 --output h20.json
     kvoffload-ref cost-table --profile mi300x --output mi300x.json
-    python docs/examples/cost_table_tier.py h20.json mi300x.json
+    kvoffload-ref cost-table --profile mi355x --output mi355x.json
+    python docs/examples/cost_table_tier.py h20.json mi300x.json mi355x.json
 
 A request is ``count`` descriptors of ``size`` bytes copied in one batch (vLLM's CPU offload: a block's KV per
 layer group is one descriptor). Only the JSON is read: no kvoffload_ref import, as in a serving simulator.

@@ -117,6 +117,8 @@ class SimCore:
         except ValueError as exc:
             raise InvalidTransferError(str(exc)) from None
         latency = chosen.call_cost if latency is PROFILE_VALUE else check_seconds("latency", latency)
+        # an explicit pinned_bandwidth is both directions' link (it clears a profile's separate load link)
+        load_link = chosen.load_link_bandwidth if pinned_bandwidth is PROFILE_VALUE else None
         pinned_bandwidth = chosen.link_bandwidth if pinned_bandwidth is PROFILE_VALUE else check_positive(
             "pinned_bandwidth", pinned_bandwidth, unit="bytes per second")
         pageable_bandwidth = chosen.pageable_bandwidth if pageable_bandwidth is PROFILE_VALUE else check_positive(
@@ -129,6 +131,7 @@ class SimCore:
         # Invariant: the cost terms in force (the named profile with the explicit overrides applied).
         # (replace validates link_model: InvalidTransferError naming it, the value and the valid ones).
         self.profile = dataclasses.replace(chosen, call_cost=latency, link_bandwidth=pinned_bandwidth,
+                                           load_link_bandwidth=load_link,
                                            pageable_bandwidth=pageable_bandwidth,
                                            link_model=chosen.link_model if link_model is None else link_model)
         # Invariant: "auto", "kernel" or "memcpy" when set through the constructor: the path rule's setting, read

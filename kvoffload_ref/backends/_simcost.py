@@ -12,8 +12,12 @@ Every other profile prices a copy in two phases:
 2. *Link phase*: the copy's bytes cross the link of its direction (``h2d`` = load, ``d2h`` = store). Alone it
    moves them at its *demand* rate, ``bytes / (pinned bytes / path bandwidth(mean descriptor size) + pageable
    bytes / pageable_bandwidth)``. All copies in the link phase share the links: per direction the rates are
-   scaled down proportionally so they sum to at most ``link_bandwidth``, then, if both directions together exceed
-   ``bidirectional_bandwidth``, every rate is scaled by the same factor (full duplex up to that cap). Whenever a
+   scaled down proportionally so they sum to at most that direction's link, then, if both directions together
+   exceed ``bidirectional_bandwidth``, every rate is scaled by the same factor (full duplex up to that cap).
+   *Per direction*: a load reads the path's ``load_bandwidth`` points and the profile's ``load_link_bandwidth``
+   where they are set (a source measured the directions apart); everything else -- a store, a local copy, a
+   load where they are None -- reads ``bandwidth`` and ``link_bandwidth`` (:meth:`PathCost.rate`,
+   :meth:`CostProfile.link`, the one place each choice is made). Whenever a
    copy enters or leaves the link phase the progress of every other copy is settled and its finish time
    recomputed; a stale heap entry is skipped (:meth:`CostModel.settle`). Device-to-device and host-to-host
    copies do not use the link (they run at their demand rate).
@@ -54,6 +58,7 @@ from kvoffload_ref.backends.copy_paths import (
     run_starts,
 )
 from kvoffload_ref.errors import InvalidTransferError
+from kvoffload_ref.validate import check_positive
 
 __all__ = ["LINK_MODELS", "CostModel", "CostProfile", "Flow", "LinkModel", "PathCost", "PathName"]
 
@@ -76,16 +81,37 @@ class PathCost:
             descriptor upload and launch).
         per_descriptor: seconds per descriptor (memcpy path: per contiguous run), not on the link.
         bandwidth: ``(descriptor bytes, effective bytes/s)`` points, sizes increasing; the rate at the batch's
-            mean descriptor size is interpolated linearly in log(size) and clamped at both ends.
+            mean descriptor size is interpolated linearly in log(size) and clamped at both ends. Stores (and
+            local copies) read these; loads too unless ``load_bandwidth`` is set.
+        load_bandwidth: the points loads (``h2d``) read, in the same form, where a source measured the
+            directions apart; None (the default): ``bandwidth`` for both directions.
+
+    Raises:
+        InvalidTransferError: a points tuple that is empty, has a size that is not an int > 0 or sizes not
+            strictly increasing, or a rate that is not a finite number > 0.
     """
 
     launch: float
     per_descriptor: float
     bandwidth: tuple[tuple[int, float], ...]
+    load_bandwidth: tuple[tuple[int, float], ...] | None = None
 
-    def rate(self, mean_size: float) -> float:
-        """Effective bytes/s at a mean descriptor size (see the class docstring)."""
-        points = self.bandwidth
+    def __post_init__(self) -> None:
+        _check_points("bandwidth", self.bandwidth)
+        if self.load_bandwidth is not None:
+            _check_points("load_bandwidth", self.load_bandwidth)
+
+    def rate(self, mean_size: float, direction: Direction) -> float:
+        """Effective bytes/s at a mean descriptor size in one direction (see the class docstring).
+
+        Args:
+            mean_size: the batch's mean descriptor size in bytes.
+            direction: ``"h2d"`` (a load: ``load_bandwidth`` where set), ``"d2h"`` or ``"local"`` (``bandwidth``).
+
+        Returns:
+            The interpolated rate, bytes/s.
+        """
+        points = self.load_bandwidth if direction == "h2d" and self.load_bandwidth is not None else self.bandwidth
         if len(points) == 1 or mean_size <= points[0][0]:
             return points[0][1]
         if mean_size >= points[-1][0]:
@@ -108,7 +134,8 @@ class CostProfile:
         memcpy: the per-run ``cudaMemcpyAsync`` path.
         kernel: the gather/scatter kernel path, or None (the profile has no kernel: every copy is memcpy/dma).
         dma: a batched-DMA path replacing memcpy wherever the rule picks memcpy, or None.
-        link_bandwidth: bytes/s of one direction's link, shared by every copy in flight in that direction.
+        link_bandwidth: bytes/s of one direction's link, shared by every copy in flight in that direction (the
+            store link; the load link too unless ``load_link_bandwidth`` is set). It also caps every path's rate.
         bidirectional_bandwidth: bytes/s both directions together may reach (full duplex up to this cap).
         pageable_bandwidth: bytes/s for the bytes of a host side outside every pinned range.
         compute_slowdown: factor on a compute work's delay when it starts while a kernel-path copy is in flight.
@@ -118,9 +145,12 @@ class CostProfile:
         link_model: how copies in their link phase take the link: ``"fair"`` (the default: all share their
             direction's link, rates scaled proportionally) or ``"fifo"`` (one copy engine per direction, arrival
             order, one stream's queued copies as a block; ``_simengine.py``). Both apply the duplex cap.
+        load_link_bandwidth: bytes/s of the load (``h2d``) link, where a source measured it apart from the
+            store link; None (the default): ``link_bandwidth`` for both directions.
 
     Raises:
-        InvalidTransferError: a ``link_model`` not in :data:`LINK_MODELS`, or ``"fifo"`` without a shared link.
+        InvalidTransferError: a ``link_model`` not in :data:`LINK_MODELS`, ``"fifo"`` without a shared link, or
+            a ``load_link_bandwidth`` that is neither None nor a finite number > 0.
     """
 
     name: str
@@ -136,14 +166,47 @@ class CostProfile:
     kernel_max_mean_bytes: int = DEFAULT_KERNEL_MAX_MEAN_BYTES
     shared_link: bool = True
     link_model: LinkModel = "fair"
+    load_link_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
+        if self.load_link_bandwidth is not None:
+            check_positive(f"CostProfile {self.name!r}: load_link_bandwidth", self.load_link_bandwidth,
+                           unit="bytes per second")
         if self.link_model not in LINK_MODELS:
             raise InvalidTransferError(f"CostProfile {self.name!r}: link_model must be one of "
                                        f"{', '.join(map(repr, LINK_MODELS))}; got {self.link_model!r}")
         if self.link_model != "fair" and not self.shared_link:
             raise InvalidTransferError(f"CostProfile {self.name!r}: link_model {self.link_model!r} needs a shared "
                                        "link (shared_link=True); this profile has no link phase")
+
+    def link(self, direction: Direction) -> float:
+        """Bytes/s of one direction's link (see the class docstring).
+
+        Args:
+            direction: ``"h2d"`` (``load_link_bandwidth`` where set), ``"d2h"`` or ``"local"``
+                (``link_bandwidth``).
+
+        Returns:
+            The link's bytes/s.
+        """
+        if direction == "h2d" and self.load_link_bandwidth is not None:
+            return self.load_link_bandwidth
+        return self.link_bandwidth
+
+
+def _check_points(name: str, points: object) -> None:
+    """Refuse a bandwidth points tuple :meth:`PathCost.rate` could not read (see :class:`PathCost`)."""
+    if not isinstance(points, tuple) or not points:
+        raise InvalidTransferError(f"PathCost {name} must be a non-empty tuple of (bytes, bytes/s) points; "
+                                   f"got {points!r}")
+    last = 0
+    for point in points:
+        size = point[0] if isinstance(point, tuple) and len(point) == 2 else None
+        if not isinstance(size, int) or isinstance(size, bool) or size <= last:
+            raise InvalidTransferError(f"PathCost {name}: each point is (bytes, bytes/s), sizes ints > 0 and "
+                                       f"strictly increasing; got {point!r} in {points!r}")
+        check_positive(f"PathCost {name} at {size} bytes", point[1], unit="bytes per second")
+        last = size
 
 
 class Flow:
@@ -212,7 +275,7 @@ class CostModel:
             src_host = si >= 0 and plan.spans[si].is_host
             dst_host = di >= 0 and plan.spans[di].is_host
             direction = "d2h" if dst_host and not src_host else "h2d" if src_host and not dst_host else "local"
-        rate = min(cost.rate(total / count if count else 1), p.link_bandwidth)
+        rate = min(cost.rate(total / count if count else 1, direction), p.link(direction))
         link_time = (total - min(slow, total)) / rate + slow / p.pageable_bandwidth
         flow = Flow(path, direction, total, count, total / link_time if link_time > 0 else math.inf)
         op.flow = flow
@@ -277,12 +340,12 @@ class CostModel:
 
     def _rebalance(self, t: float, joined: Flow | None) -> None:
         p = self.profile
-        demand = {"h2d": 0.0, "d2h": 0.0}
+        demand: dict[Direction, float] = {"h2d": 0.0, "d2h": 0.0}
         for _, f in self._active:
             f.remaining = max(0.0, f.remaining - f.rate * (t - f.since))
             f.since = t
             demand[f.direction] += f.demand
-        scale = {d: min(1.0, p.link_bandwidth / v) if v > 0 else 1.0 for d, v in demand.items()}
+        scale = {d: min(1.0, p.link(d) / v) if v > 0 else 1.0 for d, v in demand.items()}
         both = sum(v * scale[d] for d, v in demand.items())
         duplex = min(1.0, p.bidirectional_bandwidth / both) if both > 0 else 1.0
         for op, f in self._active:

@@ -97,7 +97,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
         latency: virtual seconds every copy op costs on top of its bytes (default: the profile's ``call_cost``,
             5 us for ``"simple"``).
         pinned_bandwidth: bytes per virtual second for device memory and pinned host memory (default: the
-            profile's ``link_bandwidth``, 25 GB/s for ``"simple"``; under another profile it caps every path).
+            profile's ``link_bandwidth``, 25 GB/s for ``"simple"``; under another profile it caps every path and
+            is both directions' link, replacing a profile's separate ``load_link_bandwidth``).
         pageable_bandwidth: bytes per virtual second when a host side is not inside one pinned range (default:
             the profile's, 8 GB/s).
         hang_horizon: virtual seconds a blocking wait (``synchronize``, ``to_host``) waits before it gives up

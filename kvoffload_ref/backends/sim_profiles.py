@@ -11,9 +11,10 @@ supports is listed in its profile's :attr:`Provenance.assumed`.
 Where a source gives end-to-end GB/s by descriptor size for many descriptors (vLLM #42212, ROCm/clr #273), the
 path has no per-descriptor term and its bandwidth points are those GB/s (the sim reads them at the batch's mean
 descriptor size). Where it gives a time per entry (vLLM #40549, torchcomms #2195), that time is the
-per-descriptor term. A profile has one value per term for both directions: where a source measured the
-directions differently, the profile fits the one its provenance names and the other is off by what
-:attr:`Provenance.assumed` says.
+per-descriptor term. Where a source measured the two directions apart (kvcached #450, ROCm/clr #273), a path's
+``load_bandwidth`` points and the profile's ``load_link_bandwidth`` hold the loads' (H2D) figures and the other
+terms the stores' (D2H); where it gives one direction or does not say which, both directions get its values and
+:attr:`Provenance.assumed` says so.
 
 The paths: ``memcpy`` is one ``cudaMemcpyAsync``/``hipMemcpyAsync`` per contiguous run (the per-op loop; this
 project's CuPy backend); ``dma`` is one batched submission (``cudaMemcpyBatchAsync``/``hipMemcpyBatchAsync``),
@@ -88,8 +89,8 @@ H100: Final = CostProfile(
 
 def _same_time(path: PathCost, link: float, sizes: tuple[int, ...]) -> tuple[tuple[int, float], ...]:
     """End-to-end bandwidth points at ``sizes`` that price one descriptor as ``path`` prices it alone (its
-    per-descriptor term plus its bytes at its rate under the link)."""
-    return tuple((s, s / (path.per_descriptor + s / min(path.rate(s), link))) for s in sizes)
+    per-descriptor term plus its bytes at its store rate under the link; for a path with one set of points)."""
+    return tuple((s, s / (path.per_descriptor + s / min(path.rate(s, "d2h"), link))) for s in sizes)
 
 
 #: MI355X (gfx950, ROCm 7.13), ROCm/clr #273, D2H with srcAccessOrder=ANY, GB/s per descriptor size.
@@ -97,14 +98,20 @@ _MI355X_PER_OP: Final = ((4 * KiB, 1.7 * GB), (16 * KiB, 6.6 * GB), (64 * KiB, 6
                          (MiB, 37 * GB))
 _MI355X_BATCHED: Final = ((4 * KiB, 1.7 * GB), (16 * KiB, 6.7 * GB), (64 * KiB, 4.1 * GB), (256 * KiB, 30 * GB),
                           (MiB, 52 * GB))
+#: The same, H2D (the loads): batched is slower than per-op from 16 KiB on (3.8 vs 5.7 GB/s at 64 KiB).
+_MI355X_PER_OP_H2D: Final = ((4 * KiB, 1.6 * GB), (16 * KiB, 6.1 * GB), (64 * KiB, 5.7 * GB),
+                             (256 * KiB, 17.8 * GB), (MiB, 37 * GB))
+_MI355X_BATCHED_H2D: Final = ((4 * KiB, 1.7 * GB), (16 * KiB, 5.7 * GB), (64 * KiB, 3.8 * GB),
+                              (256 * KiB, 12.8 * GB), (MiB, 30 * GB))
 #: The MI355X's largest measured rate (batched D2H at 1 MiB): its link, and the MI300X's (assumed).
 _AMD_LINK: Final = 52 * GB
 
 MI355X: Final = CostProfile(
     "mi355x", call_cost=_CALL,
-    memcpy=PathCost(0.0, 0.0, _MI355X_PER_OP),
+    memcpy=PathCost(0.0, 0.0, _MI355X_PER_OP, load_bandwidth=_MI355X_PER_OP_H2D),
     kernel=None,
-    dma=PathCost(0.0, 0.0, _MI355X_BATCHED),   # batched is *slower* than per-op at 64 KiB (4.1 vs 6.3 GB/s)
+    # batched is *slower* than per-op at 64 KiB (D2H 4.1 vs 6.3 GB/s, H2D 3.8 vs 5.7)
+    dma=PathCost(0.0, 0.0, _MI355X_BATCHED, load_bandwidth=_MI355X_BATCHED_H2D),
     link_bandwidth=_AMD_LINK, bidirectional_bandwidth=83.4 * GB, pageable_bandwidth=8 * GB)
 
 #: MI300X, vLLM #40549: 4,096 entries of 4-8 KB (fitted at 6 KiB): per-op loop 22.4 ms, batched 10.5 ms, in all.
@@ -136,15 +143,16 @@ GB200: Final = CostProfile(
     pageable_bandwidth=8 * GB)
 
 #: H20 (PCIe Gen5), kvcached #450 and agentic-kvc's pcie.json: large contiguous copies ~54 GB/s H2D, ~50 D2H.
-_H20_LINK: Final = 52 * GB   # one value for both directions: the mean, within 4 % of each
+_H20_STORE: Final = 50 * GB
+_H20_LOAD: Final = 54 * GB
 
 H20: Final = CostProfile(
     "h20", call_cost=_CALL,
-    memcpy=PathCost(0.0, _RUN, ((4 * KiB, _H20_LINK),)),
+    memcpy=PathCost(0.0, _RUN, ((4 * KiB, _H20_STORE),), load_bandwidth=((4 * KiB, _H20_LOAD),)),
     kernel=H200.kernel,
     dma=None,
-    link_bandwidth=_H20_LINK, bidirectional_bandwidth=83.4 * GB, pageable_bandwidth=8 * GB,
-    compute_slowdown=1.06)
+    link_bandwidth=_H20_STORE, load_link_bandwidth=_H20_LOAD, bidirectional_bandwidth=83.4 * GB,
+    pageable_bandwidth=8 * GB, compute_slowdown=1.06)
 
 _ASSUMED_HOST = "call_cost 14 us and the memcpy path's 2.57 us per run: h200's (this project's CuPy backend)"
 _ASSUMED_PAGEABLE = "pageable_bandwidth 8 GB/s: simple's (not measured)"
@@ -179,11 +187,12 @@ PROVENANCE: Final[dict[str, Provenance]] = {
          "the same values for both directions (the source does not say which it measured)")),
     "mi355x": Provenance(
         "from published figures", ("ROCm/clr #273",),
-        ("D2H, srcAccessOrder=ANY, per-op hipMemcpyAsync (memcpy) and hipMemcpyBatchAsync (dma): 4 KiB, 16 KiB, "
-         "64 KiB, 256 KiB, 1 MiB (the source's descriptor counts are not stated; fitted as end-to-end GB/s)",),
-        ("H2D gets the D2H values: #273's H2D per-op figures are within 11 % of them, but its batched H2D is "
-         "slower (12.8 GB/s at 256 KiB, 30 at 1 MiB: the profile is 2.3x and 1.7x too fast there)",
-         "link 52 GB/s: the largest figure (batched D2H at 1 MiB)", _ASSUMED_DUPLEX,
+        ("D2H (srcAccessOrder=ANY) and H2D, per-op hipMemcpyAsync (memcpy) and hipMemcpyBatchAsync (dma): 4 KiB, "
+         "16 KiB, 64 KiB, 256 KiB, 1 MiB (the source's descriptor counts are not stated; fitted as end-to-end "
+         "GB/s, each direction to its own figures)",),
+        ("link 52 GB/s: the largest figure (batched D2H at 1 MiB)",
+         "the load link: the store link's 52 GB/s (#273's largest H2D figure, 37 GB/s per-op at 1 MiB, is below "
+         "it; no figure says the H2D link is slower)", _ASSUMED_DUPLEX,
          "call_cost 14 us: h200's", _ASSUMED_PAGEABLE, "no kernel path (no published figure)",
          "a contiguous run is priced at its descriptors' size (the figures are per descriptor)")),
     "gb200": Provenance(
@@ -196,9 +205,10 @@ PROVENANCE: Final[dict[str, Provenance]] = {
          "call_cost 14 us: h200's", _ASSUMED_PAGEABLE, "no kernel path (no published figure)")),
     "h20": Provenance(
         "from published figures", ("kvcached #450", "agentic-kvc pcie.json"),
-        ("large contiguous copies (100 MB-6.4 GB): ~54 GB/s H2D, ~50 GB/s D2H",),
-        ("one link value, 52 GB/s, for both directions: loads 4 % slow, stores 4 % fast (a profile has one "
-         "value per term)", _ASSUMED_HOST, "the kernel path: h200's (launch 29 us, 48-51 GB/s)",
+        ("large contiguous copies (100 MB-6.4 GB): ~54 GB/s H2D (the load link and memcpy bandwidth), ~50 GB/s "
+         "D2H (the store link and memcpy bandwidth)",),
+        (_ASSUMED_HOST, "the kernel path: h200's (launch 29 us, 48-51 GB/s, both directions; under the 50 GB/s "
+         "store link its stores run at most 50 GB/s, from ~31 KiB descriptors on)",
          _ASSUMED_DUPLEX, _ASSUMED_PAGEABLE, "compute_slowdown 1.06: h100's (vLLM blog)")),
 }
 
