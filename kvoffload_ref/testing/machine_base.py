@@ -35,7 +35,7 @@ from kvoffload_ref.testing.adapter import (
 from kvoffload_ref.testing.logtail import LogTail
 from kvoffload_ref.testing.model import Model
 from kvoffload_ref.testing.races import RaceModel
-from kvoffload_ref.testing.reproduction import as_test
+from kvoffload_ref.testing.reproduction import REPRODUCTION_HEADING, as_test
 from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS
 from kvoffload_ref.testing.strategies import (
     InvalidTransfer,
@@ -249,7 +249,7 @@ class MachineBase(RuleBasedStateMachine):
         script = as_test(self.script, rules or "the last call raised", message or "an exception",
                          asserts if rules else "True")
         cls.last_reproduction = script  # the last failing run: after shrinking, the shrunk one
-        note("# Reproduction (runnable Python, a test):\n" + script)
+        note(f"{REPRODUCTION_HEADING}\n{script}")
         if first:
             for hook in cls.on_first_violation:
                 hook(counters)
