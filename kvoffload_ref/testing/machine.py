@@ -100,7 +100,7 @@ class OffloadingMachine(CancelRules, OrderingRules, ConcurrentRules, ShutdownRul
                 with contextlib.suppress(Exception, SimHang):
                     self.worker.shutdown()
                 return
-            self._say("report = w.shutdown()  # teardown")
+            self._say("start = dev.clock()\nreport = w.shutdown()  # teardown")
             self._shutdown()
         if not self.failed and self.dev is not None:
             self.no_violation()

@@ -1,0 +1,73 @@
+"""Each check whose reproduction once ended in an unconditional ``raise AssertionError`` now closes it in the
+script's own terms: a wrong worker's printed reproduction fails under ``python`` and ``pytest``, and the same
+steps on kvoffload_ref's worker pass (exit 0). The wrong workers live in ``tests/_repro_workers.py``."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvoffload_ref.faults import Fault
+from kvoffload_ref.testing import WorkerFactory, make_machine, mutants, setups
+from kvoffload_ref.testing.reproduction import NO_SCRIPT_FORM
+from kvoffload_ref.testing.settings import bounded_shrinking, kit_settings
+
+TESTS = pathlib.Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+import _repro_workers as wrong  # noqa: E402
+
+FAILING_JOB_1 = (Fault("event_query", "error", job_id=1),)
+
+
+def _found(factory: WorkerFactory, plans: tuple[Fault, ...] | None, examples: int = 300) -> str:
+    """The reproduction the kit prints for ``factory`` (the run must fail)."""
+    chosen = setups(plans=st.just(plans)) if plans is not None else setups()
+    machine = make_machine(factory, name="Wrong", setup_strategy=chosen)
+    machine.shrink_seconds = 2.0
+    with pytest.raises(AssertionError), bounded_shrinking(2.0):
+        run_state_machine_as_test(machine, settings=kit_settings(examples, derandomize=True))
+    return machine.last_reproduction
+
+
+def _exit(tmp_path: pathlib.Path, text: str, *runner: str) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "test_repro.py"
+    path.write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    return subprocess.run([sys.executable, *runner, str(path)], capture_output=True, text=True, timeout=120,
+                          check=False, cwd=tmp_path, env=env)
+
+
+CASES: dict[str, tuple[Callable[..., object], tuple[Fault, ...] | None, str]] = {
+    # check: (wrong worker, the setups' faults (None: drawn), what the closing assertion reads)
+    "R4/R5 bytes": (wrong.corrupts_cpu_bytes, (), "== "),
+    "R4/R20 races": (mutants.order_after_ignored, (), "dev.races() =="),
+    "R27 held": (wrong.forgets_holds, FAILING_JOB_1, "w.held()"),
+    "R11 bound": (wrong.overstays_shutdown, (), "dev.clock() - start <="),
+    "R13 proof": (wrong.proves_needlessly, (), "report.device_sync == 'not_needed'"),
+    "R7 refused": (wrong.accepts_invalid, (), "raised is not None"),
+}
+
+
+@pytest.mark.rule("R4", "R5", "R7", "R11", "R13", "R20", "R27")
+@pytest.mark.parametrize("check", sorted(CASES))
+def test_testing_reproduction_asserts_the_check_and_passes_once_fixed(tmp_path: pathlib.Path, check: str) -> None:
+    factory, plans, reads = CASES[check]
+    script = _found(factory, plans)  # type: ignore[arg-type]
+    name = factory.__name__
+    assert NO_SCRIPT_FORM not in script and reads in script.split("# R", 1)[1], script[-1500:]
+    assert f"w = {name}(" in script
+    for runner in ((), ("-m", "pytest", "-q", "-p", "no:cacheprovider")):
+        done = _exit(tmp_path, script, *runner)
+        assert done.returncode != 0 and "AssertionError" in done.stdout + done.stderr, (runner, done.stdout[-2000:],
+                                                                                     done.stderr[-2000:])
+    fixed = script.replace(f"w = {name}(", "w = reference_factory(")
+    for runner in ((), ("-m", "pytest", "-q", "-p", "no:cacheprovider")):
+        done = _exit(tmp_path, fixed, *runner)
+        assert done.returncode == 0, (runner, script, done.stdout[-2000:], done.stderr[-2000:])
