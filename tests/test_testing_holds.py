@@ -104,7 +104,7 @@ def test_testing_expiry_allows_only_the_expiries_the_rule_allows() -> None:
 
     def problems(transfer: object, error: object, now: float = 2.0) -> list[str]:
         found = failure_problems(m, transfer, error, now, unreliable=False, running=True)  # type: ignore[arg-type]
-        return [text for _, text in found]
+        return [text for _, text, _ in found]
 
     assert problems(first, _expired("deadline", 1)) == []
     assert problems(first, _expired("deadline", 1), now=1.005), "before its deadline passed"

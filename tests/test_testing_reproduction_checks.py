@@ -1,6 +1,8 @@
 """Each check whose reproduction once ended in an unconditional ``raise AssertionError`` now closes it in the
 script's own terms: a wrong worker's printed reproduction fails under ``python`` and ``pytest``, and the same
-steps on kvoffload_ref's worker pass (exit 0). The wrong workers live in ``tests/_repro_workers.py``."""
+steps on kvoffload_ref's worker pass under ``python`` (exit 0; a passing reproduction passes under pytest too:
+``test_testing_reproduction.py``). The wrong workers live in ``tests/_repro_workers.py`` and
+``tests/_wrong_workers.py``."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from kvoffload_ref.testing.settings import bounded_shrinking, kit_settings
 TESTS = pathlib.Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 import _repro_workers as wrong  # noqa: E402
+import _wrong_workers  # noqa: E402
 
 FAILING_JOB_1 = (Fault("event_query", "error", job_id=1),)
 
@@ -52,10 +55,12 @@ CASES: dict[str, tuple[Callable[..., object], tuple[Fault, ...] | None, str]] = 
     "R11 bound": (wrong.overstays_shutdown, (), "dev.clock() - start <="),
     "R13 proof": (wrong.proves_needlessly, (), "report.device_sync == 'not_needed'"),
     "R7 refused": (wrong.accepts_invalid, (), "raised is not None"),
+    "R22 poisoned": (mutants.poisons_source_blocks, FAILING_JOB_1, "r.invalid_blocks"),
+    "R10/R14/R22 accounted": (_wrong_workers.drops_a_result, (), "handed + "),
 }
 
 
-@pytest.mark.rule("R4", "R5", "R7", "R11", "R13", "R20", "R27")
+@pytest.mark.rule("R4", "R5", "R7", "R10", "R11", "R13", "R14", "R20", "R22", "R27")
 @pytest.mark.parametrize("check", sorted(CASES))
 def test_testing_reproduction_asserts_the_check_and_passes_once_fixed(tmp_path: pathlib.Path, check: str) -> None:
     factory, plans, reads = CASES[check]
@@ -67,7 +72,5 @@ def test_testing_reproduction_asserts_the_check_and_passes_once_fixed(tmp_path: 
         done = _exit(tmp_path, script, *runner)
         assert done.returncode != 0 and "AssertionError" in done.stdout + done.stderr, (runner, done.stdout[-2000:],
                                                                                      done.stderr[-2000:])
-    fixed = script.replace(f"w = {name}(", "w = reference_factory(")
-    for runner in ((), ("-m", "pytest", "-q", "-p", "no:cacheprovider")):
-        done = _exit(tmp_path, fixed, *runner)
-        assert done.returncode == 0, (runner, script, done.stdout[-2000:], done.stderr[-2000:])
+    done = _exit(tmp_path, script.replace(f"w = {name}(", "w = reference_factory("))  # (pytest: see the module)
+    assert done.returncode == 0, (script, done.stdout[-2000:], done.stderr[-2000:])

@@ -66,10 +66,8 @@ class Checks(MachineBase):
             self._check_success(transfer, result)
         else:
             error = getattr(result, "error", None)
-            for rules, message in failure_problems(model, transfer, error, self.current_device.clock(),
-                                                   unreliable=self._unreliable(), running=self.running):
-                self._check(False, rules, message, f"all(r.success for r in results if r.job_id == {job})"
-                            if rules == "R5" else None)
+            self._problems(failure_problems(model, transfer, error, self.current_device.clock(),
+                                            unreliable=self._unreliable(), running=self.running))
             if isinstance(error, TransferExpired):
                 transfer.expired = error.reason
                 type(self).counters.expired += 1
@@ -95,8 +93,7 @@ class Checks(MachineBase):
     def _check_attribution(self, transfer: ModelTransfer, result: ResultLike) -> None:
         """R22 (when the worker has attribution): which side the ids index, and the blocks a failure poisoned."""
         if self.capabilities.attribution:
-            for rules, message in attribution_problems(result, transfer, f"{transfer.direction} job {transfer.job_id}"):
-                self._check(False, rules, message)
+            self._problems(attribution_problems(result, transfer, f"{transfer.direction} job {transfer.job_id}"))
 
     def _check_success(self, transfer: ModelTransfer, result: ResultLike) -> None:
         job = transfer.job_id
@@ -120,9 +117,13 @@ class Checks(MachineBase):
         """R4/R5: every settled byte (GPU, and the CPU region) holds what the model says it holds."""
         type(self).counters.data_checks += 1
         if not self.current_device.lost():
+            # the script reads it too: a read moves the clock past the compute stream's queued work (what the
+            # worker does next depends on it)
+            self._say("dev.read_gpu()  # the memory check")
             try:
                 gpu = self.current_device.read_gpu()
             except DeviceError:
+                self._raised("DeviceError")
                 gpu = []
             for t, actual in enumerate(gpu):
                 self._compare("gpu", t, actual)
@@ -185,10 +186,8 @@ class Checks(MachineBase):
             error = getattr(outcome.result, "error", None)
             if isinstance(error, TransferExpired) and outcome.result.job_id in model.transfers:
                 model.transfers[outcome.result.job_id].expired = error.reason
-        for rules, message in outcome_problems(report, model, settled, unreliable=unreliable,
-                                               proven_in_time=proven_in_time, running=self.running,
-                                               now=device.clock()):
-            self._check(False, rules, message)
+        self._problems(outcome_problems(report, model, settled, unreliable=unreliable, proven_in_time=proven_in_time,
+                                        running=self.running, now=device.clock()))
         for outcome in report.unreported:
             transfer = model.transfers[outcome.result.job_id]
             if outcome.result.success:
@@ -246,8 +245,7 @@ class Checks(MachineBase):
         out at most once, R5)."""
         if self.model is None or self.report is None or not self.capabilities.attribution:
             return
-        for rules, message in accounting_problems(self.report, self.model, self.handed):
-            self._check(False, rules, message)
+        self._problems(accounting_problems(self.report, self.model, self.handed))
 
     @invariant()
     def holds_match(self) -> None:

@@ -3,8 +3,11 @@
 The machine notes each step as a line of Python (:meth:`~kvoffload_ref.testing.machine_base.MachineBase._say`);
 when a check fails, :func:`as_test` wraps the lines in ``def test_reproduction()`` (so ``pytest FILE`` collects it)
 ending in the check as an ``assert`` of what the rule requires, and a ``__main__`` guard that calls it (so ``python
-FILE`` exits non-zero while the rule is violated, 0 once it holds). A check with no Python form ends the test in a
-``raise AssertionError`` stating what the kit found there (it fails until the kit's own run passes).
+FILE`` exits non-zero while the rule is violated, 0 once it holds). Each check says itself over the script's names
+(``w``, ``dev``, ``results``, ``report``, ``handed``, ``raised``, ``start``...: the lines the check needs are in the
+steps); only those a thread interleaving alone can break (:mod:`~kvoffload_ref.testing.concurrent_rules`: the script
+runs the threads' calls one after the other) have no Python form: the test ends in a ``raise AssertionError``
+stating what the kit found there (it fails until the kit's own run passes).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class TransferRules(MachineBase):
         self.handed.clear()
         type(self).counters.workers += 1
         self._say(f"setup = {setup!r}")
-        self._say(f"dev = SimDevice(setup)\nw = {self.factory_name}(dev.backend, dev.gpu, setup)")
+        self._say(f"dev = SimDevice(setup)\nw = {self.factory_name}(dev.backend, dev.gpu, setup)\nhanded = []")
         self.specs = specs_for(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks, setup.num_cpu_chunks)
         self.invalid = {flight: invalid_for(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks,
                                             setup.num_cpu_chunks, cases)
@@ -255,7 +255,7 @@ class TransferRules(MachineBase):
     def get_finished(self) -> None:
         """R5: each job once, per direction in submission order, success only if proven; never blocks."""
         with self._step():
-            self._say("results = w.get_finished()\nprint(results)")
+            self._say("results = w.get_finished()\nprint(results)\nhanded += [r.job_id for r in results]")
             clock = self.current_device.clock()
             results = list(self.current_worker.get_finished())
             self._check(self.current_device.clock() == clock, "R5", "get_finished() blocked (the virtual clock moved)",
