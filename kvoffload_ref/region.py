@@ -277,8 +277,8 @@ class HostRegion:
             offsets.append(total)
             total = _round_up(total + rb * num_cpu_chunks, PAGE)
         if total > INT64_MAX:
-            raise InvalidTransferError(f"num_cpu_chunks={num_cpu_chunks}, blocks_per_chunk={blocks_per_chunk}: "
-                                       f"{total} bytes, expected at most {INT64_MAX} (e.g. num_cpu_chunks=1)")
+            raise InvalidTransferError(f"num_cpu_chunks={num_cpu_chunks}, blocks_per_chunk={blocks_per_chunk}: a "
+                                       f"region of {total} bytes: expected at most {INT64_MAX}")
         try:
             mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -166,9 +166,8 @@ class SharedGeometry:
         row_bytes = tuple(layout.cpu_row_bytes(t, bpc) for t in range(layout.num_tensors))
         geometry = cls(row_bytes, chunks, ranks, replicated)
         if geometry.file_size > INT64_MAX:
-            raise InvalidTransferError(f"num_cpu_chunks={chunks} with blocks_per_chunk={bpc} and world_size={ranks} "
-                                       f"makes a shared file of {geometry.file_size} bytes: expected at most "
-                                       f"{INT64_MAX} bytes (fewer chunks, e.g. num_cpu_chunks=1)")
+            raise InvalidTransferError(f"num_cpu_chunks={chunks}, blocks_per_chunk={bpc}, world_size={ranks}: a "
+                                       f"shared file of {geometry.file_size} bytes: expected at most {INT64_MAX}")
         return geometry
 
     @property
