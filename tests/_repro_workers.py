@@ -77,6 +77,31 @@ class _AcceptsInvalid(_Wrapper):
             return None
 
 
+class _OverstaysWait(_Wrapper):
+    """``wait()`` with a timeout lets a second more than it pass on the device first."""
+
+    def __init__(self, inner: WorkerLike, backend: Any) -> None:
+        super().__init__(inner)
+        self._backend = backend
+
+    def wait(self, job_ids: Any, timeout: float | None = None) -> None:
+        if timeout is not None:
+            self._backend.clock_advance(timeout + 1.0)
+        super().wait(job_ids, timeout)
+
+
+class _Misuses(_Wrapper):
+    """``get_finished()`` first releases host memory the device never tracked (the sim records the misuse)."""
+
+    def __init__(self, inner: WorkerLike, backend: Any) -> None:
+        super().__init__(inner)
+        self._backend = backend
+
+    def get_finished(self) -> list[Any]:
+        self._backend.untrack_host(1 << 40)
+        return super().get_finished()
+
+
 def corrupts_cpu_bytes(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
     """R4/R5 (the byte compare): the CPU region reads back other bytes than the steps wrote."""
     return _CorruptsBytes(reference_factory(backend, gpu, setup))  # type: ignore[return-value]
@@ -101,3 +126,13 @@ def proves_needlessly(backend: Backend, gpu: Sequence[object], setup: Setup) -> 
 def accepts_invalid(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
     """R7: an invalid submission is accepted (no InvalidTransferError)."""
     return _AcceptsInvalid(reference_factory(backend, gpu, setup))  # type: ignore[return-value]
+
+
+def overstays_wait(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """R6/R11 (a bounded wait): ``wait(timeout=...)`` runs a second past its timeout."""
+    return _OverstaysWait(reference_factory(backend, gpu, setup), backend)  # type: ignore[return-value]
+
+
+def misuses_the_device(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """R3 (the device's misuse log): a release of memory the device never tracked."""
+    return _Misuses(reference_factory(backend, gpu, setup), backend)  # type: ignore[return-value]
