@@ -184,7 +184,8 @@ def _bounded_test_case(machine: type[OffloadingMachine], chosen: hypothesis.sett
                 with bounded_shrinking(machine.shrink_seconds):
                     run_state_machine_as_test(machine, settings=chosen)
             except BaseException as exc:
-                if chosen.verbosity == hypothesis.Verbosity.quiet:
+                # a failure without the kit's reproduction (Hypothesis's own errors, e.g. a flaky test) keeps its notes
+                if chosen.verbosity == hypothesis.Verbosity.quiet and machine.last_reproduction:
                     notes_once(exc, machine.last_reproduction, machine.last_logs)
                 raise
 
