@@ -13,6 +13,7 @@ import pytest
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.backends.trace_format import load_trace
+from kvoffload_ref.cli import main
 from kvoffload_ref.testing import Setup, SimDevice, mutants
 from kvoffload_ref.testing.campaign import run_campaign
 from kvoffload_ref.testing.explorer import explore
@@ -108,3 +109,20 @@ def test_messages_name_the_field_the_value_and_a_valid_example(
     assert shown in text, text
     assert "expected" in text or "e.g." in text, text
     assert len(text) < 600, text  # shortened: a huge value is not printed whole
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize(("argv", "shown"), [
+    (["fuzz", "--steps", "0"], "got 0"),
+    (["fuzz", "--steps", "many"], "got 'many'"),
+    (["fuzz", "--seconds", "-1"], "got -1.0"),
+    (["fuzz", "--shrink-seconds", "soon"], "got 'soon'"),
+])
+def test_messages_cli_options_name_the_option_the_value_and_an_example(
+        capsys: pytest.CaptureFixture[str], argv: list[str], shown: str) -> None:
+    """The kit's CLI refuses a bad number with exit 2 and one line naming the option, the value and an example."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert f"argument {argv[1]}" in err and shown in err and "e.g." in err, err
