@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload_ref.backends.base import Backend
-from kvoffload_ref.errors import InvalidTransferError
+from kvoffload_ref.errors import InvalidTransferError, TransferExpired
 from kvoffload_ref.results import HeldBlocks
 from kvoffload_ref.testing.adapter import Bytes, Setup, WorkerLike, reference_factory
 from kvoffload_ref.testing.mutants import _Wrapper
@@ -102,6 +102,23 @@ class _Misuses(_Wrapper):
         return super().get_finished()
 
 
+class _MisnamesExpiries(_Wrapper):
+    """A result that expired says the job expired for reason "later" (R26 knows "deadline", "cancel", "behind")."""
+
+    def get_finished(self) -> list[Any]:
+        results = super().get_finished()
+        return [dataclasses.replace(r, error=TransferExpired(str(r.error), "later", r.job_id))
+                if isinstance(r.error, TransferExpired) else r for r in results]
+
+
+class _OvercountsDrains(_Wrapper):
+    """The report's store handler claims one more drained transfer than it drained."""
+
+    def shutdown(self) -> Any:
+        report = self._inner.shutdown()
+        return dataclasses.replace(report, store=dataclasses.replace(report.store, drained=report.store.drained + 1))
+
+
 def corrupts_cpu_bytes(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
     """R4/R5 (the byte compare): the CPU region reads back other bytes than the steps wrote."""
     return _CorruptsBytes(reference_factory(backend, gpu, setup))  # type: ignore[return-value]
@@ -136,3 +153,13 @@ def overstays_wait(backend: Backend, gpu: Sequence[object], setup: Setup) -> Wor
 def misuses_the_device(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
     """R3 (the device's misuse log): a release of memory the device never tracked."""
     return _Misuses(reference_factory(backend, gpu, setup), backend)  # type: ignore[return-value]
+
+
+def misnames_expiries(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """R26 (why a job expired): an expiry's reason is none of the three."""
+    return _MisnamesExpiries(reference_factory(backend, gpu, setup))  # type: ignore[return-value]
+
+
+def overcounts_drains(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
+    """R10 (the drain's counts): the report says the store handler drained one transfer more."""
+    return _OvercountsDrains(reference_factory(backend, gpu, setup))  # type: ignore[return-value]

@@ -59,12 +59,14 @@ CASES: dict[str, tuple[Callable[..., object], tuple[Fault, ...] | None, tuple[st
     "R22 poisoned": (mutants.poisons_source_blocks, FAILING_JOB_1, ("r.invalid_blocks",)),
     "R6/R11 wait": (wrong.overstays_wait, (), ("dev.clock() - start <=",)),
     "R3 misuse": (wrong.misuses_the_device, (), ("dev.violations() == []",)),
+    "R26 expiry": (wrong.misnames_expiries, None, ("<= {'deadline', 'cancel', 'behind'}",)),
+    "R10 drained": (wrong.overcounts_drains, (), ("report.store.drained",)),
     # job 3 never handed out: the accounting (R10/R14/R22), or a wait() that returned for it first (R6)
     "R10/R14/R22 accounted": (_wrong_workers.drops_a_result, (), ("handed + ", "{r.job_id for r in results}")),
 }
 
 
-@pytest.mark.rule("R3", "R4", "R5", "R6", "R7", "R10", "R11", "R13", "R14", "R20", "R22", "R27")
+@pytest.mark.rule("R3", "R4", "R5", "R6", "R7", "R10", "R11", "R13", "R14", "R20", "R22", "R26", "R27")
 @pytest.mark.parametrize("check", sorted(CASES))
 def test_testing_reproduction_asserts_the_check_and_passes_once_fixed(tmp_path: pathlib.Path, check: str) -> None:
     factory, plans, reads = CASES[check]
