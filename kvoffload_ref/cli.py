@@ -178,16 +178,24 @@ def _print_found(result: Any, cases: dict[str, int], show: int) -> int:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    """An option's int >= 1 (argparse names the option in its message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 (e.g. 2000), got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value} (e.g. 2000)")
     return value
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
+    """An option's positive number of seconds (argparse names the option in its message)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number (e.g. 60), got {text!r}") from None
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+        raise argparse.ArgumentTypeError(f"must be positive, got {value} (e.g. 60)")
     return value
 
 

@@ -179,8 +179,8 @@ class HostRegion:
             offsets.append(total)
             total = _round_up(total + rb * num_cpu_chunks, PAGE)
         if total > INT64_MAX:
-            raise InvalidTransferError(f"a region of {num_cpu_chunks} chunks of {blocks_per_chunk} blocks would be "
-                                       f"{total} bytes: expected at most {INT64_MAX}")
+            raise InvalidTransferError(f"num_cpu_chunks={num_cpu_chunks}, blocks_per_chunk={blocks_per_chunk}: a "
+                                       f"region of {total} bytes: expected at most {INT64_MAX}")
         if pinning == "alloc":
             return cls._allocated(backend, total, offsets, row_bytes, num_cpu_chunks, max_register_bytes)
         try:
@@ -278,8 +278,8 @@ class HostRegion:
         if backend is mine or backend.ledger is mine.ledger:
             return
         raise InvalidTransferError(
-            f"the region was built on backend {mine.name!r}, not on the worker's backend {backend.name!r}: build "
-            f"the region with the worker's backend (HostRegion.allocate(backend, ...) or SharedRegion.open(..., "
+            f"backend: the region was built on backend {mine.name!r}, not on the worker's backend {backend.name!r}: "
+            f"expected the worker's backend (e.g. HostRegion.allocate(backend, ...) or SharedRegion.open(..., "
             f"backend=backend)), or let create_worker build it")
 
     @property

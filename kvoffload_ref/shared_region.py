@@ -57,7 +57,7 @@ from kvoffload_ref.shared_file import (
     pack_header,
 )
 from kvoffload_ref.specs import KVCacheLayout
-from kvoffload_ref.validate import INT64_MAX, check_int, check_seconds, check_sizes
+from kvoffload_ref.validate import INT64_MAX, check_int, check_seconds, check_sizes, short_repr
 
 __all__ = [
     "DEFAULT_DIRECTORY",
@@ -101,18 +101,22 @@ def validate_engine_id(engine_id: object) -> str:
             ``TEMP_NAME_EXTRA`` (the room its creator's temporary name needs).
     """
     if not isinstance(engine_id, str) or not engine_id:
-        raise InvalidTransferError(f"engine_id must be a non-empty str, got {engine_id!r}")
+        raise InvalidTransferError(f"engine_id must be a non-empty str, got {type(engine_id).__name__} "
+                                   f"{short_repr(engine_id)} (e.g. 'engine-0')")
     separators = {os.sep, "/", *([os.altsep] if os.altsep else [])}
     if engine_id in (".", "..") or "\0" in engine_id or any(sep in engine_id for sep in separators):
         raise InvalidTransferError(
-            f"engine_id {engine_id!r} is not a plain name: no '.', '..', path separator or NUL (R17)")
+            f"engine_id {short_repr(engine_id)} is not a plain name: expected no '.', '..', path separator or NUL "
+            "(R17; e.g. 'engine-0')")
     try:
         name = os.fsencode(FILE_PREFIX + engine_id + FILE_SUFFIX)
     except UnicodeEncodeError as exc:
-        raise InvalidTransferError(f"engine_id {engine_id!r} cannot be encoded as a file name") from exc
+        raise InvalidTransferError(f"engine_id {short_repr(engine_id)} cannot be encoded as a file name: expected "
+                                   "characters the file system encoding takes (e.g. 'engine-0')") from exc
     if len(name) + TEMP_NAME_EXTRA > _NAME_MAX:  # its creator's temporary name must fit too (R17)
-        raise InvalidTransferError(f"engine_id {engine_id!r} makes a file name of {len(name)} bytes (its creator's "
-                                   f"temporary name adds {TEMP_NAME_EXTRA}: at most {_NAME_MAX} in all)")
+        raise InvalidTransferError(f"engine_id {short_repr(engine_id)} makes a file name of {len(name)} bytes (its "
+                                   f"creator's temporary name adds {TEMP_NAME_EXTRA}): expected at most "
+                                   f"{_NAME_MAX - TEMP_NAME_EXTRA} (e.g. 'engine-0')")
     return engine_id
 
 
@@ -158,12 +162,13 @@ class SharedGeometry:
         bpc, chunks = check_sizes(blocks_per_chunk, num_cpu_chunks)
         ranks = check_int("world_size", world_size, minimum=1, maximum=MAX_WORLD_SIZE)
         if not isinstance(replicated, bool):
-            raise InvalidTransferError(f"replicated must be a bool, got {replicated!r}")
+            raise InvalidTransferError(f"replicated must be a bool, got {type(replicated).__name__} "
+                                       f"{short_repr(replicated)} (e.g. False)")
         row_bytes = tuple(layout.cpu_row_bytes(t, bpc) for t in range(layout.num_tensors))
         geometry = cls(row_bytes, chunks, ranks, replicated)
         if geometry.file_size > INT64_MAX:
-            raise InvalidTransferError(f"a shared file of {chunks} chunks of {bpc} blocks for {ranks} rank(s) would "
-                                       f"be {geometry.file_size} bytes: expected at most {INT64_MAX}")
+            raise InvalidTransferError(f"num_cpu_chunks={chunks}, blocks_per_chunk={bpc}, world_size={ranks}: a "
+                                       f"shared file of {geometry.file_size} bytes: expected at most {INT64_MAX}")
         return geometry
 
     @property

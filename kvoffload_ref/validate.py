@@ -48,6 +48,7 @@ __all__ = [
     "check_views",
     "map_refused",
     "readonly",
+    "short_repr",
 ]
 
 Int64Array = npt.NDArray[np.int64]  # an array of int64 ids or sizes
@@ -70,6 +71,21 @@ def _show(value: object) -> str:
         if bits > _SHOWN_BITS:
             return f"{'a negative' if value < 0 else 'an'} int of {bits} bits"
     return repr(value)
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for a message, cut to ``limit`` characters (with its full length) when longer; an int of
+    more than 128 bits is named by its size.
+
+    Args:
+        value: what the caller passed.
+        limit: the most characters shown.
+
+    Returns:
+        The text to show.
+    """
+    text = _show(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:

@@ -70,13 +70,20 @@ def test_docs_readme_vllm_cells_match_docs_failure_modes() -> None:
 
 def test_docs_install_the_kit_only_by_a_direct_reference_and_ci_checks_that_route() -> None:
     """kvoffload_ref is not on PyPI: no doc may tell a user to ``pip install "kvoffload_ref[conformance]"`` from the
-    index; each gives the direct-reference form, and .ci/run installs a wheel of the checkout through that form
-    with the conformance extra alone, then runs the kit's CLI on a factory module in the current directory."""
+    index; each gives the direct-reference forms a user runs as written (a checkout, a clone through
+    ``git+file``), and .ci/run installs a wheel of the checkout through that form with the conformance extra alone,
+    then runs the kit's CLI on a factory module in the current directory, and installs the clone's HEAD through
+    ``git+file``."""
     docs = {path: path.read_text() for path in (ROOT / "README.md", ROOT / "docs" / "conformance.md")}
     for path, text in docs.items():
         assert not re.search(r"""pip install ["']kvoffload_ref\[conformance\]["']""", text), path
         assert 'pip install "kvoffload_ref[conformance] @ ' in text, path
+        assert "<host>" not in text and "<owner>" not in text, path  # every line runs as written
+        for form in ("@ file:///abs/path/to/checkout", "@ git+file:///abs/path/to/checkout",
+                     "git+file://localhost/abs/path/to/checkout"):
+            assert form in text, (path, form)
     ci = (ROOT / ".ci" / "run").read_text()
     assert "pip wheel -q --no-deps -w " in ci and "python3 -m venv .venv-wheel" in ci
     assert 'pip install -q "kvoffload_ref[conformance] @ file://$wheel"' in ci
     assert "kvoffload-ref explore --factory mymod:make_worker" in ci
+    assert 'pip install -q "kvoffload_ref[conformance] @ git+file://$checkout"' in ci

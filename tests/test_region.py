@@ -193,8 +193,8 @@ def test_region_knows_its_backend_and_refuses_another() -> None:
         region.check_backend(be)
         region.check_backend(kv.FaultyBackend(be, kv.FaultPlan()))  # the same device through a wrapper
         with pytest.raises(kv.InvalidTransferError,
-                           match=r"^the region was built on backend 'sim', not on the worker's backend 'sim': build "
-                                 r"the region with the worker's backend \(HostRegion\.allocate\(backend, \.\.\.\)"):
+                           match=r"^backend: the region was built on backend 'sim', not on the worker's backend 'sim': "
+                                 r"expected the worker's backend \(e\.g\. HostRegion\.allocate\(backend, \.\.\.\)"):
             region.check_backend(other)
     finally:
         region.release()

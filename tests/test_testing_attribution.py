@@ -139,11 +139,11 @@ def test_testing_attribution_outcome_checks_name_each_contradiction() -> None:
     wrong = _Report((_Outcome(_Result(2, False, None, (3,), kind), "abandoned"),   # a source id, out of order
                      _Outcome(_Result(1, True, 16, (), kind), "failed")))           # a failed "success"
     found = list(outcome_problems(wrong, model, frozenset(), unreliable=False, proven_in_time=True))
-    cited = {rules for rules, _ in found}
+    cited = {rules for rules, *_ in found}
     assert {"R22", "R10/R22", "R5/R22"} <= cited, found
     lost = _Report((_Outcome(_Result(1, False, None, (0,), kind), "abandoned"),))
-    assert [r for r, _ in accounting_problems(lost, model, {})] == ["R10/R22"]   # job 2 neither handed nor listed
-    assert [r for r, _ in accounting_problems(right, model, {1: 1})] == ["R14/R22"]  # job 1 twice
+    assert [r for r, *_ in accounting_problems(lost, model, {})] == ["R10/R22"]   # job 2 neither handed nor listed
+    assert [r for r, *_ in accounting_problems(right, model, {1: 1})] == ["R14/R22"]  # job 1 twice
 
 
 # -- the machine on both workers ----------------------------------------------------------------------------------

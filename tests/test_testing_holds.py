@@ -63,12 +63,12 @@ def test_testing_holds_held_must_cover_late_jobs_the_way_they_touch_each_id() ->
     m.resolve(load, False)  # late: it may still write GPU 2 and read chunk 0
     assert list(held_problems(held_sets(_held(gpu=[2], cpu=[0], cpu_reads=[0])), m)) == []
     missing = list(held_problems(held_sets(_held()), m))
-    assert any(rules == "R27" and "gpu ids [2] are not held" in text for rules, text in missing), missing
-    assert any("cpu ids [0] are not held" in text for _, text in missing), missing
+    assert any(rules == "R27" and "gpu ids [2] are not held" in text for rules, text, _ in missing), missing
+    assert any("cpu ids [0] are not held" in text for _, text, _ in missing), missing
     reads_only = list(held_problems(held_sets(_held(gpu=[2], cpu=[0], gpu_reads=[2], cpu_reads=[0])), m))
-    assert any("held for writes only although a late copy may still write" in text for _, text in reads_only)
+    assert any("held for writes only although a late copy may still write" in text for _, text, _ in reads_only)
     extra = list(held_problems(held_sets(_held(gpu=[2, 5], cpu=[0], cpu_reads=[0])), m))
-    assert any("[5] are held although no late" in text for _, text in extra)
+    assert any("[5] are held although no late" in text for _, text, _ in extra)
     m.release(load)
     assert list(held_problems(held_sets(_held()), m)) == []
 
@@ -82,13 +82,13 @@ def test_testing_holds_a_release_names_a_late_job_once_with_its_ids_after_its_co
     m.resolve(done, True)
     record = kv.ReleasedHold(1, "store", (3,), (1,))
     assert list(release_problems(record, m, observed=True)) == []
-    assert any("never saw its copy observed" in t for _, t in release_problems(record, m, observed=False))
-    assert any("with blocks" in t for _, t in release_problems(dataclasses.replace(record, cpu_chunks=(2,)), m,
+    assert any("never saw its copy observed" in t for _, t, _ in release_problems(record, m, observed=False))
+    assert any("with blocks" in t for _, t, _ in release_problems(dataclasses.replace(record, cpu_chunks=(2,)), m,
                                                                 True))
-    assert any("a success" in t for _, t in release_problems(kv.ReleasedHold(2, "store", (4,), (2,)), m, True))
-    assert any("never accepted" in t for _, t in release_problems(kv.ReleasedHold(9, "load", (), ()), m, True))
+    assert any("a success" in t for _, t, _ in release_problems(kv.ReleasedHold(2, "store", (4,), (2,)), m, True))
+    assert any("never accepted" in t for _, t, _ in release_problems(kv.ReleasedHold(9, "load", (), ()), m, True))
     m.release(ok)
-    assert any("a second time" in t for _, t in release_problems(record, m, observed=True))
+    assert any("a second time" in t for _, t, _ in release_problems(record, m, observed=True))
 
 
 def _expired(reason: str, job: int, ahead: int | None = None) -> kv.TransferExpired:
@@ -104,7 +104,7 @@ def test_testing_expiry_allows_only_the_expiries_the_rule_allows() -> None:
 
     def problems(transfer: object, error: object, now: float = 2.0) -> list[str]:
         found = failure_problems(m, transfer, error, now, unreliable=False, running=True)  # type: ignore[arg-type]
-        return [text for _, text in found]
+        return [text for _, text, _ in found]
 
     assert problems(first, _expired("deadline", 1)) == []
     assert problems(first, _expired("deadline", 1), now=1.005), "before its deadline passed"

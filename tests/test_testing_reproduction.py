@@ -104,3 +104,35 @@ def test_testing_release_policy_reproduction_asserts_the_region(tmp_path: pathli
         done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60, check=False,
                               cwd=tmp_path, env=env)
         assert done.returncode == status, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+_ROUTE = '''
+import hypothesis
+from hypothesis import strategies as st
+from kvoffload_ref.faults import Fault
+from kvoffload_ref.testing import kit_settings, make_machine, mutants, setups
+
+Wrong = make_machine(mutants.failures_reported_as_success, name="WrongWorker",
+                     setup_strategy=setups(plans=st.just((Fault("event_query", "error", job_id=1),))),
+                     settings=hypothesis.settings(kit_settings(200, derandomize=True), print_blob=True))
+Wrong.shrink_seconds = 2.0
+TestWrongWorker = Wrong.TestCase
+'''
+
+
+@pytest.mark.rule("R5")
+def test_testing_pytest_route_prints_the_reproduction_once(tmp_path: pathlib.Path) -> None:
+    """docs/conformance.md's pytest route, failing: the output holds the kit's reproduction once and not
+    Hypothesis's own listing of the steps (its ``Failing test case``, each ``state.rule()`` call, its shrink
+    warning); Hypothesis's ``@reproduce_failure`` line is kept (``print_blob``: it replays the kit's run)."""
+    (tmp_path / "test_route.py").write_text(_ROUTE)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_route.py"],
+                          capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    assert out.count("def test_reproduction() -> None:") == 1, out[-3000:]
+    assert out.count("w = failures_reported_as_success(dev.backend, dev.gpu, setup)") == 1
+    assert "assert all(not r.success for r in results if r.job_id == 1)" in out
+    for hypothesis_own in ("Failing test case", "state.get_finished()", "Draw 1", "five minutes"):
+        assert hypothesis_own not in out, hypothesis_own
+    assert out.count("@reproduce_failure(") == 1

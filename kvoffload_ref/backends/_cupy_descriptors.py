@@ -68,7 +68,7 @@ class DescriptorPool:
             DeviceError: the pinned or device allocation failed (nothing is kept).
         """
         if capacity < 0:
-            raise InvalidTransferError(f"descriptor capacity must be >= 0; got {capacity}")
+            raise InvalidTransferError(f"alloc_descriptors: capacity must be >= 0, got {capacity!r} (e.g. 0)")
         slots = max(MIN_DESCRIPTOR_SLOTS, 1 << max(capacity - 1, 0).bit_length())
         block = self._take(slots, tag)
         words = block.words
@@ -90,7 +90,8 @@ class DescriptorPool:
         """
         block = getattr(buf, "handle", None)
         if not isinstance(block, DescriptorBlock) or block.owner != id(self):
-            raise InvalidTransferError(f"{buf!r} was not allocated by this backend")
+            raise InvalidTransferError(f"buf: {type(buf).__name__} {repr(buf)[:80]} was not allocated by this "
+                                       "backend: expected one from its alloc_descriptors()")
         return block
 
     def retire(self, buf: DescriptorBuffer, on_retire: Callable[[DescriptorBuffer], None]) -> None:

@@ -278,5 +278,6 @@ def check_shape(shape: object) -> tuple[int, int]:
     """
     if (not isinstance(shape, tuple) or len(shape) != 2
             or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in shape)):
-        raise InvalidTransferError(f"shape must be two non-negative ints; got {shape!r}")
+        raise InvalidTransferError(f"shape must be a tuple of two non-negative ints (e.g. (4, 64)), got "
+                                   f"{type(shape).__name__} {repr(shape)[:80]}")
     return int(shape[0]), int(shape[1])

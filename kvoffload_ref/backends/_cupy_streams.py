@@ -76,11 +76,12 @@ class StreamsMixin:
         else:
             ptr, device = parse_stream_object(stream)
         if device is not None and device != self._device:
-            raise InvalidTransferError(f"compute_stream: the stream is on cuda:{device}, the backend on "
-                                       f"cuda:{self._device}")
+            raise InvalidTransferError(f"compute_stream: stream is on cuda:{device}: expected a stream on the "
+                                       f"backend's device, cuda:{self._device}")
         if ptr == 2:
-            raise InvalidTransferError("compute_stream: the current stream is the per-thread default stream (2), "
-                                       "a different stream in every thread; pass the model's stream explicitly")
+            raise InvalidTransferError("compute_stream: stream=None found the per-thread default stream (handle 2), "
+                                       "a different stream in every thread: expected the model's stream, passed "
+                                       "explicitly (e.g. compute_stream(torch.cuda.current_stream()))")
         return self._unowned(ptr)
 
     def create_stream(self, *, tag: Tag | None = None) -> Stream:
@@ -205,14 +206,16 @@ class StreamsMixin:
 
     def _stream(self, stream: Stream, *, allow_destroyed: bool = False) -> CupyStream:
         if not isinstance(stream, CupyStream):
-            raise InvalidTransferError(f"not a stream of the CuPy backend: {stream!r}")
+            raise InvalidTransferError(f"stream: {type(stream).__name__} {repr(stream)[:80]} is not a stream of the "
+                                       "CuPy backend: expected one from its create_stream() or compute_stream()")
         if stream.destroyed and not allow_destroyed:
             raise DeviceError(f"stream {stream.ptr:#x} was destroyed", CUDA_ERROR_INVALID_RESOURCE_HANDLE)
         return stream
 
     def _event(self, event: Event, *, allow_destroyed: bool = False) -> CupyEvent:
         if not isinstance(event, CupyEvent):
-            raise InvalidTransferError(f"not an event of the CuPy backend: {event!r}")
+            raise InvalidTransferError(f"event: {type(event).__name__} {repr(event)[:80]} is not an event of the "
+                                       "CuPy backend: expected one from its create_event()")
         if event.destroyed and not allow_destroyed:
             raise DeviceError(f"event {event.ptr:#x} was destroyed", CUDA_ERROR_INVALID_RESOURCE_HANDLE)
         return event

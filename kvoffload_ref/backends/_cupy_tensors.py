@@ -54,7 +54,8 @@ def view_tensor(cp: Any, cuda: CudaCalls, array: object, name: str) -> ByteView:
     elif callable(getattr(array, "__dlpack__", None)):
         view = _dlpack_view(cp, cuda, array, name, cai_error)
     else:
-        raise InvalidTransferError(f"{name}: not a GPU tensor ({cai_error}, no __dlpack__): {describe(array)}")
+        raise InvalidTransferError(f"{name}: expected a GPU tensor with __cuda_array_interface__ or __dlpack__ "
+                                   f"(e.g. a torch.cuda tensor or a cupy array), got {describe(array)} ({cai_error})")
     if view.nbytes:
         _check_device_pointer(cuda, view.ptr, name)
     return view
@@ -64,7 +65,8 @@ def _dlpack_view(cp: Any, cuda: CudaCalls, array: Any, name: str, cai_error: str
     try:
         dl_device = array.__dlpack_device__()
     except Exception as exc:
-        raise InvalidTransferError(f"{name}: __dlpack_device__() failed: {type(exc).__name__}: {exc}") from exc
+        raise InvalidTransferError(f"{name}: {describe(array)}.__dlpack_device__() failed: {type(exc).__name__}: "
+                                   f"{exc}; expected a GPU tensor (e.g. a torch.cuda tensor)") from exc
     check_dlpack_device(dl_device, cuda.device, name=name)
     try:
         with cuda("from_dlpack"):
@@ -72,9 +74,9 @@ def _dlpack_view(cp: Any, cuda: CudaCalls, array: Any, name: str, cai_error: str
     except DeviceError:
         raise
     except Exception as exc:  # CuPy refuses e.g. a dtype it does not know
-        raise InvalidTransferError(f"{name}: cupy.from_dlpack failed ({cai_error}): {type(exc).__name__}: {exc}; "
-                                   "a byte view of the tensor (e.g. torch's t.view(torch.uint8)) avoids the dtype"
-                                   ) from exc
+        raise InvalidTransferError(f"{name}: cupy.from_dlpack({describe(array)}) failed ({cai_error}): "
+                                   f"{type(exc).__name__}: {exc}; expected a dtype CuPy knows: a byte view of the "
+                                   "tensor (e.g. torch's t.view(torch.uint8)) avoids the dtype") from exc
     interface = {"shape": tuple(arr.shape), "strides": tuple(arr.strides), "typestr": f"|V{int(arr.itemsize)}",
                  "data": (int(arr.data.ptr), False), "version": 3}
     return parse_cuda_array_interface(interface, name=name)
@@ -85,9 +87,12 @@ def _check_device_pointer(cuda: CudaCalls, ptr: int, name: str) -> None:
         attrs = cuda.rt.pointerGetAttributes(ptr)
     kind, device = int(attrs.type), int(attrs.device)
     if kind not in (MEMORY_TYPE_DEVICE, MEMORY_TYPE_MANAGED):
-        raise InvalidTransferError(f"{name}: not device memory (cudaMemoryType {kind}) at {ptr:#x}")
+        raise InvalidTransferError(f"{name}: the memory at {ptr:#x} is cudaMemoryType {kind}: expected device or "
+                                   f"managed memory ({MEMORY_TYPE_DEVICE} or {MEMORY_TYPE_MANAGED}, e.g. a torch.cuda "
+                                   "tensor)")
     if device != cuda.device:
-        raise InvalidTransferError(f"{name}: is on cuda:{device}, the backend on cuda:{cuda.device}")
+        raise InvalidTransferError(f"{name}: is on cuda:{device}: expected a tensor on the backend's device, "
+                                   f"cuda:{cuda.device}")
 
 
 def copy_to_host(cuda: CudaCalls, g: TensorGeometry, stream_ptr: int) -> npt.NDArray[np.uint8]:

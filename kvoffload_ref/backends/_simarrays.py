@@ -50,7 +50,8 @@ class SimArrayCalls(SimCore):
             DeviceError: the device is lost.
         """
         if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 2:
-            raise InvalidTransferError(f"from_host needs a 2-D uint8 numpy array, got {describe(array)}")
+            raise InvalidTransferError(f"from_host: array must be a 2-D uint8 numpy array (e.g. "
+                                       f"np.zeros((4, 64), np.uint8)), got {describe(array)}")
         if self.on_call is not None:
             self.on_call("from_host", None)
         with self._lock:

@@ -93,8 +93,8 @@ class SimClockCalls(SimCore):
         now = sched.now
         target = now + seconds
         if target == math.inf:
-            raise InvalidTransferError(f"sleep({seconds!r}) at virtual time {now!r} would move the clock past the "
-                                       "largest float")
+            raise InvalidTransferError(f"sleep: seconds={seconds!r} at virtual time {now!r} would move the clock "
+                                       "past the largest float: expected a finite end time (e.g. seconds=1.0)")
         if target == now and seconds != 0:
             target = float(np.nextafter(now, np.inf))
         if watched is None:

@@ -59,7 +59,7 @@ from kvoffload_ref.errors import (
     InvalidTransferError,
     SimHang,
 )
-from kvoffload_ref.validate import INT64_MAX, check_int, check_positive, check_seconds
+from kvoffload_ref.validate import INT64_MAX, check_int, check_positive, check_seconds, short_repr
 
 __all__ = ["SimCore", "checked_shape", "describe", "tag_of", "transfer_name"]
 
@@ -93,10 +93,11 @@ def _check_switches(copy_path: object, host_register: object, trace: object, rac
     if copy_path not in ("auto", "kernel", "memcpy"):
         raise InvalidTransferError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
     if host_register not in ("allow", "refuse"):
-        raise InvalidTransferError(f"host_register must be 'allow' or 'refuse'; got {host_register!r}")
+        raise InvalidTransferError(f"host_register must be 'allow' or 'refuse'; got {short_repr(host_register)}")
     for name, value in (("trace", trace), ("race_check", race_check)):
         if not isinstance(value, bool):
-            raise InvalidTransferError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+            raise InvalidTransferError(f"{name} must be a bool, got {type(value).__name__} {short_repr(value)} "
+                                       "(e.g. True)")
 
 class SimCore:
     """State and internal steps of the simulated device (the constructor's arguments: see ``SimBackend``).
@@ -219,7 +220,8 @@ class SimCore:
             InvalidTransferError: the device was made without ``trace=True``.
         """
         if self._trace is None:
-            raise InvalidTransferError("trace_document: this device records no timeline (make it with trace=True)")
+            raise InvalidTransferError("trace_document: this device was made with trace=False and records no "
+                                       "timeline: expected SimBackend(trace=True)")
         with self._lock:
             self._catch_up()
             return self._trace.document(self._pending, self._sched.now)
@@ -472,17 +474,20 @@ class SimCore:
 
     def _geometry(self, array: object) -> tuple[TensorGeometry, npt.NDArray[np.uint8]]:
         if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 2:
-            raise InvalidTransferError(f"expected a 2-D uint8 sim device array, got {describe(array)}")
+            raise InvalidTransferError(f"array must be a 2-D uint8 device array of this backend (e.g. "
+                                       f"be.empty_device((4, 64))), got {describe(array)}")
         rows, row_bytes = (int(n) for n in array.shape)
         stride, column_stride = (int(n) for n in array.strides)
         if rows == 0 or row_bytes == 0 or column_stride != 1 or (rows > 1 and stride < row_bytes):
-            raise InvalidTransferError(f"sim device arrays must be non-empty with contiguous, non-overlapping "
-                                       f"rows; got shape {array.shape}, strides {array.strides}")
+            raise InvalidTransferError(f"array must be non-empty with contiguous, non-overlapping rows (e.g. "
+                                       f"be.empty_device((4, 64)) or a row slice of one), got shape {array.shape}, "
+                                       f"strides {array.strides}")
         stride = stride if rows > 1 else max(stride, row_bytes)
         ptr = address(array)
         span = self._memory.span_holding(ptr, (rows - 1) * stride + row_bytes)
         if span is None or span.is_host:
-            raise InvalidTransferError(f"array at {ptr:#x} is not a device array of this backend")
+            raise InvalidTransferError(f"array: the {describe(array)} at {ptr:#x} is not a device array of this "
+                                       "backend: expected one it made (e.g. be.empty_device((4, 64)))")
         return TensorGeometry(ptr, rows, row_bytes, stride), array
 
     def _device_view(self, array: object) -> npt.NDArray[np.uint8]:
@@ -502,19 +507,21 @@ def checked_shape(shape: tuple[int, int]) -> tuple[int, int]:
             or more bytes than int64 addresses span.
     """
     if not isinstance(shape, (tuple, list)) or len(shape) != 2:
-        raise InvalidTransferError(f"shape must be (rows, row_bytes), got {type(shape).__name__} {shape!r}")
+        raise InvalidTransferError(f"shape must be (rows, row_bytes), got {type(shape).__name__} "
+                                   f"{short_repr(shape)} (e.g. (4, 64))")
     rows = check_int("shape[0] (rows)", shape[0], minimum=1, maximum=INT64_MAX)
     row_bytes = check_int("shape[1] (row_bytes)", shape[1], minimum=1, maximum=INT64_MAX)
     if rows * row_bytes > INT64_MAX:
-        raise InvalidTransferError(f"shape {rows} x {row_bytes} is {rows * row_bytes} bytes: expected at most "
-                                   f"{INT64_MAX}")
+        raise InvalidTransferError(f"shape ({rows}, {row_bytes}) is {rows * row_bytes} bytes: expected at most "
+                                   f"{INT64_MAX} bytes (e.g. (4, 64))")
     return rows, row_bytes
 
 
 def describe(value: object) -> str:
+    """``value`` for a message: an array by its dtype and shape, anything else by its type and (short) repr."""
     if isinstance(value, np.ndarray):
         return f"an ndarray of dtype {value.dtype} and shape {value.shape}"
-    return type(value).__name__
+    return f"{type(value).__name__} {short_repr(value)}"
 
 
 def _outside_detail(op: CopyOp, bad: int | None) -> str:

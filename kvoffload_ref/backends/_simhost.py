@@ -43,8 +43,8 @@ class SimHostCalls(SimCore):
         ptr = check_int("track_host: ptr", ptr, maximum=INT64_MAX)
         nbytes = check_int("track_host: nbytes", nbytes, maximum=INT64_MAX)
         if ptr <= 0 or nbytes <= 0 or ptr + nbytes > INT64_MAX:
-            raise InvalidTransferError(f"track_host({ptr:#x}, {nbytes}): address and size must be positive, and "
-                                       "the range must end within the int64 address range")
+            raise InvalidTransferError(f"track_host: ptr and nbytes must be positive with ptr + nbytes <= {INT64_MAX}, "
+                                       f"got ptr={ptr:#x}, nbytes={nbytes} (e.g. ptr=0x10000, nbytes=4096)")
         if self.on_call is not None:
             self.on_call("track_host", None)
         with self._lock:
@@ -105,8 +105,10 @@ class SimHostCalls(SimCore):
                               "mapping")
                 return
             if ptr % PAGE or (end % PAGE and end != span.end):
-                raise InvalidTransferError(f"untrack_host_pages({ptr:#x}, {nbytes}): a piece begins on a page "
-                                           f"boundary ({PAGE} bytes) and ends on one or at its mapping's end")
+                raise InvalidTransferError(f"untrack_host_pages: ptr must be a multiple of the page ({PAGE} bytes) "
+                                           f"and ptr + nbytes one too or the mapping's end ({span.end:#x}), got "
+                                           f"ptr={ptr:#x}, nbytes={nbytes} (e.g. ptr={span.start:#x}, "
+                                           f"nbytes={min(PAGE, span.end - span.start)})")
             self._poison_pending(ptr, end, "unmap_under_dma", f"pages [{ptr:#x}, {end:#x}) were untracked")
             self._memory.cut(ptr, end)
 

@@ -160,8 +160,9 @@ class Memory:
         clash = index.intervals.overlapping(span.start, span.end)
         if clash:
             other = index.spans[clash[0]]
-            raise InvalidTransferError(f"[{span.start:#x}, {span.end:#x}) overlaps live memory "
-                                       f"[{other.start:#x}, {other.end:#x})")
+            raise InvalidTransferError(f"ptr, nbytes: the range [{span.start:#x}, {span.end:#x}) overlaps live memory "
+                                       f"[{other.start:#x}, {other.end:#x}): expected a range outside it (e.g. "
+                                       f"ptr={max(other.end, span.start):#x})")
         self._spans[span.start] = span
         self._span_index = self._slow = None
 

@@ -96,7 +96,9 @@ class CupyBackend(StreamsMixin, TracingMixin):
         if copy_path not in ("auto", "kernel", "memcpy"):
             raise ValueError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
         if kernel_min_count < 1 or kernel_max_mean_bytes < 0:
-            raise ValueError("kernel_min_count must be >= 1 and kernel_max_mean_bytes >= 0")
+            raise ValueError(f"kernel_min_count must be >= 1 and kernel_max_mean_bytes >= 0, got kernel_min_count="
+                             f"{kernel_min_count!r}, kernel_max_mean_bytes={kernel_max_mean_bytes!r} (e.g. "
+                             f"{DEFAULT_KERNEL_MIN_COUNT} and {DEFAULT_KERNEL_MAX_MEAN_BYTES})")
         self._cp: Any = _cupy_module if _cupy_module is not None else _cuda_rt.import_cupy()
         self._device = int(device)
         self._cuda = CudaCalls(self._cp, self._device)
@@ -188,7 +190,8 @@ class CupyBackend(StreamsMixin, TracingMixin):
             DeviceError: a CUDA call failed.
         """
         if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 2:
-            raise InvalidTransferError(f"from_host needs a 2-D uint8 numpy array; got {describe(array)}")
+            raise InvalidTransferError(f"from_host: array must be a 2-D uint8 numpy array (e.g. "
+                                       f"np.zeros((4, 64), np.uint8)), got {describe(array)}")
         host = np.ascontiguousarray(array)
         dev = copy_from_host(self._cp, self._cuda, host, self._current_ptr("from_host"))
         self._note_geometry(TensorGeometry(int(dev.data.ptr), host.shape[0], host.shape[1], host.shape[1]))
@@ -401,10 +404,12 @@ class CupyBackend(StreamsMixin, TracingMixin):
         s = self._stream(stream)
         block = self._descriptors.block_of(buf)
         if not 0 <= count <= buf.capacity:
-            raise InvalidTransferError(f"count {count} outside [0, {buf.capacity}]")
+            raise InvalidTransferError(f"copy_batch: count must be an int in [0, {buf.capacity}] (the buffer's "
+                                       f"capacity), got {count!r} (e.g. {buf.capacity})")
         src, dst, sizes = buf.src[:count], buf.dst[:count], buf.sizes[:count]
         if count and int(sizes.min()) < 0:
-            raise InvalidTransferError("descriptor sizes must be >= 0")
+            raise InvalidTransferError(f"copy_batch: descriptor sizes must be >= 0, got {int(sizes.min())} at "
+                                       f"descriptor {int(np.argmin(sizes))} (e.g. 0)")
         if count == 0 or int(sizes.max()) == 0:
             return
         path = self.choose_path(src, dst, sizes)

@@ -81,7 +81,7 @@ from kvoffload_ref.errors import (
     InvalidTransferError,
     SimHang,
 )
-from kvoffload_ref.validate import check_id_array, check_int, check_seconds
+from kvoffload_ref.validate import check_id_array, check_int, check_seconds, short_repr
 
 __all__ = ["ScheduleLength", "SimBackend", "SimEvent", "SimHang", "SimStream", "Violation", "ViolationKind"]
 
@@ -200,8 +200,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
                 return named
             if isinstance(stream, SimStream) and stream.owner is self and not stream.destroyed:
                 return stream
-        raise InvalidTransferError(f"compute_stream: expected None, a str naming a compute stream, or a live "
-                                   f"stream of this device; got {describe(stream)}")
+        raise InvalidTransferError(f"compute_stream: stream must be None, a str naming a compute stream (e.g. "
+                                   f"'model') or a live stream of this device; got {describe(stream)}")
 
     def create_stream(self, *, tag: Tag | None = None) -> Stream:
         """A new stream (ledger kind "stream", key id(stream)).
@@ -401,7 +401,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
                 raise DeviceError(f"copy_batch: {buf!r} is not a live descriptor buffer of this device",
                                   CUDA_ERROR_INVALID_RESOURCE_HANDLE)
             if not 0 <= count <= buf.capacity:
-                raise InvalidTransferError(f"copy_batch: count {count} outside [0, {buf.capacity}]")
+                raise InvalidTransferError(f"copy_batch: count must be an int in [0, {buf.capacity}] (the "
+                                           f"buffer's capacity), got {count!r} (e.g. {buf.capacity})")
             op = CopyOp(target, buf, count, tag)
             self._check_registrations(buf, count, tag)  # R25
             if self._race is not None:
@@ -531,7 +532,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
             self._check_alive()
             target = self._device_view(dev)
             if picked.size and picked.max() >= target.shape[0]:
-                raise InvalidTransferError(f"enqueue_compute_write: rows outside [0, {target.shape[0]})")
+                raise InvalidTransferError(f"enqueue_compute_write: rows must be in [0, {target.shape[0]}) (the "
+                                           f"array's rows), got {short_repr(picked.tolist())} (e.g. [0])")
             if self._race is not None:
                 name = f"compute work on stream {target_stream.label!r}"
                 self._check_race(target_stream, name, None, rows_access(target, picked))

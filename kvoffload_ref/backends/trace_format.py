@@ -153,7 +153,8 @@ def load_trace(path: str) -> dict[str, Any]:
     if isinstance(doc, list):
         doc = {"traceEvents": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")
+        raise ValueError(f"path {str(path)!r}: not a Chrome trace: expected a JSON list of events or an object with "
+                         f"a traceEvents list (e.g. {{\"traceEvents\": []}}), got {type(doc).__name__}")
     return doc
 
 

@@ -300,6 +300,8 @@ class SimDevice:
         self._starts: set[int] = set()
         # Invariant: observations not yet taken, in order, each with the number of ops labelled when it was made.
         self._observed: list[tuple[int, tuple[str, int] | None]] = []
+        # Invariant: every completion the host observed, taken or not (what a reproduction asserts over).
+        self._ever_observed: set[tuple[str, int]] = set()
         self._computes = 0
         for t, page in enumerate(setup.layout.tensor_page_bytes):
             full = self.sim.from_host(initial_gpu_bytes(setup, t))
@@ -322,12 +324,12 @@ class SimDevice:
                     raise KeyboardInterrupt
             done = cls.query(sim, event)
             if done:
-                self._observed.append((len(self.op_labels), self._label(event)))
+                self._observe(self._label(event))
             return done
 
         def synchronize(event: Event) -> None:
             cls.synchronize(sim, event)
-            self._observed.append((len(self.op_labels), self._label(event)))
+            self._observe(self._label(event))
 
         def copy_batch(stream: Stream, buf: DescriptorBuffer, count: int, *, tag: Tag | None = None) -> None:
             cls.copy_batch(sim, stream, buf, count, tag=tag)
@@ -380,8 +382,18 @@ class SimDevice:
         """Host copies of the GPU tensors (the clock advances past the compute stream's queued work, which the
         host thereby observes)."""
         copies = [self.sim.to_host(t) for t in self.gpu]
-        self._observed.append((len(self.op_labels), ("compute", -1)))
+        self._observe(("compute", -1))
         return copies
+
+    def _observe(self, label: tuple[str, int] | None) -> None:
+        self._observed.append((len(self.op_labels), label))
+        if label is not None:
+            self._ever_observed.add(label)
+
+    def observed(self) -> frozenset[tuple[str, int]]:
+        """Every completion the host observed so far (an event query that returned True, or a sync), as its
+        transfer's tag (``("store", job)``): what a reproduction asserts R5/R20/R27 over."""
+        return frozenset(self._ever_observed)
 
     def take_observations(self, before: int | None = None) -> list[tuple[str, int] | None]:
         """The completions the host observed since the last call, in order (see the class docstring).

@@ -56,7 +56,7 @@ def quiet_logs(name: str = "kvoffload_ref") -> Iterator[None]:
 
 def _machine(factory: WorkerFactory, policy: str | None, capabilities: Capabilities | None) -> type[OffloadingMachine]:
     if policy not in (None, "quarantine", "release"):
-        raise ValueError(f"policy must be None, 'quarantine' or 'release', got {policy!r}")
+        raise ValueError(f"policy must be None, 'quarantine' or 'release', got {policy!r} (e.g. 'quarantine')")
     chosen = setups(policy=policies(on_unproven=(policy,))) if policy else setups()
     return make_machine(factory, name="CampaignMachine", setup_strategy=chosen, capabilities=capabilities)
 
@@ -85,11 +85,12 @@ def _traceback(exc: BaseException) -> str:
 
 def _validate(steps: int | None, seconds: float | None) -> None:
     if (steps is None) == (seconds is None):
-        raise ValueError("give exactly one of steps and seconds")
+        raise ValueError(f"steps and seconds: expected exactly one (e.g. steps=2000 or seconds=60), got "
+                         f"steps={steps!r}, seconds={seconds!r}")
     if steps is not None and steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+        raise ValueError(f"steps must be at least 1, got {steps!r} (e.g. 2000)")
     if seconds is not None and not seconds > 0:
-        raise ValueError(f"seconds must be positive, got {seconds}")
+        raise ValueError(f"seconds must be positive, got {seconds!r} (e.g. 60)")
 
 
 def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: TextIO | None = None, *,

@@ -84,19 +84,21 @@ class CancelRules(MachineBase):
         """Call ``cancel`` and tell the model which pending jobs it listed."""
         call: list[object] = [*ids, bad] if bad is not None else list(ids)
         self._say(f"w.cancel({call!r})")
+        self._outcome("InvalidTransferError")
         dev, model = self.current_device, self.current_model
         worker: RunningLike = self.current_worker  # type: ignore[assignment]
         clock, stats, fired = dev.clock(), self._stats(), len(dev.plan.fired)
         try:
             worker.cancel(call)  # type: ignore[arg-type]
         except InvalidTransferError:
-            self._raised("InvalidTransferError")
-            self._check(bad is not None, "R26", f"cancel({call!r}) raised InvalidTransferError")
+            self._check(bad is not None, "R26", f"cancel({call!r}) raised InvalidTransferError", "raised is None")
             self._check(self._stats() == stats and len(dev.plan.fired) == fired, "R7/R26",
-                        f"cancel({call!r}) was refused but changed the worker or the device")
+                        f"cancel({call!r}) was refused but changed the worker or the device", self._before)
         else:
-            self._check(bad is None, "R7/R26", f"cancel accepted the job id {bad!r}, which is not an int")
-        self._check(dev.clock() == clock, "R26", "cancel() blocked the host (the virtual clock moved)")
+            self._check(bad is None, "R7/R26", f"cancel accepted the job id {bad!r}, which is not an int",
+                        "raised is not None")
+        self._check(dev.clock() == clock, "R26", "cancel() blocked the host (the virtual clock moved)",
+                    f"dev.clock() == {clock!r}")
         self._absorb(self._new_firings())
         if bad is not None:
             return

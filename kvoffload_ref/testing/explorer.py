@@ -392,7 +392,8 @@ def explore(factory: WorkerFactory = reference_factory, *, configs: Iterable[str
         raise RuntimeError("explore() must run in the main thread: Python runs signal handlers there only")
     unknown = (set(configs) - set(CONFIGS)) | (set(methods) - set(METHODS)) | (set(injections) - set(INJECTIONS))
     if unknown:
-        raise ValueError(f"unknown configuration, method or injection: {sorted(unknown)}")
+        raise ValueError(f"configs, methods, injections: unknown {sorted(unknown)}; expected configurations from "
+                         f"{sorted(CONFIGS)}, methods from {sorted(METHODS)}, injections from {sorted(INJECTIONS)}")
     chosen = None if points is None else set(points)
     result = ExploreResult()
     for config in configs:

@@ -275,7 +275,7 @@ def _report(case: CaseLike, out: Outcome, report: ReportLike) -> Iterator[Proble
         yield "R14", "an interrupt propagated out of shutdown(), yet the report is not marked interrupted"
     if not interrupted_shutdown and report.interrupted and case.method != "shutdown":
         yield "R14", f"the report is marked interrupted, but no interrupt reached a shutdown ({case.method})"
-    yield from _ledger(report, out.device)
+    yield from ((rules, message) for rules, message, _ in _ledger(report, out.device))  # explore prints no script
 
 
 def _violations(out: Outcome, report: ReportLike | None) -> Iterator[Problem]:

@@ -30,8 +30,11 @@ from kvoffload_ref.testing.model import Model, ModelTransfer
 
 __all__ = ["HeldSets", "conflict", "held_problems", "held_sets", "release_problems"]
 
-#: (rule ids, message)
-Problem = tuple[str, str]
+#: (rule ids, message, the check as a reproduction asserts it: a Python expression over ``w``, the worker, and
+#: ``released``, the last ``take_released()`` records, true when the rule holds)
+Problem = tuple[str, str, str]
+#: ``held()``'s fields per side: (every held id, the ids held for writes only).
+_FIELDS = {"gpu": ("gpu_blocks", "gpu_blocks_writes_only"), "cpu": ("cpu_chunks", "cpu_chunks_writes_only")}
 #: side ("gpu" | "cpu") -> (every held id, the ids held for writes only)
 HeldSets = dict[str, tuple[frozenset[int], frozenset[int]]]
 
@@ -63,11 +66,22 @@ def conflict(direction: str, gpu_ids: Sequence[int], cpu_ids: Sequence[int], hel
     return None
 
 
+def _held(side: str, writes_only: bool = False) -> str:
+    """The ids ``w.held()`` lists on ``side`` (all, or those held for writes only), as the script reads them."""
+    return f"set(map(int, w.held().{_FIELDS[side][writes_only]}))"
+
+
+def _ids(ids: Iterable[int]) -> str:
+    """A set of ids as a Python literal."""
+    return "{" + ", ".join(map(str, sorted(ids))) + "}" if ids else "set()"
+
+
 def held_problems(held: HeldSets, model: Model) -> Iterator[Problem]:
     """``held()`` against the model (see the module docstring)."""
     for side, (every, writes_only) in held.items():
         if not writes_only <= every:
-            yield "R27", f"held() lists {side} ids {sorted(writes_only - every)} as held for writes only, not as held"
+            yield ("R27", f"held() lists {side} ids {sorted(writes_only - every)} as held for writes only, not as held",
+                   f"{_held(side, True)} <= {_held(side)}")
     must_any: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
     must: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
     may_any: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
@@ -86,38 +100,47 @@ def held_problems(held: HeldSets, model: Model) -> Iterator[Problem]:
         held_any = every - writes_only
         if not must[side] <= every:
             yield "R27", (f"{side} ids {sorted(must[side] - every)} are not held although a late copy (a job "
-                          f"reported failed, its hold not released) may still touch them: {_jobs(model.holding())}")
+                          f"reported failed, its hold not released) may still touch them: {_jobs(model.holding())}"
+                          ), f"{_ids(must[side])} <= {_held(side)}"
         if not must_any[side] <= held_any:
             yield "R27", (f"{side} ids {sorted(must_any[side] - held_any)} are held for writes only although a late "
-                          f"copy may still write them: {_jobs(model.holding())}")
+                          f"copy may still write them: {_jobs(model.holding())}"
+                          ), f"{_ids(must_any[side])} <= {_held(side)} - {_held(side, True)}"
         if not every <= may[side]:
             yield "R27", (f"{side} ids {sorted(every - may[side])} are held although no late (or possibly late) "
-                          "copy touches them")
+                          "copy touches them"), f"{_held(side)} <= {_ids(may[side])}"
         if not held_any <= may_any[side]:
             yield "R27", (f"{side} ids {sorted(held_any - may_any[side])} are held for any access although no late "
-                          "(or possibly late) copy writes them: they need only be held against writes")
+                          "(or possibly late) copy writes them: they need only be held against writes"
+                          ), f"{_held(side)} - {_held(side, True)} <= {_ids(may_any[side])}"
 
 
 def release_problems(record: ReleasedLike, model: Model, observed: bool) -> Iterator[Problem]:
     """One ``take_released()`` record against the model; ``observed``: the device saw its copy's end observed."""
     job = record.job_id
+    absent = f"all(r.job_id != {job!r} for r in released)"  # the script's take_released() does not list it
     transfer = model.transfers.get(job)
     if transfer is None:
-        yield "R27", f"take_released() handed out job {job!r}, which the worker never accepted"
+        yield "R27", f"take_released() handed out job {job!r}, which the worker never accepted", absent
         return
     what = f"take_released() handed out {transfer.direction} job {job}"
     if transfer.released:
-        yield "R27", f"{what} a second time"
+        yield "R27", f"{what} a second time", absent
     if transfer.status == "succeeded":
-        yield "R27", f"{what}, which was reported a success (only a late copy is held)"
+        yield "R27", f"{what}, which was reported a success (only a late copy is held)", absent
     if record.direction != transfer.direction:
-        yield "R27", f"{what} as a {record.direction!r}"
+        yield ("R27", f"{what} as a {record.direction!r}",
+               f"all(r.direction == {transfer.direction!r} for r in released if r.job_id == {job})")
     ids = (tuple(map(int, record.gpu_blocks)), tuple(map(int, record.cpu_chunks)))
-    if ids != (transfer.gpu_ids, transfer.cpu_ids):
-        yield "R27", f"{what} with blocks {ids}, expected {(transfer.gpu_ids, transfer.cpu_ids)}"
+    expected = (transfer.gpu_ids, transfer.cpu_ids)
+    if ids != expected:
+        yield ("R27", f"{what} with blocks {ids}, expected {expected}",
+               f"all((tuple(map(int, r.gpu_blocks)), tuple(map(int, r.cpu_chunks))) == {expected!r} for r in released "
+               f"if r.job_id == {job})")
     if not observed:
+        # a release before the copy's end event was queried True (the device records every observation)
         yield "R27", (f"{what} although the device never saw its copy observed done (no query of its end event "
-                      "returned True)")
+                      "returned True)"), f"{(transfer.direction, job)!r} in dev.observed()"
 
 
 def _jobs(transfers: Iterable[ModelTransfer]) -> list[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-from hypothesis import note
 from hypothesis.stateful import invariant
 
 from kvoffload_ref.backends.base import RESOURCE_KINDS
@@ -32,10 +31,16 @@ from kvoffload_ref.testing.outcomes import accounting_problems, attribution_prob
 from kvoffload_ref.testing.shutdown import (
     Expectations,
     report_problems,
-    script_check,
 )
 
 __all__ = ["Checks"]
+
+
+def _in_order(job: int, later: int) -> str:
+    """R5/R28 in the script's terms: ``job`` is reported no later than ``later`` (submitted after it on its
+    stream, reported earlier or in the same call): not in this call's results, or ahead of ``later`` in them."""
+    ids = "[r.job_id for r in results]"
+    return f"{job} not in {ids} or ({later} in {ids} and {ids}.index({job}) < {ids}.index({later}))"
 
 
 class Checks(MachineBase):
@@ -55,14 +60,14 @@ class Checks(MachineBase):
         self._check(transfer.status == "pending", "R5", f"job {job} reported twice", unreported)
         expired = isinstance(getattr(result, "error", None), TransferExpired)  # R26: ended at once, ahead of others
         self._check(expired or transfer.index > model.last_reported.get(transfer.lane, -1), "R5/R28",
-                    f"{transfer.direction} job {job} reported out of submission order (on its stream)")
+                    f"{transfer.direction} job {job} reported out of submission order (on its stream)",
+                    lambda: _in_order(job, self._reported_after(transfer)))
         if result.success:
             self._check_success(transfer, result)
         else:
             error = getattr(result, "error", None)
-            for rules, message in failure_problems(model, transfer, error, self.current_device.clock(),
-                                                   unreliable=self._unreliable(), running=self.running):
-                self._check(False, rules, message)
+            self._problems(failure_problems(model, transfer, error, self.current_device.clock(),
+                                            unreliable=self._unreliable(), running=self.running))
             if isinstance(error, TransferExpired):
                 transfer.expired = error.reason
                 type(self).counters.expired += 1
@@ -76,6 +81,11 @@ class Checks(MachineBase):
         if expired:  # R26: an expiry does not move its stream's order (live jobs ahead of it come later)
             model.last_reported[transfer.lane] = last
 
+    def _reported_after(self, transfer: ModelTransfer) -> int:
+        """The job reported last on ``transfer``'s stream (R5/R28: one submitted after it)."""
+        model, last = self.current_model, self.current_model.last_reported[transfer.lane]
+        return next(t.job_id for t in model.transfers.values() if t.lane == transfer.lane and t.index == last)
+
     def _unreliable(self) -> bool:
         """The device was lost or saw misuse: queries may fail without a recorded firing."""
         return self.current_device.lost() or bool(self.current_device.violations())
@@ -83,8 +93,7 @@ class Checks(MachineBase):
     def _check_attribution(self, transfer: ModelTransfer, result: ResultLike) -> None:
         """R22 (when the worker has attribution): which side the ids index, and the blocks a failure poisoned."""
         if self.capabilities.attribution:
-            for rules, message in attribution_problems(result, transfer, f"{transfer.direction} job {transfer.job_id}"):
-                self._check(False, rules, message)
+            self._problems(attribution_problems(result, transfer, f"{transfer.direction} job {transfer.job_id}"))
 
     def _check_success(self, transfer: ModelTransfer, result: ResultLike) -> None:
         job = transfer.job_id
@@ -99,7 +108,7 @@ class Checks(MachineBase):
                                                   "its hold (only a late copy is held)", failed)
         self._check(self.current_race.is_observed((transfer.direction, job)), "R5/R20",
                     f"job {job} reported success although the device never saw its completion observed (no query "
-                    "of its end event returned True)")
+                    "of its end event returned True)", f"{failed} or {(transfer.direction, job)!r} in dev.observed()")
         self._check(result.transfer_size == transfer.nbytes, "R5",
                     f"job {job} reported {result.transfer_size} bytes, expected {transfer.nbytes}",
                     f"all(not r.success or r.transfer_size == {transfer.nbytes} for r in results if r.job_id == {job})")
@@ -108,9 +117,13 @@ class Checks(MachineBase):
         """R4/R5: every settled byte (GPU, and the CPU region) holds what the model says it holds."""
         type(self).counters.data_checks += 1
         if not self.current_device.lost():
+            # the script reads it too: a read moves the clock past the compute stream's queued work (what the
+            # worker does next depends on it)
+            self._say("dev.read_gpu()  # the memory check")
             try:
                 gpu = self.current_device.read_gpu()
             except DeviceError:
+                self._raised("DeviceError")
                 gpu = []
             for t, actual in enumerate(gpu):
                 self._compare("gpu", t, actual)
@@ -122,19 +135,21 @@ class Checks(MachineBase):
         where = side.mismatch(tensor, actual)
         if where is not None:
             row, col = where
+            expected = int(side.value[tensor][row, col])
+            read = "w.cpu_snapshot()" if side_name == "cpu" else "dev.read_gpu()"  # what the check read
             self._check(False, "R4/R5", f"{side_name} tensor {tensor} row {row} byte {col} holds "
-                                        f"{int(actual[row, col])}, expected {int(side.value[tensor][row, col])} "
-                                        f"(last written by {self.current_model.writer(side_name, tensor, row, col)})")
+                                        f"{int(actual[row, col])}, expected {expected} "
+                                        f"(last written by {self.current_model.writer(side_name, tensor, row, col)})",
+                        f"int({read}[{tensor}][{row}][{col}]) == {expected}")
 
     def _check_report(self, report: ReportLike, start: float, expect: Expectations,
                       settled: frozenset[int]) -> None:
         counters = type(self).counters
         counters.shutdowns += 1
         counters.quarantined += report.region == "quarantined"
-        for rules, message in report_problems(report, model=self.current_model, device=self.current_device,
-                                              policy=self.current_setup.policy,
-                                              elapsed=self.current_device.clock() - start, expect=expect):
-            self._check(False, rules, message, script_check((rules, message)))
+        self._problems(report_problems(report, model=self.current_model, device=self.current_device,
+                                       policy=self.current_setup.policy,
+                                       elapsed=self.current_device.clock() - start, expect=expect))
         self._check_outcomes(report, settled, proven_in_time=expect.must_release and not report.interrupted)
         self._check_switches(report)
 
@@ -150,7 +165,8 @@ class Checks(MachineBase):
                  if not o.result.success and o.result.job_id in model.transfers}
         for direction, lane, job in model.switches:
             self._check(lane in late, "R4/R28", f"{direction} job {job} was queued on a new stream although no job "
-                                                f"on the old one ({lane}) became late: R4 keeps a direction FIFO")
+                                                f"on the old one ({lane}) became late: R4 keeps a direction FIFO",
+                        f"dev.streams.get(({direction!r}, {job})) == {lane!r}")
 
     def _check_outcomes(self, report: ReportLike, settled: frozenset[int], *, proven_in_time: bool) -> None:
         """R5/R10/R14/R22: the report's job list against the model (see :mod:`~kvoffload_ref.testing.outcomes`);
@@ -170,10 +186,8 @@ class Checks(MachineBase):
             error = getattr(outcome.result, "error", None)
             if isinstance(error, TransferExpired) and outcome.result.job_id in model.transfers:
                 model.transfers[outcome.result.job_id].expired = error.reason
-        for rules, message in outcome_problems(report, model, settled, unreliable=unreliable,
-                                               proven_in_time=proven_in_time, running=self.running,
-                                               now=device.clock()):
-            self._check(False, rules, message)
+        self._problems(outcome_problems(report, model, settled, unreliable=unreliable, proven_in_time=proven_in_time,
+                                        running=self.running, now=device.clock()))
         for outcome in report.unreported:
             transfer = model.transfers[outcome.result.job_id]
             if outcome.result.success:
@@ -191,7 +205,8 @@ class Checks(MachineBase):
         if self._hazard_accepted():
             return
         type(self).counters.violations += 1
-        self._check(False, "R3/R10/R12", f"the simulated device saw misuse: {self.current_device.violations()}")
+        self._check(False, "R3/R10/R12", f"the simulated device saw misuse: {self.current_device.violations()}",
+                    "dev.violations() == []")
 
     @invariant()
     def races_match(self) -> None:
@@ -210,7 +225,8 @@ class Checks(MachineBase):
         waits = f"; order_after (R23) waits in this run: {self.race.waits}" if self.race.waits else ""
         self._check(False, "R4/R20", f"dma_race pairs differ from the model: flagged but ordered by the rules "
                                      f"{extra}; unordered by the rules but not flagged {missed} "
-                                     f"(details: {self.dev.race_details()}){waits}")
+                                     f"(details: {self.dev.race_details()}){waits}",
+                    "dev.races() == " + ("{" + ", ".join(map(repr, sorted(predicted))) + "}" if predicted else "set()"))
 
     def _hazard_accepted(self) -> bool:
         if self.current_setup.policy.on_unproven != "release" or self.phase not in ("closed", "dropped"):
@@ -229,8 +245,7 @@ class Checks(MachineBase):
         out at most once, R5)."""
         if self.model is None or self.report is None or not self.capabilities.attribution:
             return
-        for rules, message in accounting_problems(self.report, self.model, self.handed):
-            self._check(False, rules, message)
+        self._problems(accounting_problems(self.report, self.model, self.handed))
 
     @invariant()
     def holds_match(self) -> None:
@@ -241,8 +256,7 @@ class Checks(MachineBase):
             return
         self._absorb_releases()
         worker: RunningLike = self.current_worker  # type: ignore[assignment]
-        for rules, message in held_problems(held_sets(worker.held()), self.current_model):
-            self._check(False, rules, message)
+        self._problems(held_problems(held_sets(worker.held()), self.current_model))
 
     def _absorb_releases(self) -> None:
         """R27: each ``take_released()`` record against the model (after every step, and right after a shutdown:
@@ -250,12 +264,10 @@ class Checks(MachineBase):
         worker: RunningLike = self.current_worker  # type: ignore[assignment]
         model, race = self.current_model, self.current_race
         records = list(worker.take_released())
-        if records:
-            note(f"# take_released() -> {[(r.direction, r.job_id) for r in records]}")
+        if records:  # the script takes them too: what held() lists next depends on it
+            self._say(f"released = w.take_released()  # -> {[(r.direction, r.job_id) for r in records]}")
         for record in records:
-            for rules, message in release_problems(record, model, race.is_observed((record.direction,
-                                                                                    record.job_id))):
-                self._check(False, rules, message)
+            self._problems(release_problems(record, model, race.is_observed((record.direction, record.job_id))))
             model.release(model.transfers[record.job_id])
             type(self).counters.released += 1
 
@@ -269,7 +281,9 @@ class Checks(MachineBase):
         live, kept, leaked = ledger.live(), ledger.quarantined(), ledger.leaked()
         for kind in RESOURCE_KINDS:
             total = released.get(kind, 0) + live.get(kind, 0) + kept.get(kind, 0) + leaked.get(kind, 0)
-            self._check(acquired.get(kind, 0) == total, "R16", f"ledger does not balance for {kind}")
+            self._check(acquired.get(kind, 0) == total, "R16", f"ledger does not balance for {kind}",
+                        f"dev.ledger.acquired().get({kind!r}, 0) == sum(part().get({kind!r}, 0) for part in "
+                        "(dev.ledger.released, dev.ledger.live, dev.ledger.quarantined, dev.ledger.leaked))")
         if self.phase in ("closed", "dropped", "refused"):
-            self._check(live == {}, "R16", f"live after shutdown: {live}")
+            self._check(live == {}, "R16", f"live after shutdown: {live}", "dev.ledger.live() == {}")
 

@@ -185,9 +185,10 @@ def run_jobs(factory: str, jobs: int, steps: int | None, seed: int | None, polic
     from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS  # noqa: PLC0415
 
     if jobs < 1:
-        raise ValueError(f"jobs must be at least 1, got {jobs}")
+        raise ValueError(f"jobs must be at least 1, got {jobs!r} (e.g. 1)")
     if (steps is None) == (seconds is None) or (steps is not None and steps < 1):
-        raise ValueError("give exactly one of steps (>= 1) and seconds")
+        raise ValueError(f"steps and seconds: expected exactly one, steps >= 1 (e.g. steps=2000) or seconds (e.g. "
+                         f"seconds=60); got steps={steps!r}, seconds={seconds!r}")
     load_factory(factory)
     out = out if out is not None else sys.stdout
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed

@@ -95,8 +95,10 @@ def watch_lock(worker: object, watcher: LockWatcher) -> WatchedLock:
     core = getattr(worker, "_core", None)
     inner = getattr(core, "lock", None)
     if inner is None or not hasattr(inner, "_release_save") or not hasattr(core, "done"):
-        raise TypeError(f"{type(worker).__name__} is not built on kvoffload_ref.reference.Core: the pair explorer "
-                        "watches that worker's lock (Core.lock) to see a thread block on it")
+        raise TypeError(f"worker: {type(worker).__name__} is not built on kvoffload_ref.reference.Core: the pair "
+                        "explorer watches that worker's lock (Core.lock) to see a thread block on it; expected a "
+                        "worker that create_reference_worker built (e.g. the factory "
+                        "kvoffload_ref.testing.adapter:reference_factory)")
     watched = WatchedLock(inner, watcher)
     core.lock = watched  # type: ignore[union-attr]
     core.done = threading.Condition(watched)  # type: ignore[union-attr, arg-type]

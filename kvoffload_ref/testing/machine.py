@@ -46,6 +46,7 @@ from kvoffload_ref.testing.concurrent_rules import ConcurrentRules
 from kvoffload_ref.testing.invariants import Checks
 from kvoffload_ref.testing.machine_base import ConformanceError, Counters, MachineBase
 from kvoffload_ref.testing.ordering_rules import OrderingRules
+from kvoffload_ref.testing.reproduction import notes_once
 from kvoffload_ref.testing.rules import TransferRules
 from kvoffload_ref.testing.settings import bounded_shrinking, kit_settings
 from kvoffload_ref.testing.shutdown import (
@@ -99,7 +100,7 @@ class OffloadingMachine(CancelRules, OrderingRules, ConcurrentRules, ShutdownRul
                 with contextlib.suppress(Exception, SimHang):
                     self.worker.shutdown()
                 return
-            self._say("report = w.shutdown()  # teardown")
+            self._say("start = dev.clock()\nreport = w.shutdown()  # teardown")
             self._shutdown()
         if not self.failed and self.dev is not None:
             self.no_violation()
@@ -172,8 +173,21 @@ def _bounded_test_case(machine: type[OffloadingMachine], chosen: hypothesis.sett
         settings = chosen
 
         def runTest(self) -> None:
-            with bounded_shrinking(machine.shrink_seconds):
-                run_state_machine_as_test(machine, settings=self.settings)
+            # The reproduction is printed once: at normal verbosity Hypothesis's own listing of the steps (and
+            # its shrink-deadline warning, which bounded shrinking trips) is turned off, and the failure's notes
+            # are the kit's (reproduction.notes_once). A verbosity the user raised is left as it is.
+            chosen = self.settings
+            if chosen.verbosity == hypothesis.Verbosity.normal:
+                chosen = hypothesis.settings(chosen, verbosity=hypothesis.Verbosity.quiet)
+            machine.last_reproduction, machine.last_logs = "", ""
+            try:
+                with bounded_shrinking(machine.shrink_seconds):
+                    run_state_machine_as_test(machine, settings=chosen)
+            except BaseException as exc:
+                # a failure without the kit's reproduction (Hypothesis's own errors, e.g. a flaky test) keeps its notes
+                if chosen.verbosity == hypothesis.Verbosity.quiet and machine.last_reproduction:
+                    notes_once(exc, machine.last_reproduction, machine.last_logs)
+                raise
 
     ConformanceTestCase.runTest.__dict__.update(base.runTest.__dict__)
     ConformanceTestCase.__name__ = f"{machine.__name__}.TestCase"

@@ -12,7 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import ClassVar
 
 from hypothesis import note
@@ -35,7 +35,7 @@ from kvoffload_ref.testing.adapter import (
 from kvoffload_ref.testing.logtail import LogTail
 from kvoffload_ref.testing.model import Model
 from kvoffload_ref.testing.races import RaceModel
-from kvoffload_ref.testing.reproduction import as_test
+from kvoffload_ref.testing.reproduction import REPRODUCTION_HEADING, as_test
 from kvoffload_ref.testing.settings import DEFAULT_SHRINK_SECONDS
 from kvoffload_ref.testing.strategies import (
     InvalidTransfer,
@@ -45,6 +45,9 @@ from kvoffload_ref.testing.strategies import (
 __all__ = ["ConformanceError", "Counters", "MachineBase", "worker_open"]
 
 logger = logging.getLogger("kvoffload_ref.testing")
+
+#: A check's closing assertion in the script's terms: the expression, a maker called only on a failure, or None.
+Asserts = str | Callable[[], str] | None
 
 
 @dataclasses.dataclass
@@ -228,6 +231,25 @@ class MachineBase(RuleBasedStateMachine):
         self.script[-1] = f"try:\n    {last}\nexcept {error}:\n    pass"
         note(f"# -> {error}")
 
+    def _outcome(self, error: str) -> str:
+        """Wrap the script's last call so ``raised`` names what it raised (``error``, caught) or None; the call's
+        check then closes the script in those terms (e.g. ``raised is None``). Returns ``"raised"``."""
+        last = self.script[-1].replace("\n", "\n    ")
+        self.script[-1] = f"try:\n    {last}\nexcept {error} as exc:\n    raised = exc\nelse:\n    raised = None"
+        return "raised"
+
+    def _snapshot(self) -> str:
+        """What a refused call must leave as it was (R7), as the script computes it: the ledger, the clock, the
+        fired faults and the worker's stats (when it has them)."""
+        stats = ", w.stats()" if self.capabilities.stats else ""
+        return f"(dev.ledger.live(), dev.clock(), len(dev.plan.fired){stats})"
+
+    def _before(self) -> str:
+        """Note, just before the script's last call, what it must leave as it was (:meth:`_snapshot`, as
+        ``before``); returns the check that it did."""
+        self.script.insert(len(self.script) - 1, f"before = {self._snapshot()}")
+        return f"{self._snapshot()} == before"
+
     def _fail(self, rules: str = "", message: str = "", asserts: str | None = None) -> None:
         """Mark the run failed and note the reproduction (once): a test ending in the violated rule's assertion.
 
@@ -249,7 +271,7 @@ class MachineBase(RuleBasedStateMachine):
         script = as_test(self.script, rules or "the last call raised", message or "an exception",
                          asserts if rules else "True")
         cls.last_reproduction = script  # the last failing run: after shrinking, the shrunk one
-        note("# Reproduction (runnable Python, a test):\n" + script)
+        note(f"{REPRODUCTION_HEADING}\n{script}")
         if first:
             for hook in cls.on_first_violation:
                 hook(counters)
@@ -264,11 +286,18 @@ class MachineBase(RuleBasedStateMachine):
                 if cls.last_logs:
                     note(cls.last_logs)
 
-    def _check(self, ok: bool, rules: str, message: str, asserts: str | None = None) -> None:
-        """Fail the run with ``rules: message`` unless ``ok``; ``asserts`` is the check in the script's terms."""
+    def _check(self, ok: bool, rules: str, message: str, asserts: Asserts = None) -> None:
+        """Fail the run with ``rules: message`` unless ``ok``; ``asserts`` is the check in the script's terms (or
+        makes it, called only on a failure: it may add the lines the check needs to the script)."""
         if not ok:
-            self._fail(rules, message, asserts)
+            self._fail(rules, message, asserts() if callable(asserts) else asserts)
             raise ConformanceError(f"{rules}: {message}")
+
+    def _problems(self, problems: Iterable[tuple[str, ...]]) -> None:
+        """Fail the run at the first problem: (rules, message) or (rules, message, the check in the script's
+        terms)."""
+        for rules, message, *asserts in problems:
+            self._check(False, rules, message, asserts[0] if asserts else None)
 
     def _fresh_job(self) -> int:
         job, self.next_job = self.next_job, self.next_job + 1

@@ -189,7 +189,7 @@ class _Unordered(_Wrapper):
     def order_after(self, job_ids: Iterable[int], stream: object | None = None) -> None:
         ids = list(job_ids)  # checked as R7 says (only R23 is broken), then dropped
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise InvalidTransferError(f"job ids must be ints, got {ids!r}")
+            raise InvalidTransferError(f"job_ids must be ints, got {ids!r} (e.g. [1, 2])")
 
 
 def failures_reported_as_success(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:

@@ -84,16 +84,18 @@ class OrderingRules(MachineBase):
         call: list[object] = [*ids, bad] if bad is not None else list(ids)
         named = "" if stream is None else f", stream={stream!r}"
         self._say(f"w.order_after({call!r}{named})")
+        self._outcome("InvalidTransferError")
         dev, model = self.current_device, self.current_model
         clock = dev.clock()
         try:
             self.current_worker.order_after(call, stream)  # type: ignore[arg-type]
         except InvalidTransferError as exc:
-            self._check(bad is not None, "R23", f"order_after({call!r}) raised {exc!r}")
-            self._raised("InvalidTransferError")
+            self._check(bad is not None, "R23", f"order_after({call!r}) raised {exc!r}", "raised is None")
         else:
-            self._check(bad is None, "R7/R23", f"order_after accepted the job id {bad!r}, which is not an int")
-        self._check(dev.clock() == clock, "R23", "order_after() blocked the host (the virtual clock moved)")
+            self._check(bad is None, "R7/R23", f"order_after accepted the job id {bad!r}, which is not an int",
+                        "raised is not None")
+        self._check(dev.clock() == clock, "R23", "order_after() blocked the host (the virtual clock moved)",
+                    f"dev.clock() == {clock!r}")
         if bad is not None:
             return  # refused: nothing is ordered (the race check sees it if something was)
         waited: list[ModelTransfer] = [model.transfers[j] for j in ids if j in model.transfers

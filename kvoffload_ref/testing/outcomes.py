@@ -41,8 +41,21 @@ __all__ = ["ENDINGS", "accounting_problems", "attribution_problems", "outcome_pr
 #: How a listed job may have ended, in the order a direction's list goes through them.
 ENDINGS: Final = ("unreaped", "drained", "failed", "abandoned")
 
-#: (rule ids, message)
-Problem = tuple[str, str]
+#: (rule ids, message, the check as a reproduction asserts it: a Python expression over ``report`` and ``handed``
+#: -- the job ids its ``get_finished()`` calls handed out -- true when the rule holds)
+Problem = tuple[str, str, str]
+#: The report's listed results, as the reproduction names them.
+LISTED: Final = "[o.result for o in report.unreported]"
+
+
+def _listed(job: int, field: str = "o") -> str:
+    """The report's entries for ``job`` (each as ``field`` of ``o``), as the reproduction names them."""
+    return f"[{field} for o in report.unreported if o.result.job_id == {job!r}]"
+
+
+def _of(jobs: object) -> str:
+    """The report's entries for the jobs in ``jobs`` (a Python literal with ``in``), in its order."""
+    return f"[o for o in report.unreported if o.result.job_id in {jobs!r}]"
 
 
 def settled_jobs(model: Model) -> frozenset[int]:
@@ -56,23 +69,25 @@ def accounting_problems(report: ReportLike, model: Model, handed: Mapping[int, i
     """R14/R22: every accepted job exactly once across get_finished() (``handed``: job -> times handed out) and
     the report; nothing else in either."""
     listed = collections.Counter(o.result.job_id for o in report.unreported)
+    every = "(handed + [o.result.job_id for o in report.unreported])"  # handed out, then listed
     for job in sorted(set(listed) | set(handed), key=repr):
         if job not in model.transfers:
             where = "the report lists" if listed[job] else "get_finished() handed out"
-            yield "R14/R22", f"{where} job {job!r}, which the worker never accepted"
+            yield "R14/R22", f"{where} job {job!r}, which the worker never accepted", f"{job!r} not in {every}"
     for job, transfer in model.transfers.items():
         seen = handed.get(job, 0) + listed[job]
         if seen == 1:
             continue
+        once = f"{every}.count({job}) == 1"
         if seen == 0:
             queued = transfer in model.chain[transfer.direction]
             yield ("R10/R22" if queued else "R14/R22"), (
                 f"{transfer.direction} job {job} was accepted, never handed out by get_finished(), and the report "
                 f"does not list it" + (" (it was queued at shutdown: the drain neither proved nor abandoned it)"
-                                       if queued else ""))
+                                       if queued else "")), once
         else:
             yield "R14/R22", (f"{transfer.direction} job {job} appears {seen} times across get_finished() "
-                              f"({handed.get(job, 0)}) and the report ({listed[job]})")
+                              f"({handed.get(job, 0)}) and the report ({listed[job]})"), once
 
 
 def outcome_problems(report: ReportLike, model: Model, settled: frozenset[int], *, unreliable: bool,
@@ -95,13 +110,14 @@ def outcome_problems(report: ReportLike, model: Model, settled: frozenset[int], 
         if transfer is None:
             continue  # accounting_problems names it
         if outcome.ended not in ENDINGS:
-            yield "R22", f"{transfer.direction} job {transfer.job_id} ended {outcome.ended!r}, not one of {ENDINGS}"
+            yield ("R22", f"{transfer.direction} job {transfer.job_id} ended {outcome.ended!r}, not one of {ENDINGS}",
+                   f"all(o.ended in {ENDINGS!r} for o in report.unreported)")
             continue
         lists[transfer.direction].append((transfer, outcome.ended))
         yield from _one(outcome, transfer, settled, unreliable=unreliable, proven_in_time=proven_in_time)
         if not outcome.result.success and outcome.ended == "unreaped":  # R5/R26: its cause
             yield from failure_problems(model, transfer, getattr(outcome.result, "error", None), now,
-                                        unreliable=unreliable, running=running)
+                                        unreliable=unreliable, running=running, results=LISTED)
     expired = frozenset(o.result.job_id for o in report.unreported
                         if isinstance(getattr(o.result, "error", None), TransferExpired))
     for direction, items in lists.items():
@@ -115,29 +131,38 @@ def _one(outcome: JobOutcomeLike, transfer: ModelTransfer, settled: frozenset[in
     job, direction = transfer.job_id, transfer.direction
     success = result.success
     if success != (ended == "drained") and ended != "unreaped":
-        yield "R10/R22", f"listed {direction} job {job} ended {ended!r} with success={success}"
-    yield from attribution_problems(result, transfer, f"listed {direction} job {job} ({ended})")
+        yield ("R10/R22", f"listed {direction} job {job} ended {ended!r} with success={success}",
+               f"all(o.result.success == (o.ended == 'drained') for o in {_listed(job)} if o.ended != 'unreaped')")
+    yield from attribution_problems(result, transfer, f"listed {direction} job {job} ({ended})", LISTED)
     if job in settled and ended != "unreaped":
         yield "R5/R6/R22", (f"{direction} job {job} ended {ended!r}, but its result was known before shutdown "
-                            "began (a wait() returned for it, or an error fired on its end event): 'unreaped'")
+                            "began (a wait() returned for it, or an error fired on its end event): 'unreaped'"), (
+            f"set({_listed(job, 'o.ended')}) <= {{'unreaped'}}")
     if not success and ended == "failed" and not (transfer.must_fail or unreliable):
-        yield "R5/R10", f"listed {direction} job {job} {ended} although nothing failed"
+        yield ("R5/R10", f"listed {direction} job {job} {ended} although nothing failed",
+               f"all(o.result.success or o.ended != 'failed' for o in {_listed(job)})")
     if proven_in_time and ended in ("failed", "abandoned"):
         yield "R10/R22", (f"{direction} job {job} ended {ended!r} although the drain could prove every queued "
-                          "transfer within the timeout")
+                          "transfer within the timeout"), (
+            f"not set({_listed(job, 'o.ended')}) & {{'failed', 'abandoned'}}")
 
 
-def attribution_problems(result: ResultLike, transfer: ModelTransfer, what: str) -> Iterator[Problem]:
+def attribution_problems(result: ResultLike, transfer: ModelTransfer, what: str,
+                         results: str = "results") -> Iterator[Problem]:
     """R22: ``result`` says which side its ids index, and a failure names exactly the destination ids ``transfer``
-    was to write (sorted, distinct), a success none. ``what`` names the job in the messages."""
+    was to write (sorted, distinct), a success none. ``what`` names the job in the messages; ``results`` the
+    results it is among, as the reproduction names them."""
     kind = result.transfer_type
+    mine = f"for r in {results} if r.job_id == {transfer.job_id}"
     if kind is None or tuple(kind) != transfer.transfer_type:
-        yield "R22", f"{what} has transfer_type {kind!r}, expected {transfer.transfer_type!r}"
+        yield ("R22", f"{what} has transfer_type {kind!r}, expected {transfer.transfer_type!r}",
+               f"all(tuple(r.transfer_type or ()) == {transfer.transfer_type!r} {mine})")
     blocks, expected = tuple(result.invalid_blocks), () if result.success else transfer.dst_ids
     if blocks != expected:
         side = "CPU chunks" if transfer.direction == "store" else "GPU blocks"
         yield "R22", (f"{what} (success={result.success}) names invalid_blocks {blocks!r}; expected {expected!r}"
-                      + ("" if result.success else f" (the {side} it was to write)"))
+                      + ("" if result.success else f" (the {side} it was to write)")), (
+            f"all(tuple(r.invalid_blocks) == (() if r.success else {transfer.dst_ids!r}) {mine})")
 
 
 def _direction(direction: str, items: list[tuple[ModelTransfer, str]], part: HandlerReportLike,
@@ -146,19 +171,27 @@ def _direction(direction: str, items: list[tuple[ModelTransfer, str]], part: Han
     live jobs are drained apart; R26: an expired job is reported at once, ahead of live ones queued before it),
     the handler's counts."""
     endings = [ended for _, ended in items]
+    mine = _of({t.job_id for t, _ in items})
     for lane in dict.fromkeys(t.lane for t, _ in items):
         on = [(t, ended) for t, ended in items if t.lane == lane]
         indices = [t.index for t, _ in on if t.job_id not in expired]
         if indices != sorted(indices):
+            index = {t.job_id: t.index for t, _ in on if t.job_id not in expired}
+            ids = f"[o.result.job_id for o in {_of(index)}]"
             yield "R5/R22", (f"the report lists {direction} jobs {[t.job_id for t, _ in on]} (one stream) out of "
-                             "submission order")
+                             "submission order"), f"{ids} == sorted({ids}, key={index!r}.get)"
         ranks = [ENDINGS.index(ended) for _, ended in on]
         if ranks != sorted(ranks):
+            got = f"[{ENDINGS!r}.index(o.ended) for o in {_of({t.job_id for t, _ in on})}]"
             yield "R10/R22", (f"{direction} jobs ended {[ended for _, ended in on]} (one stream): a drain goes head "
-                              "first (unreaped, drained, at most one failed head, then abandoned)")
+                              "first (unreaped, drained, at most one failed head, then abandoned)"), (
+                f"{got} == sorted({got})")
     if endings.count("failed") > 1:
-        yield "R10/R22", f"{direction} jobs ended {endings}: a drain stops at its first failed head"
+        yield ("R10/R22", f"{direction} jobs ended {endings}: a drain stops at its first failed head",
+               f"[o.ended for o in {mine}].count('failed') <= 1")
     drained, stopped = endings.count("drained"), endings.count("failed") + endings.count("abandoned")
     if (part.drained, part.abandoned) != (drained, stopped):
         yield "R10/R22", (f"{direction} handler reports drained={part.drained}, abandoned={part.abandoned}; its "
-                          f"listed jobs say {drained} drained, {stopped} failed or abandoned")
+                          f"listed jobs say {drained} drained, {stopped} failed or abandoned"), (
+            f"(report.{direction}.drained, report.{direction}.abandoned) == (sum(o.ended == 'drained' for o in "
+            f"{mine}), sum(o.ended in ('failed', 'abandoned') for o in {mine}))")

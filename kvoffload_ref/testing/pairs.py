@@ -316,7 +316,8 @@ def explore_pairs(factory: WorkerFactory = reference_factory, *, configs: Iterab
     configs, firsts, seconds = list(configs), list(firsts), list(seconds)
     unknown = (set(configs) - set(CONFIGS)) | (set(firsts) - set(METHODS)) | (set(seconds) - set(METHODS))
     if unknown:
-        raise ValueError(f"unknown configuration or method: {sorted(unknown)}")
+        raise ValueError(f"configs, firsts, seconds: unknown configuration or method {sorted(unknown)}; expected "
+                         f"configurations from {sorted(CONFIGS)} and methods from {sorted(METHODS)}")
     chosen = None if points is None else set(points)
     result = PairResult()
     for config in configs:

@@ -3,8 +3,11 @@
 The machine notes each step as a line of Python (:meth:`~kvoffload_ref.testing.machine_base.MachineBase._say`);
 when a check fails, :func:`as_test` wraps the lines in ``def test_reproduction()`` (so ``pytest FILE`` collects it)
 ending in the check as an ``assert`` of what the rule requires, and a ``__main__`` guard that calls it (so ``python
-FILE`` exits non-zero while the rule is violated, 0 once it holds). A check with no Python form ends the test in a
-``raise AssertionError`` stating what the kit found there (it fails until the kit's own run passes).
+FILE`` exits non-zero while the rule is violated, 0 once it holds). Each check says itself over the script's names
+(``w``, ``dev``, ``results``, ``report``, ``handed``, ``raised``, ``start``...: the lines the check needs are in the
+steps); only those a thread interleaving alone can break (:mod:`~kvoffload_ref.testing.concurrent_rules`: the script
+runs the threads' calls one after the other) have no Python form: the test ends in a ``raise AssertionError``
+stating what the kit found there (it fails until the kit's own run passes).
 """
 
 from __future__ import annotations
@@ -13,11 +16,15 @@ import textwrap
 from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["NO_SCRIPT_FORM", "as_test"]
+__all__ = ["NO_SCRIPT_FORM", "REPRODUCTION_HEADING", "as_test", "notes_once"]
 
 #: The comment on the closing line of a check with no Python form.
 NO_SCRIPT_FORM: Final = "# the kit's check (no Python form) failed here: rerun the kit to confirm a fix"
 _HEADER_START: Final = "import "
+#: The line above a reproduction in a failure's notes.
+REPRODUCTION_HEADING: Final = "# Reproduction (runnable Python, a test):"
+#: The start of Hypothesis's own replay line (``print_blob``): kept beside the reproduction.
+_BLOB_START: Final = "You can reproduce this test case by temporarily adding @reproduce_failure"
 
 
 def as_test(lines: Sequence[str], rules: str, message: str, asserts: str | None) -> str:
@@ -40,3 +47,20 @@ def as_test(lines: Sequence[str], rules: str, message: str, asserts: str | None)
     doc = f'"""Reproduction of a conformance failure ({rules}): run it with python or pytest."""'
     return "\n".join([doc, *header, "", "", "def test_reproduction() -> None:", body, "", "",
                       'if __name__ == "__main__":', "    test_reproduction()", ""])
+
+
+def notes_once(exc: BaseException, reproduction: str, logs: str) -> None:
+    """Make a failure's notes the kit's report, printed once: the reproduction, then the library's last log lines.
+
+    Hypothesis notes its own copy of the steps (its ``Failing test case`` and each rule call) beside the kit's;
+    the reproduction already holds every step, runnable. Hypothesis's replay line (``@reproduce_failure``, with
+    ``print_blob``) is kept: it replays the kit's run itself, model included, which the reproduction does not.
+
+    Args:
+        exc: the failure Hypothesis raised (its ``__notes__`` are replaced).
+        reproduction: the failing run's reproduction (:func:`as_test`; "" when no run failed a check).
+        logs: the library's last log lines of that run ("" for none).
+    """
+    kept = [note.strip() for note in getattr(exc, "__notes__", ()) if note.strip().startswith(_BLOB_START)]
+    notes = ([f"{REPRODUCTION_HEADING}\n{reproduction}"] if reproduction else []) + ([logs] if logs else [])
+    exc.__notes__ = notes + kept

@@ -98,7 +98,7 @@ class TransferRules(MachineBase):
         self.handed.clear()
         type(self).counters.workers += 1
         self._say(f"setup = {setup!r}")
-        self._say(f"dev = SimDevice(setup)\nw = {self.factory_name}(dev.backend, dev.gpu, setup)")
+        self._say(f"dev = SimDevice(setup)\nw = {self.factory_name}(dev.backend, dev.gpu, setup)\nhanded = []")
         self.specs = specs_for(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks, setup.num_cpu_chunks)
         self.invalid = {flight: invalid_for(setup.layout, setup.blocks_per_chunk, setup.num_gpu_blocks,
                                             setup.num_cpu_chunks, cases)
@@ -112,7 +112,7 @@ class TransferRules(MachineBase):
             self._new_firings()
             self.phase = "refused"
             live = self.current_device.ledger.live()
-            self._check(live == {}, "R2", f"construction failed but left {live} live")
+            self._check(live == {}, "R2", f"construction failed but left {live} live", "dev.ledger.live() == {}")
             return
         self._new_firings()
         self.phase = "open"
@@ -158,7 +158,7 @@ class TransferRules(MachineBase):
         try:
             submit(job, src, dst, **options)  # type: ignore[arg-type]
         except BlocksHeldError as exc:
-            self._raised("BlocksHeldError")
+            self._outcome("BlocksHeldError")
             self._refused_held(refused, exc, before)
             return
         except DeviceError:
@@ -174,17 +174,23 @@ class TransferRules(MachineBase):
             # R28: the fresh stream a direction goes on after a retirement is its own (made at its next submission,
             # kept for the one after a failed one), not the failed submission's
             fresh = {"stream": 1} if self.running else {}
-            self._check(all(n <= live.get(kind, 0) + fresh.get(kind, 0) for kind, n in after.items()), "R16",
-                        f"a failed submission left resources live: {live} -> {after}")
+            bound = {str(kind): n + fresh.get(kind, 0) for kind, n in live.items()}
+            bound.update({kind: n for kind, n in fresh.items() if kind not in bound})
+            self._check(all(n <= bound.get(kind, 0) for kind, n in after.items()), "R16",
+                        f"a failed submission left resources live: {live} -> {after}",
+                        f"all(n <= {bound!r}.get(kind, 0) for kind, n in dev.ledger.live().items())")
             self._absorb(firings)
             return
-        self._check(refused is None, "R27", f"{direction} job {job} was accepted although {refused} (R27 refuses it)")
+        self._check(refused is None, "R27", f"{direction} job {job} was accepted although {refused} (R27 refuses it)",
+                    lambda: f"{self._outcome('BlocksHeldError')} is not None")
         firings = self._new_firings()
         hung = any(f.fault.kind == "hang" and f.point in TRANSFER_HANG_POINTS and f.tag == (direction, job)
                    for f in firings)
         lane = self.current_device.streams.get((direction, job))
-        self._check(lane is None or lane not in self.current_model.retired_lanes, "R28",
-                    f"{direction} job {job} was queued on stream {lane}, retired after a job on it became late")
+        retired = sorted(self.current_model.retired_lanes)
+        self._check(lane is None or lane not in retired, "R28",
+                    f"{direction} job {job} was queued on stream {lane}, retired after a job on it became late",
+                    f"dev.streams.get(({direction!r}, {job})) not in {retired!r}")
         self.current_model.submit(direction, job, gpu, cpu, hung=hung, lane=lane,  # type: ignore[arg-type]
                                   deadline=deadline, now=now)
         self.current_race.transfer(direction, job, moves, lane)
@@ -204,10 +210,12 @@ class TransferRules(MachineBase):
         """R27: a submission refused for holds must conflict with them (when the worker lists them: without
         ``held()`` the kit cannot say), and change nothing (R7)."""
         self._check(refused is not None or not self.running, "R27",
-                    f"a submission was refused with {exc!r} although it touches no held block the wrong way")
+                    f"a submission was refused with {exc!r} although it touches no held block the wrong way",
+                    "raised is None")
         dev = self.current_device
         after = (self._stats(), dev.ledger.live(), dev.clock(), len(dev.plan.fired))
-        self._check(after == before, "R7/R27", "a submission refused for held blocks changed the worker or the device")
+        self._check(after == before, "R7/R27", "a submission refused for held blocks changed the worker or the device",
+                    self._before)
         type(self).counters.refused_held += 1
 
     @precondition(worker_open)
@@ -224,7 +232,7 @@ class TransferRules(MachineBase):
                 job = data.draw(st.sampled_from(in_flight), label="job in flight")
             src_text, dst_text = bad.specs_text()
             self._say(f"w.submit_{bad.direction}({job!r}, {src_text}, {dst_text})  # R7: {bad.case}")
-            self._raised("InvalidTransferError")
+            self._outcome("InvalidTransferError")
             dev, worker = self.current_device, self.current_worker
             stats, live, clock, fired = self._stats(), dev.ledger.live(), dev.clock(), len(dev.plan.fired)
             try:
@@ -232,23 +240,26 @@ class TransferRules(MachineBase):
                 submit = worker.submit_store if bad.direction == "store" else worker.submit_load
                 submit(job, src, dst)  # type: ignore[arg-type]
             except InvalidTransferError as exc:
-                self._check(isinstance(exc, ValueError), "R7", "InvalidTransferError must be a ValueError")
+                self._check(isinstance(exc, ValueError), "R7", "InvalidTransferError must be a ValueError",
+                            "isinstance(raised, ValueError)")
             else:
-                self._check(False, "R7", f"accepted an invalid submission ({bad.case})")
+                self._check(False, "R7", f"accepted an invalid submission ({bad.case})", "raised is not None")
             self._check(self._stats() == stats and dev.ledger.live() == live and dev.clock() == clock,
-                        "R7", f"a refused submission ({bad.case}) changed the worker or the device")
+                        "R7", f"a refused submission ({bad.case}) changed the worker or the device", self._before)
             self._check(len(self.current_device.plan.fired) == fired, "R7",
-                        f"a refused submission ({bad.case}) made device calls (a fault fired)")
+                        f"a refused submission ({bad.case}) made device calls (a fault fired)",
+                        f"len(dev.plan.fired) == {fired}")
 
     @precondition(worker_open)
     @rule()
     def get_finished(self) -> None:
         """R5: each job once, per direction in submission order, success only if proven; never blocks."""
         with self._step():
-            self._say("results = w.get_finished()\nprint(results)")
+            self._say("results = w.get_finished()\nprint(results)\nhanded += [r.job_id for r in results]")
             clock = self.current_device.clock()
             results = list(self.current_worker.get_finished())
-            self._check(self.current_device.clock() == clock, "R5", "get_finished() blocked (the virtual clock moved)")
+            self._check(self.current_device.clock() == clock, "R5", "get_finished() blocked (the virtual clock moved)",
+                        f"dev.clock() == {clock!r}")
             self._absorb(self._new_firings())
             for result in results:
                 self._check_result(result)
@@ -256,7 +267,8 @@ class TransferRules(MachineBase):
             model = self.current_model
             missing = {j for j in model.awaited if model.transfers[j].status == "pending"} - reported
             self._check(not missing, "R6", f"wait() returned for jobs {sorted(missing)} but get_finished() did "
-                                           "not report them")
+                                           "not report them",
+                        f"set({sorted(missing)!r}) <= {{r.job_id for r in results}}")
             self.current_model.awaited.clear()
             self._check_memory()
 
@@ -277,34 +289,38 @@ class TransferRules(MachineBase):
 
     def _wait(self, ids: list[int], listed: list[ModelTransfer], timeout: float | None) -> None:
         model = self.current_model
-        self._say(f"w.wait({ids!r}, timeout={timeout!r})")
+        self._say(f"start = dev.clock()\nw.wait({ids!r}, timeout={timeout!r})")
+        self._outcome("DeadlineExceeded")
         start = self.current_device.clock()
         busy = model.compute_busy_until
         try:
             self.current_worker.wait(ids, timeout)
             expired = False
         except DeadlineExceeded:
-            self._raised("DeadlineExceeded")
+            note("# -> DeadlineExceeded")
             expired = True
-        except SimHang:
-            self._check(False, "R6", f"wait({ids}) without a timeout hung on jobs the model says can finish")
+        except SimHang:  # the script's wait hangs too: the sim raises SimHang there (and returns once fixed)
+            self._check(False, "R6", f"wait({ids}) without a timeout hung on jobs the model says can finish", "True")
         elapsed = self.current_device.clock() - start
         self._absorb(self._new_firings())
         if timeout is not None:
-            self._check(elapsed <= timeout + SLACK, "R6/R11", f"wait(timeout={timeout}) took {elapsed} s")
+            self._check(elapsed <= timeout + SLACK, "R6/R11", f"wait(timeout={timeout}) took {elapsed} s",
+                        f"dev.clock() - start <= {timeout + SLACK!r}")
         if expired:
             self._check(timeout is not None and self.current_device.clock() >= start + timeout, "R6",
-                        f"DeadlineExceeded after {elapsed} s with timeout={timeout}")
+                        f"DeadlineExceeded after {elapsed} s with timeout={timeout}",
+                        "raised is None" + ("" if timeout is None else f" or dev.clock() >= start + {timeout!r}"))
             can = all(model.can_finish(t) for t in listed)
             enough = timeout is not None and timeout >= max(busy - start, 0.0) + MARGIN
             self._check(not (can and enough), "R6", f"DeadlineExceeded although jobs {ids} could all finish "
-                                                    f"within timeout={timeout}")
+                                                    f"within timeout={timeout}", "raised is None")
             return
         # Every query fails now: jobs resolve as failed.
         resolvable = self.current_device.lost() or bool(self.current_device.violations())
         for t in listed:
             if t.status == "pending" and not t.must_fail and not resolvable and not model.may_be_late(t):
-                self._check(not t.stuck, "R6", f"wait() returned although job {t.job_id} can never be proven")
+                self._check(not t.stuck, "R6", f"wait() returned although job {t.job_id} can never be proven",
+                            "raised is not None")
         model.awaited.update(t.job_id for t in listed if t.status == "pending")
 
     def _ordered(self, partners: Callable[[], list[Label]]) -> bool:

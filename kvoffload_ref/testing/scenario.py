@@ -191,7 +191,8 @@ def worker_call(method: str, worker: WorkerLike, setup: Setup, jobs: dict[str, J
         return (lambda: cancel(CANCELLED)) if callable(cancel) else (lambda: None)
     if method == "shutdown":
         return worker.shutdown
-    raise ValueError(method)
+    raise ValueError(f"method must be a submission ({', '.join(map(repr, jobs))}) or one of 'get_finished', "
+                     f"'wait', 'order_after', 'cancel', 'shutdown', got {method!r} (e.g. 'wait')")
 
 
 def prelude(worker: WorkerLike, device: SimDevice, method: str, results: list[object],

@@ -163,7 +163,7 @@ def bounded_shrinking(seconds: float | None = DEFAULT_SHRINK_SECONDS) -> Iterato
         ValueError: ``seconds`` is not positive.
     """
     if seconds is not None and seconds <= 0:
-        raise ValueError(f"the shrink budget must be positive, got {seconds!r}")
+        raise ValueError(f"seconds (the shrink budget) must be positive or None, got {seconds!r} (e.g. 30.0)")
     engine = importlib.import_module("hypothesis.internal.conjecture.engine")
     before = getattr(engine, _ENGINE_SHRINK_LIMIT, None)
     if seconds is None or before is None:

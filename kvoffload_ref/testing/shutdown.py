@@ -15,7 +15,7 @@ from kvoffload_ref.testing.model import Model
 from kvoffload_ref.worker import ShutdownPolicy
 
 __all__ = ["MARGIN", "REGION_MEMORY", "SLACK", "Expectations", "Problem", "expectations", "interrupted_problems",
-           "may_release_unproven", "region_kept", "report_problems", "script_check"]
+           "may_release_unproven", "region_kept", "report_problems"]
 
 #: Virtual seconds a bounded call (shutdown, wait with a timeout) may run past its timeout (R11).
 SLACK: Final = 0.01
@@ -25,20 +25,12 @@ MARGIN: Final = 0.01
 SHUTDOWN_POINTS: Final[frozenset[FaultPoint]] = frozenset({"event_query", "event_sync", "device_sync",
                                                            "event_create"})
 
-#: (rule ids, message)
-Problem = tuple[str, str]
+#: (rule ids, message, the check as the reproduction asserts it: a Python expression over its names, true when the
+#: rule holds -- ``report``, the shutdown's report; ``dev``, the device; ``start``, the clock before the shutdown
+#: call; ``elapsed``, the time to an interrupt)
+Problem = tuple[str, str, str]
 #: The release policy's fate (R12), as a problem says it.
 RELEASE_LEFT: Final = "policy 'release' left the region"
-#: Problems a reproduction can assert in its own terms (``report``, the last shutdown's; ``dev``, the device):
-#: (the problem's message starts with, the Python expression true when the rule holds).
-_SCRIPT_CHECKS: Final = (
-    (RELEASE_LEFT, "report.region == 'released'"),  # R12
-    ("live after shutdown", "dev.ledger.live() == {}"),  # R16
-    ("ledger quarantined", "dev.ledger.quarantined() == dict(report.quarantined)"),  # R16
-    ("ledger leaked", "dev.ledger.leaked() == dict(report.leaked)"),  # R16
-    ("region ",  # R12 (the ledger's: a region's memory is a mapping, or a pinned allocation)
-     "(report.region == 'quarantined') == bool({'mapping', 'pinned_alloc'} & set(report.quarantined))"),
-)
 
 
 #: The ledger kinds of a region's memory: a mapping, or a pinned allocation where registration is refused.
@@ -108,28 +100,13 @@ def may_release_unproven(report: ReportLike, model: Model) -> bool:
         for t in model.transfers.values())
 
 
-def script_check(problem: Problem) -> str | None:
-    """A report's problem as the reproduction's closing assertion, where it has one in the script's terms.
-
-    Args:
-        problem: (rules, message) from :func:`report_problems` or :func:`interrupted_problems`.
-
-    Returns:
-        A Python expression over ``report`` and ``dev``, true when the rule holds; None for the others.
-    """
-    message = problem[1]
-    for start, expression in _SCRIPT_CHECKS:
-        if message.startswith(start) and (start != "region " or " but quarantined " in message):
-            return expression
-    return None
-
-
 def report_problems(report: ReportLike, *, model: Model, device: SimDevice, policy: ShutdownPolicy,
                     elapsed: float, expect: Expectations) -> Iterator[Problem]:
     """Every way the report (and the ledger after it) contradicts the rules and the model."""
     limit = policy.timeout + SLACK
     if not (elapsed <= limit and report.elapsed <= limit):
-        yield "R11", f"shutdown took {elapsed} s (report: {report.elapsed}) with timeout {policy.timeout}"
+        yield ("R11", f"shutdown took {elapsed} s (report: {report.elapsed}) with timeout {policy.timeout}",
+                      f"dev.clock() - start <= {limit!r} and report.elapsed <= {limit!r}")
     yield from _fate(report, policy, expect, may_release_unproven(report, model))
     if not (device.lost() or device.violations()):  # else queries failed without a recorded firing
         yield from _drains(report, model)
@@ -142,7 +119,7 @@ def interrupted_problems(report: ReportLike, *, device: SimDevice, policy: Shutd
     idle (the region: the interrupt hit a wait on unproven work -- unless, per R29, no unproven copy touches it:
     then it is released), released the rest, and says so."""
     if not report.interrupted:
-        yield "R14", "the report of an interrupted shutdown is not marked interrupted"
+        yield "R14", "the report of an interrupted shutdown is not marked interrupted", "report.interrupted"
     fates = ("quarantined", "released") if model is not None and may_release_unproven(report, model) else (
         "quarantined",)
     if report.device_sync != "skipped" or report.region not in fates:
@@ -150,9 +127,10 @@ def interrupted_problems(report: ReportLike, *, device: SimDevice, policy: Shutd
         unproven = report.region == "released" and policy.on_unproven == "quarantine"
         yield "R12/R14" if unproven else "R14", (
             f"interrupted shutdown: device_sync={report.device_sync!r}, region={report.region!r}; "
-            "expected 'skipped' and 'quarantined'")
+            "expected 'skipped' and 'quarantined'"), f"report.device_sync == 'skipped' and report.region in {fates!r}"
     if elapsed > policy.timeout + SLACK:
-        yield "R11/R14", f"interrupted shutdown took {elapsed} s with timeout {policy.timeout}"
+        yield ("R11/R14", f"interrupted shutdown took {elapsed} s with timeout {policy.timeout}",
+                          f"elapsed <= {policy.timeout + SLACK!r}")
     yield from _ledger(report, device)
 
 
@@ -163,20 +141,25 @@ def _fate(report: ReportLike, policy: ShutdownPolicy, expect: Expectations,
     sync, region = report.device_sync, report.region
     if policy.on_unproven == "release":
         if region != "released":
-            yield "R12", f"{RELEASE_LEFT} {region}"
+            yield "R12", f"{RELEASE_LEFT} {region}", "report.region == 'released'"
     else:
-        fates = ("released",) if sync in ("not_needed", "ok") else (
-            ("quarantined", "released") if may_release else ("quarantined",))
+        unproven = ("quarantined", "released") if may_release else ("quarantined",)
+        fates = ("released",) if sync in ("not_needed", "ok") else unproven
         if region not in fates:
-            yield "R12/R29", f"region {region} with device_sync={sync!r} under policy 'quarantine'"
+            yield ("R12/R29", f"region {region} with device_sync={sync!r} under policy 'quarantine'",
+                              f"report.region in (('released',) if report.device_sync in ('not_needed', 'ok') else "
+                              f"{unproven!r})")
         if expect.must_quarantine and region != "quarantined" and not may_release:
-            yield "R12", "released the region although a hung transfer may still touch it"
+            yield ("R12", "released the region although a hung transfer may still touch it",
+                          "report.region == 'quarantined'")
         if expect.must_release and region != "released":
-            yield "R12", f"quarantined (device_sync={sync!r}) although everything could be proven idle in time"
+            yield ("R12", f"quarantined (device_sync={sync!r}) although everything could be proven idle in time",
+                          "report.region == 'released'")
     if expect.clean and sync != "not_needed":
-        yield "R13", f"device_sync={sync!r} on the clean path"
+        yield "R13", f"device_sync={sync!r} on the clean path", "report.device_sync == 'not_needed'"
     if expect.unclean and sync == "not_needed":
-        yield "R13", "no device-level proof although a transfer was not proven by its own event"
+        yield ("R13", "no device-level proof although a transfer was not proven by its own event",
+                      "report.device_sync != 'not_needed'")
 
 
 def _drains(report: ReportLike, model: Model) -> Iterator[Problem]:
@@ -185,20 +168,24 @@ def _drains(report: ReportLike, model: Model) -> Iterator[Problem]:
         queued = model.chain[direction]
         stuck = sum(t.stuck and not model.may_be_late(t) for t in queued)  # R26: an expired one is reported
         if part.abandoned < stuck:
-            yield "R9/R10", f"{direction} handler abandoned {part.abandoned} transfers; {stuck} can never be proven"
+            yield ("R9/R10", f"{direction} handler abandoned {part.abandoned} transfers; {stuck} can never be proven",
+                             f"report.{direction}.abandoned >= {stuck}")
         if part.drained > len(queued) - stuck:
-            yield "R10", (f"{direction} handler drained {part.drained} transfers; at most {len(queued) - stuck} "
-                          "could be proven")
+            yield ("R10", f"{direction} handler drained {part.drained} transfers; at most {len(queued) - stuck} "
+                          "could be proven", f"report.{direction}.drained <= {len(queued) - stuck}")
 
 
 def _ledger(report: ReportLike, device: SimDevice) -> Iterator[Problem]:
     """R16: nothing live after shutdown except what the report lists as quarantined or leaked."""
     ledger = device.ledger
     if ledger.live():
-        yield "R16", f"live after shutdown: {ledger.live()}"
+        yield "R16", f"live after shutdown: {ledger.live()}", "dev.ledger.live() == {}"
     if ledger.quarantined() != dict(report.quarantined):
-        yield "R16", f"ledger quarantined {ledger.quarantined()}, report says {dict(report.quarantined)}"
+        yield ("R16", f"ledger quarantined {ledger.quarantined()}, report says {dict(report.quarantined)}",
+                      "dev.ledger.quarantined() == dict(report.quarantined)")
     if ledger.leaked() != dict(report.leaked):
-        yield "R16", f"ledger leaked {ledger.leaked()}, report says {dict(report.leaked)}"
+        yield ("R16", f"ledger leaked {ledger.leaked()}, report says {dict(report.leaked)}",
+                      "dev.ledger.leaked() == dict(report.leaked)")
     if (report.region == "quarantined") != region_kept(report.quarantined):
-        yield "R12", f"region {report.region} but quarantined {dict(report.quarantined)}"
+        yield ("R12", f"region {report.region} but quarantined {dict(report.quarantined)}",
+                      "(report.region == 'quarantined') == bool({'mapping', 'pinned_alloc'} & set(report.quarantined))")

@@ -25,7 +25,6 @@ from kvoffload_ref.testing.shutdown import (
     expectations,
     interrupted_problems,
     region_kept,
-    script_check,
 )
 
 __all__ = ["ShutdownRules"]
@@ -51,7 +50,7 @@ class ShutdownRules(MachineBase):
     def shutdown(self) -> None:
         """R8-R16: a bounded shutdown whose report and ledger agree with what the model knows."""
         with self._step():
-            self._say("report = w.shutdown()")
+            self._say("start = dev.clock()\nreport = w.shutdown()")
             self._shutdown()
 
     def _shutdown(self) -> None:
@@ -72,7 +71,8 @@ class ShutdownRules(MachineBase):
         """R14: a KeyboardInterrupt during shutdown stops all waiting, quarantines what was not proven idle, and
         propagates; a later shutdown() returns that report, marked interrupted."""
         with self._step():
-            self._say(f"dev.interrupt_after({queries})\nreport = w.shutdown()")
+            self._say(f"start = dev.clock()\ndev.interrupt_after({queries})\nreport = w.shutdown()")
+            self._outcome("KeyboardInterrupt")
             expect = expectations(self.current_model, self.current_device, self.current_setup.policy)
             settled = settled_jobs(self.current_model)
             start = self.current_device.clock()
@@ -80,22 +80,22 @@ class ShutdownRules(MachineBase):
             try:
                 report = self._call_shutdown()
             except KeyboardInterrupt:
-                self._raised("KeyboardInterrupt")
-                self._say("report = w.shutdown()")
+                note("# -> KeyboardInterrupt")
+                self._say("elapsed = dev.clock() - start\nreport = w.shutdown()")
                 elapsed = self.current_device.clock() - start
                 report = self._call_shutdown()
                 self._absorb(self._new_firings())
                 self.report, self.phase = report, "closed"
                 type(self).counters.interrupts += 1
-                for rules, message in interrupted_problems(report, device=self.current_device,
-                                                           policy=self.current_setup.policy,
-                                                           elapsed=elapsed, model=self.current_model):
-                    self._check(False, rules, message, script_check((rules, message)))
+                self._problems(interrupted_problems(report, device=self.current_device,
+                                                    policy=self.current_setup.policy, elapsed=elapsed,
+                                                    model=self.current_model))
                 self._check_outcomes(report, settled, proven_in_time=False)
                 return
             finally:
                 self.current_device.disarm()
-            self._check(not self.current_device.interrupted, "R14", "shutdown() swallowed a KeyboardInterrupt")
+            self._check(not self.current_device.interrupted, "R14", "shutdown() swallowed a KeyboardInterrupt",
+                        "raised is not None")
             self._absorb(self._new_firings())  # the interrupt never came: nothing was waited for
             self.report, self.phase = report, "closed"
             self._check_report(report, start, expect, settled)
@@ -119,11 +119,12 @@ class ShutdownRules(MachineBase):
     def shutdown_again(self) -> None:
         """R8: a second shutdown does nothing and returns the first call's report."""
         with self._step():
-            self._say("w.shutdown()  # again")
+            self._say("clock = dev.clock()\nagain = w.shutdown()  # again")
             clock = self.current_device.clock()
             again = self.current_worker.shutdown()
             self._check(again == self.report and self.current_device.clock() == clock, "R8",
-                        "a second shutdown() did something or returned another report")
+                        "a second shutdown() did something or returned another report",
+                        "again == report and dev.clock() == clock")
 
     @precondition(lambda self: self.phase == "closed")
     @rule(data=st.data())
@@ -136,21 +137,23 @@ class ShutdownRules(MachineBase):
             clock, fired = self.current_device.clock(), len(self.current_device.plan.fired)
             for direction, src, dst in (("store", gpu, cpu), ("load", cpu, gpu)):
                 self._say(f"w.submit_{direction}({job}, {src!r}, {dst!r})  # R8")
-                self._raised("WorkerClosedError")
+                self._outcome("WorkerClosedError")
                 submit = self.current_worker.submit_store if direction == "store" else self.current_worker.submit_load
                 try:
                     submit(job, src, dst)  # type: ignore[arg-type]
                 except WorkerClosedError:
                     pass
                 else:
-                    self._check(False, "R8", f"submit_{direction} accepted after shutdown")
+                    self._check(False, "R8", f"submit_{direction} accepted after shutdown", "raised is not None")
             ids = [*[t.job_id for t in self.current_model.pending()][:3], job]
             ordering = self.capabilities.ordering
             self._say(f"assert w.get_finished() == []; w.wait({ids!r})  # R8"
                       + (f"\nw.order_after({ids!r})  # R23: orders nothing" if ordering else ""))
             self._say("w.cpu_snapshot()")
-            self._raised("WorkerClosedError")
-            self._check(list(self.current_worker.get_finished()) == [], "R8", "get_finished() after shutdown is not []")
+            self._outcome("WorkerClosedError")
+            # the script asserts it where it calls it (above), and fails there
+            self._check(list(self.current_worker.get_finished()) == [], "R8", "get_finished() after shutdown is not []",
+                        "w.get_finished() == []")
             self.current_worker.wait(ids, None)
             if ordering:
                 self.current_worker.order_after(ids)
@@ -159,9 +162,11 @@ class ShutdownRules(MachineBase):
                 self.current_worker.cancel(ids)  # type: ignore[attr-defined]
             with contextlib.suppress(WorkerClosedError):
                 self.current_worker.cpu_snapshot()
-                self._check(False, "R8", "cpu_snapshot() after shutdown did not raise WorkerClosedError")
+                self._check(False, "R8", "cpu_snapshot() after shutdown did not raise WorkerClosedError",
+                            "raised is not None")
             self._check(self.current_device.clock() == clock and len(self.current_device.plan.fired) == fired, "R8",
-                        "a call after shutdown touched the device")
+                        "a call after shutdown touched the device",
+                        f"dev.clock() == {clock!r} and len(dev.plan.fired) == {fired}")
 
     @precondition(lambda self: self.phase == "open" and self.age >= self.lifetime
                   and self.capabilities.finalizer)
@@ -174,7 +179,7 @@ class ShutdownRules(MachineBase):
         finalizer's shutdown needs (test_testing_found_bugs.py has that deadlock).
         """
         with self._step():
-            self._say("del w; gc.collect()")
+            self._say("start = dev.clock()\ndel w; gc.collect()")
             expect = expectations(self.current_model, self.current_device, self.current_setup.policy)
             # R29: the region is kept only for a copy that moves bytes; a stuck one is certainly never proven
             stuck_touches = any(t.stuck and any(m.size for m in t.moves) for t in self.current_model.pending())
@@ -194,7 +199,8 @@ class ShutdownRules(MachineBase):
                         "dev.ledger.live() == {}")
             elapsed = self.current_device.clock() - start
             timeout = self.current_setup.policy.timeout
-            self._check(elapsed <= timeout + SLACK, "R11/R15", f"the finalizer took {elapsed} s")
+            self._check(elapsed <= timeout + SLACK, "R11/R15", f"the finalizer took {elapsed} s",
+                        f"dev.clock() - start <= {timeout + SLACK!r}")
             kept = region_kept(ledger.quarantined())
             if self.current_setup.policy.on_unproven == "quarantine" and expect.must_quarantine and stuck_touches:
                 self._check(kept, "R12/R15", "the finalizer released a region a hung transfer may touch",
