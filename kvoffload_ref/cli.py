@@ -188,6 +188,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds_or_zero(text: str) -> float:
+    """An option's number of seconds, 0 allowed (argparse names the option in its message)."""
+    return 0.0 if text.strip() in ("0", "0.0") else _positive_float(text)
+
+
 def _positive_float(text: str) -> float:
     """An option's positive number of seconds (argparse names the option in its message)."""
     try:
@@ -295,8 +300,8 @@ def _fuzz_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                       help="shutdown policy to fuzz (default: drawn per example)")
     fuzz.add_argument("--without", action="append", choices=CAPABILITIES, default=None,
                       help="a capability the worker lacks (repeatable): its rules are not drawn")
-    fuzz.add_argument("--shrink-seconds", type=_positive_float, default=None,
-                      help="how long to shrink a failure (default 30)")
+    fuzz.add_argument("--shrink-seconds", type=_seconds_or_zero, default=None,
+                      help="how long to shrink a failure (default 30; 0: report it as found, unshrunk)")
     fuzz.add_argument("--verbose", action="store_true", help="show the library's logs (quiet by default)")
 
 

@@ -131,13 +131,32 @@ def test_cli_fuzz_prints_the_reproduction_once(wrong_run: subprocess.CompletedPr
     assert "Failing test case" not in text and "state.get_finished()" not in text
 
 
-def test_cli_fuzz_failing_run_prints_at_most_the_kept_log_lines(wrong_run: subprocess.CompletedProcess[str]) -> None:
+@pytest.fixture(scope="module")
+def unshrunk_run() -> subprocess.CompletedProcess[str]:
+    """The wrong worker fuzzed until it fails (R5), the failure reported as found (``--shrink-seconds 0``: what a
+    shrink keeps depends on how much real time it got, so the run is not shrunk here and is the same every time;
+    seed 1's failing run ends in a hang, whose shutdown logs its quarantine)."""
+    return _fuzz("--factory", MUTANT, "--steps", "1500", "--seed", "1", "--shrink-seconds", "0")
+
+
+def test_cli_fuzz_failing_run_prints_at_most_the_kept_log_lines(
+        unshrunk_run: subprocess.CompletedProcess[str]) -> None:
     """The library's lines are kept off the output while fuzzing; a failure prints the last KEEP, once, before
     the reproduction (under a header saying how many were logged)."""
-    assert "the library logged " in wrong_run.stdout
-    kept = _library_lines(wrong_run.stdout)
+    out = unshrunk_run.stdout
+    assert unshrunk_run.returncode == 1 and "the library logged " in out
+    kept = _library_lines(out)
     assert 0 < len(kept) <= KEEP and all(line.startswith("#   ") for line in kept)
-    assert _library_lines(wrong_run.stderr) == []
+    assert out.index("the library logged ") < out.index(REPRO_BEGIN)
+    assert _library_lines(unshrunk_run.stderr) == []
+
+
+def test_cli_fuzz_without_shrinking_says_so(unshrunk_run: subprocess.CompletedProcess[str]) -> None:
+    """``--shrink-seconds 0`` reports the failure as found, and its lines say it is not shrinking."""
+    lines = unshrunk_run.stdout.splitlines()
+    assert any(line.startswith("fuzz: FAILED") and "(reported as found, not shrunk)" in line for line in lines)
+    progress = [line for line in lines if line.startswith("fuzz: steps ") and "(first at step " in line]
+    assert progress and all("; not shrinking)" in line for line in progress)
 
 
 def test_cli_fuzz_passing_run_prints_no_log_lines() -> None:

@@ -61,12 +61,12 @@ def _machine(factory: WorkerFactory, policy: str | None, capabilities: Capabilit
     return make_machine(factory, name="CampaignMachine", setup_strategy=chosen, capabilities=capabilities)
 
 
-def _progress(counters: Counters, goal: str, started: float) -> str:
+def _progress(counters: Counters, goal: str, started: float, shrinks: bool = True) -> str:
     c = counters
     seconds = max(time.perf_counter() - started, 1e-9)
     return (f"fuzz: steps {c.steps}/{goal}  {c.steps / seconds:,.0f} steps/s  {seconds:.1f} s  runs {c.runs}  "
             f"faults injected {c.faults_injected} (fired {c.faults_fired})  violations {c.violations}"
-            f"{c.shrinking()}  accepted release-policy hazards {c.hazards}  "
+            f"{c.shrinking(shrinks)}  accepted release-policy hazards {c.hazards}  "
             f"quarantined {c.quarantined}/{c.shutdowns}\n")
 
 
@@ -111,7 +111,8 @@ def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: T
         seconds: run batches until this many seconds have passed (instead of ``steps``).
         quiet: keep the ``kvoffload_ref`` loggers' lines off the output while it runs (the last
             ``logtail.KEEP`` of a failing run are printed with its report).
-        shrink_seconds: how long Hypothesis may shrink a failure (None: Hypothesis's own bound).
+        shrink_seconds: how long Hypothesis may shrink a failure (None: Hypothesis's own bound; 0: not at all, the
+            failure is reported as found).
         on_progress: called with the machine's counters after every batch.
 
     Returns:
@@ -131,34 +132,36 @@ def run_campaign(steps: int | None, seed: int | None, policy: str | None, out: T
     started = time.perf_counter()
     goal = str(steps) if steps is not None else "-"
     counters = machine.counters
+    shrinks = shrink_seconds != 0
     machine.quiet_logs = quiet  # the library's lines are kept (the last logtail.KEEP) and shown with a failure
 
     def found(c: Counters) -> None:  # progress at once: what follows is shrinking, which prints nothing for a while
-        out.write(_progress(c, goal, started))
+        out.write(_progress(c, goal, started, shrinks))
         out.flush()
         if on_progress is not None:
             on_progress(c)
 
     machine.on_first_violation = (found,)
-    with bounded_shrinking(shrink_seconds):
+    with bounded_shrinking(shrink_seconds if shrinks else None):
         while (counters.steps < steps) if steps is not None else (time.perf_counter() - started < (seconds or 0)):
             examples = TIMED_BATCH
             if steps is not None:
                 examples = max(1, min(MAX_BATCH, -(-(steps - counters.steps) // (STEPS_PER_EXAMPLE * 4 // 5))))
             run = hypothesis_seed(batches.getrandbits(64))(machine)
             try:
-                _run_machine(run, settings=kit_settings(examples))
+                _run_machine(run, settings=kit_settings(examples, shrink=shrinks))
             except Exception as exc:  # a violated rule, or an implementation that raised where it must not
-                out.write(_progress(counters, goal, started))
+                out.write(_progress(counters, goal, started, shrinks))
                 first = counters.first_failure_step
-                out.write(f"fuzz: FAILED (seed {seed}) at step {first} (later steps: shrinking): {exc}\n")
+                after = "(later steps: shrinking)" if shrinks else "(reported as found, not shrunk)"
+                out.write(f"fuzz: FAILED (seed {seed}) at step {first} {after}: {exc}\n")
                 out.write(_traceback(exc))
                 if machine.last_logs:
                     out.write(f"{machine.last_logs}\n")
                 out.write(f"{REPRO_BEGIN}\n{machine.last_reproduction}{REPRO_END}\n")
                 out.flush()
                 return 1
-            out.write(_progress(counters, goal, started))
+            out.write(_progress(counters, goal, started, shrinks))
             out.flush()
             if on_progress is not None:
                 on_progress(counters)

@@ -115,9 +115,11 @@ _Message = tuple[str, int, "Counters | int", str]
 class _Tally:
     """Progress of every job (Invariant: one Counters per job, the latest it sent)."""
 
-    def __init__(self, jobs: int) -> None:
+    def __init__(self, jobs: int, shrinks: bool = True) -> None:
         self.latest = [Counters() for _ in range(jobs)]
         self.done = [False] * jobs
+        # Invariant: whether the jobs shrink a failure (their shrink budget is not 0).
+        self.shrinks = shrinks
 
     def line(self, goal: str, started: float) -> str:
         steps = sum(c.steps for c in self.latest)
@@ -125,7 +127,7 @@ class _Tally:
         running = self.done.count(False)
         return (f"fuzz: {len(self.latest)} jobs ({running} running)  steps {steps}/{goal}  "
                 f"{steps / seconds:,.0f} steps/s  {seconds:.1f} s  runs {sum(c.runs for c in self.latest)}  "
-                f"violations {sum(c.violations for c in self.latest)}{self.total().shrinking()}  "
+                f"violations {sum(c.violations for c in self.latest)}{self.total().shrinking(self.shrinks)}  "
                 f"accepted release-policy hazards {sum(c.hazards for c in self.latest)}\n")
 
     def total(self) -> Counters:
@@ -173,7 +175,7 @@ def run_jobs(factory: str, jobs: int, steps: int | None, seed: int | None, polic
         seconds: how long each job runs (instead of ``steps``).
         capabilities: the optional behaviours the implementation has.
         quiet: silence the library's loggers in the jobs.
-        shrink_seconds: each job's shrink budget (None: the kit's default).
+        shrink_seconds: each job's shrink budget (None: the kit's default; 0: failures are reported as found).
 
     Returns:
         0 if no job found a violation, 1 at the first job that did (or crashed).
@@ -214,7 +216,7 @@ def run_jobs(factory: str, jobs: int, steps: int | None, seed: int | None, polic
 def _collect(plans: Sequence[_Job], processes: Sequence[multiprocessing.process.BaseProcess],
              messages: multiprocessing.Queue[_Message], out: TextIO, goal: str) -> int:
     """Read the jobs' messages until all are done or one failed; returns the exit status."""
-    tally, started, printed = _Tally(len(plans)), time.perf_counter(), 0.0
+    tally, started, printed = _Tally(len(plans), plans[0].shrink_seconds != 0), time.perf_counter(), 0.0
     while not all(tally.done):
         try:
             message = messages.get(timeout=PROGRESS_EVERY)

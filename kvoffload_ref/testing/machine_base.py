@@ -84,10 +84,11 @@ class Counters:
     expired: int = 0
     cancels_after_completion: int = 0
 
-    def shrinking(self) -> str:
-        """What a progress line adds once a violation was found ("" before): its step, and that shrinking runs."""
+    def shrinking(self, shrinks: bool = True) -> str:
+        """What a progress line adds once a violation was found ("" before): its step, and whether shrinking runs
+        (``shrinks``: False for a campaign that reports its failure as found)."""
         first = self.first_failure_step
-        return f" (first at step {first}; shrinking)" if first else ""
+        return f" (first at step {first}; {'shrinking' if shrinks else 'not shrinking'})" if first else ""
 
     def line(self) -> str:
         """A one-line summary."""
