@@ -70,6 +70,8 @@ from kvoffload_ref.validate import readonly
 
 __all__ = ["CanonicalPlan", "CopyPlan", "Planner", "PreparedPlan", "plan_copies"]
 
+_INT64 = np.dtype(np.int64)  # an int64 array's dtype is usually this very object: ``is`` before ``!=``
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CopyPlan:
@@ -301,12 +303,12 @@ class PreparedPlan:
         """
         n = self.num_ops
         for name, array in (("src", src), ("dst", dst), ("sizes", sizes)):
-            if not isinstance(array, np.ndarray) or array.dtype != np.int64 or array.ndim != 1 \
-                    or array.shape[0] < n or not array.flags.writeable:
+            if not isinstance(array, np.ndarray) or (array.dtype is not _INT64 and array.dtype != np.int64) \
+                    or array.ndim != 1 or array.shape[0] < n or not array.flags.writeable:
                 raise ValueError(f"PreparedPlan.write: {name} must be a writeable 1-D int64 array of at least "
                                  f"{n} entries")
-        targets = [a[:n] for a in (src, dst, sizes)]
-        if all(t.flags.c_contiguous for t in targets):
+        targets = (src[:n], dst[:n], sizes[:n])
+        if src.strides[0] == dst.strides[0] == sizes.strides[0] == 8:   # 1-D int64 with 8-byte steps: contiguous
             self._write(*targets)
         else:   # the reshapes below must be views: fill contiguous arrays, then copy them over
             staged = [np.empty(n, dtype=np.int64) for _ in targets]

@@ -90,6 +90,8 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
     Raises:
         InvalidTransferError: not an int (the message names ``name`` and what to pass), or out of range.
     """
+    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value  # the common case: a plain int in range (every submission and wait comes through here)
     # R7: every refusal names the field, the value and a valid example (the bound nearest zero).
     example = f" (e.g. {minimum if minimum is not None else 0 if maximum is None or maximum >= 0 else maximum})"
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
