@@ -209,7 +209,8 @@ class DirectionHandler(DrainHalf):
         if plan.num_ops:
             descriptors = self._take_descriptors(plan.num_ops, tag, taken)
             plan.write(descriptors.src, descriptors.dst, descriptors.sizes)
-        marker, start, end = (taken.take(self._events, lambda: backend.create_event(tag=tag)) for _ in range(3))
+        events, create = self._events, functools.partial(backend.create_event, tag=tag)
+        marker, start, end = taken.take(events, create), taken.take(events, create), taken.take(events, create)
         backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
         backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
@@ -277,7 +278,7 @@ class DirectionHandler(DrainHalf):
         mark = next((t for t in reversed(self._queue) if t.job_id in job_ids), None)
         if mark is not None:
             self._marks.add(mark)
-        retired = self._retired.marks(job_ids) if self._retired else []
+        retired = self._retired.marks(job_ids) if self._retired.lanes else []  # the lanes: no __bool__ call
         if not retired:
             return mark
         return Mark([*retired, *([] if mark is None else [mark])])
@@ -296,7 +297,7 @@ class DirectionHandler(DrainHalf):
         heads with one prefix query, and ``mark`` itself, once it is the head, with one ``query`` (a prefix query
         of one event would say no more, and a pending head would then be queried twice). Retired streams first
         (R28); a pending head past its deadline expires (R26)."""
-        if self._retired:
+        if self._retired.lanes:  # the common case (none) tested without a call
             self._retired.poll(self._backend.query, self._proven_retired, self._failed_retired, self._free_late,
                                self._backend.monotonic(), self._expired)
         while self._queue and (mark is None or not mark.resolved):
