@@ -66,6 +66,11 @@ __all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "JobOutcome", "T
 
 logger = logging.getLogger("kvoffload_ref.handler")
 
+# What every submission and proven head reads, bound once: reading a member through its enum class runs the
+# metaclass's attribute hook (``EnumType`` defines ``__getattr__``: a few hundred ns a read on CPython 3.11).
+_SUBMIT, _HEAD_PROVEN = HandlerInput.SUBMIT, HandlerInput.HEAD_PROVEN
+_ENQUEUE, _REPORT, _COUNT_DRAINED = Action.ENQUEUE, Action.REPORT, Action.COUNT_DRAINED
+
 #: The most end events one ``query_prefix`` call is asked about: few enough that a window's transfers, events and
 #: records are still in cache when the proven heads are booked (a drain of thousands runs window by window).
 PREFIX_WINDOW = 512
@@ -170,7 +175,7 @@ class DirectionHandler(DrainHalf):
             BaseException: an interrupt (R14): raised before the device took the copy, nothing is left of the
                 submission; after, the job is queued whole first.
         """
-        if self._step(HandlerInput.SUBMIT) is not Action.ENQUEUE:  # every other pair is refused
+        if self._step(_SUBMIT) is not _ENQUEUE:  # every other pair is refused
             return
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
         gpu_spec, cpu_spec = (src, dst) if self.direction == "store" else (dst, src)
@@ -361,20 +366,20 @@ class DirectionHandler(DrainHalf):
     def _heads_proven(self, count: int) -> None:
         """The ``count`` oldest transfers were proven by their own end events. HEAD_PROVEN is a self-loop in every
         state that allows it, so one table step decides for the whole run: report them, or count them drained."""
-        action = self._step(HandlerInput.HEAD_PROVEN)
+        action = self._step(_HEAD_PROVEN)
         queue, kind = self._queue, self._kind
         whole = count == len(queue)
         run: Sequence[Transfer] = queue if whole else list(itertools.islice(queue, count))
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
-        if action is Action.REPORT:
+        if action is _REPORT:
             self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h), transfer_type=kind,
                                               tag=h.user_tag) for h in run]
         self._events += itertools.chain.from_iterable(map(EVENTS, run))
         self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
         # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its
         # outcome is built when a report is read, so a teardown of thousands allocates nothing per job.
-        if action is Action.COUNT_DRAINED:
+        if action is _COUNT_DRAINED:
             self._drained_ids.extend(map(JOB_ID, run))
             self._drained_bytes.extend(map(NBYTES, run))
             if self._tagged:  # an untagged handler keeps no tags (nothing per job)

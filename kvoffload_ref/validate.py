@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Final, cast
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -224,7 +224,9 @@ def check_job_ids(job_ids: object) -> set[int]:
                    else "{3} or [3, 4]")
         raise InvalidTransferError(f"job_ids must be an iterable of job ids (e.g. {example}), "
                                    f"got {type(job_ids).__name__} {_show(job_ids)}")
-    return {check_int("job_id", job) for job in cast(Iterable[object], job_ids)}
+    ids: Iterable[object] = job_ids  # type: ignore[assignment]  # an iterable (checked above; no cast: a cast
+    # of a subscripted generic builds the alias on every call)
+    return {check_int("job_id", job) for job in ids}
 
 
 def check_timeout(timeout: object) -> float | None:
