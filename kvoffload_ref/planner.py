@@ -283,9 +283,13 @@ class PreparedPlan:
         self._gpu_ids, self._cpu_ids = gpu_ids, cpu_ids
         self._slices = slices
         self._store = store
-        groups = planner._columns
-        self.num_ops: int = sum(s.size * len(groups[s.group].refs.tensors) for s in slices)
-        self.nbytes: int = sum(s.size * groups[s.group].refs.bytes_per_block for s in slices)
+        groups, num_ops, nbytes = planner._columns, 0, 0
+        for s in slices:   # one pass, no generator (a one-block job has one slice)
+            refs = groups[s.group].refs
+            num_ops += s.size * len(refs.tensors)
+            nbytes += s.size * refs.bytes_per_block
+        self.num_ops: int = num_ops
+        self.nbytes: int = nbytes
 
     def write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> int:
         """Write the copies into the first :attr:`num_ops` entries of ``src``, ``dst`` and ``sizes``, in the
