@@ -273,14 +273,17 @@ class DirectionHandler(DrainHalf):
     def take_results(self) -> list[TransferResult]:
         """Hand over the waiting results; no backend call, so no interrupt at a call splits it (R14)."""
         results, self._resolved = self._resolved, []
-        self._jobs.difference_update([r.job_id for r in results])
+        if results:
+            self._jobs.difference_update([r.job_id for r in results])
         return results
 
     def last_of(self, job_ids: set[int]) -> Transfer | Mark[Transfer] | None:
         """The last queued transfer among ``job_ids`` (None if none is queued): in FIFO order, once it is
         resolved, every listed job here is (R6); with retired streams (R28), a mark of it and the listed live jobs
         queued on them."""
-        mark = next((t for t in reversed(self._queue) if t.job_id in job_ids), None)
+        queue = self._queue
+        mark = queue[-1] if queue and queue[-1].job_id in job_ids else next(  # the newest first, without a generator
+            (t for t in reversed(queue) if t.job_id in job_ids), None)
         if mark is not None:
             self._marks.add(mark)
         retired = self._retired.marks(job_ids) if self._retired.lanes else []  # the lanes: no __bool__ call
