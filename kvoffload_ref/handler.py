@@ -56,6 +56,7 @@ from kvoffload_ref.results import (
     JobOutcome,
     TransferResult,
     failed_in_order,
+    proven,
 )
 from kvoffload_ref.running import Holds, Mark, Retired, Running
 from kvoffload_ref.shield import Leaks, Shield
@@ -376,8 +377,7 @@ class DirectionHandler(DrainHalf):
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
         if action is _REPORT:
-            self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h), transfer_type=kind,
-                                              tag=h.user_tag) for h in run]
+            self._resolved += [proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag) for h in run]
         self._events += itertools.chain.from_iterable(map(EVENTS, run))
         self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
         # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its
@@ -447,8 +447,7 @@ class DirectionHandler(DrainHalf):
         """A live job on a retired stream, proven by its own end event: reported (or drained) like any other."""
         action = self._step(HandlerInput.HEAD_PROVEN)
         if action is Action.REPORT:
-            self._resolved.append(TransferResult(head.job_id, True, head.nbytes, self._seconds(head),
-                                                 transfer_type=self._kind, tag=head.user_tag))
+            self._resolved.append(proven(head.job_id, head.nbytes, self._seconds(head), self._kind, head.user_tag))
         else:  # COUNT_DRAINED
             self._drained_ids.append(head.job_id)
             self._drained_bytes.append(head.nbytes)
