@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -142,9 +142,9 @@ class _GroupColumns:
                    pages[t][:, None] * np.arange(bpc, dtype=np.int64)[None, :], refs.page_sizes[:, None])
 
 
-@dataclasses.dataclass(frozen=True)
-class _Slice:
-    """The ids one non-empty group consumes on each side."""
+class _Slice(NamedTuple):
+    """The ids one non-empty group consumes on each side (a tuple: one is made per group per transfer, and a frozen
+    dataclass sets each field through ``object.__setattr__``)."""
 
     group: int
     size: int  # Invariant: >= 1 (empty groups get no slice).
