@@ -56,6 +56,7 @@ from kvoffload_ref.results import (
     JobOutcome,
     TransferResult,
     failed_in_order,
+    proven,
 )
 from kvoffload_ref.running import Holds, Mark, Retired, Running
 from kvoffload_ref.shield import Leaks, Shield
@@ -65,6 +66,11 @@ from kvoffload_ref.validate import Int64Array
 __all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "JobOutcome", "TransferResult"]  # the values: results
 
 logger = logging.getLogger("kvoffload_ref.handler")
+
+# What every submission and proven head reads, bound once: reading a member through its enum class runs the
+# metaclass's attribute hook (``EnumType`` defines ``__getattr__``: a few hundred ns a read on CPython 3.11).
+_SUBMIT, _HEAD_PROVEN = HandlerInput.SUBMIT, HandlerInput.HEAD_PROVEN
+_ENQUEUE, _REPORT, _COUNT_DRAINED = Action.ENQUEUE, Action.REPORT, Action.COUNT_DRAINED
 
 #: The most end events one ``query_prefix`` call is asked about: few enough that a window's transfers, events and
 #: records are still in cache when the proven heads are booked (a drain of thousands runs window by window).
@@ -170,7 +176,7 @@ class DirectionHandler(DrainHalf):
             BaseException: an interrupt (R14): raised before the device took the copy, nothing is left of the
                 submission; after, the job is queued whole first.
         """
-        if self._step(HandlerInput.SUBMIT) is not Action.ENQUEUE:  # every other pair is refused
+        if self._step(_SUBMIT) is not _ENQUEUE:  # every other pair is refused
             return
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
         gpu_spec, cpu_spec = (src, dst) if self.direction == "store" else (dst, src)
@@ -209,7 +215,8 @@ class DirectionHandler(DrainHalf):
         if plan.num_ops:
             descriptors = self._take_descriptors(plan.num_ops, tag, taken)
             plan.write(descriptors.src, descriptors.dst, descriptors.sizes)
-        marker, start, end = (taken.take(self._events, lambda: backend.create_event(tag=tag)) for _ in range(3))
+        events, create = self._events, functools.partial(backend.create_event, tag=tag)
+        marker, start, end = taken.take(events, create), taken.take(events, create), taken.take(events, create)
         backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
         backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
@@ -267,17 +274,20 @@ class DirectionHandler(DrainHalf):
     def take_results(self) -> list[TransferResult]:
         """Hand over the waiting results; no backend call, so no interrupt at a call splits it (R14)."""
         results, self._resolved = self._resolved, []
-        self._jobs.difference_update([r.job_id for r in results])
+        if results:
+            self._jobs.difference_update([r.job_id for r in results])
         return results
 
     def last_of(self, job_ids: set[int]) -> Transfer | Mark[Transfer] | None:
         """The last queued transfer among ``job_ids`` (None if none is queued): in FIFO order, once it is
         resolved, every listed job here is (R6); with retired streams (R28), a mark of it and the listed live jobs
         queued on them."""
-        mark = next((t for t in reversed(self._queue) if t.job_id in job_ids), None)
+        queue = self._queue
+        mark = queue[-1] if queue and queue[-1].job_id in job_ids else next(  # the newest first, without a generator
+            (t for t in reversed(queue) if t.job_id in job_ids), None)
         if mark is not None:
             self._marks.add(mark)
-        retired = self._retired.marks(job_ids) if self._retired else []
+        retired = self._retired.marks(job_ids) if self._retired.lanes else []  # the lanes: no __bool__ call
         if not retired:
             return mark
         return Mark([*retired, *([] if mark is None else [mark])])
@@ -296,7 +306,7 @@ class DirectionHandler(DrainHalf):
         heads with one prefix query, and ``mark`` itself, once it is the head, with one ``query`` (a prefix query
         of one event would say no more, and a pending head would then be queried twice). Retired streams first
         (R28); a pending head past its deadline expires (R26)."""
-        if self._retired:
+        if self._retired.lanes:  # the common case (none) tested without a call
             self._retired.poll(self._backend.query, self._proven_retired, self._failed_retired, self._free_late,
                                self._backend.monotonic(), self._expired)
         while self._queue and (mark is None or not mark.resolved):
@@ -360,20 +370,19 @@ class DirectionHandler(DrainHalf):
     def _heads_proven(self, count: int) -> None:
         """The ``count`` oldest transfers were proven by their own end events. HEAD_PROVEN is a self-loop in every
         state that allows it, so one table step decides for the whole run: report them, or count them drained."""
-        action = self._step(HandlerInput.HEAD_PROVEN)
+        action = self._step(_HEAD_PROVEN)
         queue, kind = self._queue, self._kind
         whole = count == len(queue)
         run: Sequence[Transfer] = queue if whole else list(itertools.islice(queue, count))
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
-        if action is Action.REPORT:
-            self._resolved += [TransferResult(h.job_id, True, h.nbytes, self._seconds(h), transfer_type=kind,
-                                              tag=h.user_tag) for h in run]
+        if action is _REPORT:
+            self._resolved += [proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag) for h in run]
         self._events += itertools.chain.from_iterable(map(EVENTS, run))
         self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
         # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its
         # outcome is built when a report is read, so a teardown of thousands allocates nothing per job.
-        if action is Action.COUNT_DRAINED:
+        if action is _COUNT_DRAINED:
             self._drained_ids.extend(map(JOB_ID, run))
             self._drained_bytes.extend(map(NBYTES, run))
             if self._tagged:  # an untagged handler keeps no tags (nothing per job)
@@ -438,8 +447,7 @@ class DirectionHandler(DrainHalf):
         """A live job on a retired stream, proven by its own end event: reported (or drained) like any other."""
         action = self._step(HandlerInput.HEAD_PROVEN)
         if action is Action.REPORT:
-            self._resolved.append(TransferResult(head.job_id, True, head.nbytes, self._seconds(head),
-                                                 transfer_type=self._kind, tag=head.user_tag))
+            self._resolved.append(proven(head.job_id, head.nbytes, self._seconds(head), self._kind, head.user_tag))
         else:  # COUNT_DRAINED
             self._drained_ids.append(head.job_id)
             self._drained_bytes.append(head.nbytes)

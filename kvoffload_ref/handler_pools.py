@@ -35,6 +35,8 @@ _T = TypeVar("_T")
 class Taken:
     """What one submission took so far (from a pool or newly created), to give back if it fails."""
 
+    __slots__ = ("copy_queued", "end_pending", "items", "marker", "transfer")
+
     def __init__(self) -> None:
         # Invariant: (pool the item belongs to, item, created by this submission), in taking order.
         self.items: list[tuple[list[Any], Any, bool]] = []

@@ -25,7 +25,15 @@ __all__ = ["FATE", "HANDLER_TABLE", "MACHINES", "PROOF_DECISION", "REGION_TABLE"
            "WorkerState"]
 
 
-class Action(enum.Enum):
+class _Member(enum.Enum):
+    """A lifecycle enum: members hash by identity (a C slot), not by name through ``Enum.__hash__`` (a Python
+    call): every public call looks up one or two ``(state, input)`` pairs in a table. Members are singletons and
+    compare by identity, so the hash agrees with equality."""
+
+    __hash__ = object.__hash__
+
+
+class Action(_Member):
     """What the driver does after a transition."""
 
     PROCEED = "proceed"  # carry out the call normally
@@ -49,13 +57,13 @@ class Action(enum.Enum):
 
 
 # -- worker -----------------------------------------------------------------------------------------------------
-class WorkerState(enum.Enum):
+class WorkerState(_Member):
     OPEN = "open"
     SHUTTING_DOWN = "shutting_down"
     CLOSED = "closed"
 
 
-class WorkerInput(enum.Enum):
+class WorkerInput(_Member):
     SUBMIT = "submit"  # submit_store / submit_load
     GET_FINISHED = "get_finished"
     WAIT = "wait"
@@ -104,7 +112,7 @@ WORKER_TABLE: Final[Table[Action]] = {
 
 
 # -- handler ----------------------------------------------------------------------------------------------------
-class HandlerState(enum.Enum):
+class HandlerState(_Member):
     ACCEPTING = "accepting"
     DRAINING = "draining"
     DRAINED = "drained"  # every queued transfer was proven complete by its own event
@@ -112,7 +120,7 @@ class HandlerState(enum.Enum):
     CLOSED = "closed"  # transfer-side resources released (or handed to quarantine)
 
 
-class HandlerInput(enum.Enum):
+class HandlerInput(_Member):
     SUBMIT = "submit"
     HEAD_PROVEN = "head_proven"  # the oldest transfer's end event was observed done without error
     HEAD_FAILED = "head_failed"  # observing the oldest transfer raised (R5/R10)
@@ -162,14 +170,14 @@ HANDLER_TABLE: Final[Table[Action]] = {
 
 
 # -- region -----------------------------------------------------------------------------------------------------
-class RegionState(enum.Enum):
+class RegionState(_Member):
     CALLER_OWNED = "caller_owned"  # built, not (yet) adopted by a worker (R1)
     WORKER_OWNED = "worker_owned"  # a worker's constructor returned successfully with it (R1)
     RELEASED = "released"  # unpinned, views dropped, unmapped (R3)
     QUARANTINED = "quarantined"  # kept mapped and pinned until process exit (R12)
 
 
-class RegionInput(enum.Enum):
+class RegionInput(_Member):
     ADOPT = "adopt"  # a worker takes ownership
     CALLER_RELEASE = "caller_release"  # region.release() by its caller
     WORKER_RELEASE = "worker_release"  # the owning worker's shutdown proved it idle (or policy "release")
@@ -201,7 +209,7 @@ REGION_TABLE: Final[Table[Action]] = {
 
 
 # -- shutdown decisions -----------------------------------------------------------------------------------------
-class ProofOutcome(enum.Enum):
+class ProofOutcome(_Member):
     """What the device-level proof (R13) established; the values are ``ShutdownReport.device_sync``'s strings."""
 
     NOT_NEEDED = "not_needed"  # the clean path held: every transfer proven by its own event; no proof ran
@@ -211,14 +219,14 @@ class ProofOutcome(enum.Enum):
     SKIPPED = "skipped"  # a BaseException stopped all waiting (R14); no proof ran
 
 
-class Policy(enum.Enum):
+class Policy(_Member):
     """``ShutdownPolicy.on_unproven``: what to do with memory that may still be under DMA."""
 
     QUARANTINE = "quarantine"  # the default: keep it alive until process exit (R12)
     RELEASE = "release"  # vLLM #51622: release regardless, after a best-effort proof
 
 
-class Fate(enum.Enum):
+class Fate(_Member):
     """What happens to the region and to the descriptor buffers of unproven transfers."""
 
     RELEASE = "release"

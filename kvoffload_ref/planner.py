@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,8 @@ from kvoffload_ref.specs import (
 from kvoffload_ref.validate import readonly
 
 __all__ = ["CanonicalPlan", "CopyPlan", "Planner", "PreparedPlan", "plan_copies"]
+
+_INT64 = np.dtype(np.int64)  # an int64 array's dtype is usually this very object: ``is`` before ``!=``
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -140,9 +142,9 @@ class _GroupColumns:
                    pages[t][:, None] * np.arange(bpc, dtype=np.int64)[None, :], refs.page_sizes[:, None])
 
 
-@dataclasses.dataclass(frozen=True)
-class _Slice:
-    """The ids one non-empty group consumes on each side."""
+class _Slice(NamedTuple):
+    """The ids one non-empty group consumes on each side (a tuple: one is made per group per transfer, and a frozen
+    dataclass sets each field through ``object.__setattr__``)."""
 
     group: int
     size: int  # Invariant: >= 1 (empty groups get no slice).
@@ -281,9 +283,13 @@ class PreparedPlan:
         self._gpu_ids, self._cpu_ids = gpu_ids, cpu_ids
         self._slices = slices
         self._store = store
-        groups = planner._columns
-        self.num_ops: int = sum(s.size * len(groups[s.group].refs.tensors) for s in slices)
-        self.nbytes: int = sum(s.size * groups[s.group].refs.bytes_per_block for s in slices)
+        groups, num_ops, nbytes = planner._columns, 0, 0
+        for s in slices:   # one pass, no generator (a one-block job has one slice)
+            refs = groups[s.group].refs
+            num_ops += s.size * len(refs.tensors)
+            nbytes += s.size * refs.bytes_per_block
+        self.num_ops: int = num_ops
+        self.nbytes: int = nbytes
 
     def write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> int:
         """Write the copies into the first :attr:`num_ops` entries of ``src``, ``dst`` and ``sizes``, in the
@@ -301,12 +307,12 @@ class PreparedPlan:
         """
         n = self.num_ops
         for name, array in (("src", src), ("dst", dst), ("sizes", sizes)):
-            if not isinstance(array, np.ndarray) or array.dtype != np.int64 or array.ndim != 1 \
-                    or array.shape[0] < n or not array.flags.writeable:
+            if not isinstance(array, np.ndarray) or (array.dtype is not _INT64 and array.dtype != np.int64) \
+                    or array.ndim != 1 or array.shape[0] < n or not array.flags.writeable:
                 raise ValueError(f"PreparedPlan.write: {name} must be a writeable 1-D int64 array of at least "
                                  f"{n} entries")
-        targets = [a[:n] for a in (src, dst, sizes)]
-        if all(t.flags.c_contiguous for t in targets):
+        targets = (src[:n], dst[:n], sizes[:n])
+        if src.strides[0] == dst.strides[0] == sizes.strides[0] == 8:   # 1-D int64 with 8-byte steps: contiguous
             self._write(*targets)
         else:   # the reshapes below must be views: fill contiguous arrays, then copy them over
             staged = [np.empty(n, dtype=np.int64) for _ in targets]

@@ -38,6 +38,11 @@ __all__ = ["Core", "ReferenceHandler", "ReferenceWorker", "build_core", "create_
 
 logger = logging.getLogger("kvoffload_ref.worker")
 
+# The inputs and the action every call reads, bound once: reading a member through its enum class runs the
+# metaclass's attribute hook (``EnumType`` defines ``__getattr__``: a few hundred ns a read on CPython 3.11).
+_SUBMIT, _WAIT, _GET_FINISHED = WorkerInput.SUBMIT, WorkerInput.WAIT, WorkerInput.GET_FINISHED
+_RETURN_EMPTY = Action.RETURN_EMPTY
+
 
 class ReferenceWorker(WorkerFacade):
     """The reference worker: ``WorkerFacade``'s calls over a :class:`Core` with :class:`ReferenceHandler` s. The
@@ -150,7 +155,7 @@ class Core:
     def submit(self, direction: Direction, job_id: int, src: object, dst: object, deadline: object = None,
                tag: object = None) -> bool:
         with self.call:  # R19: one step under the lock
-            self.transition(WorkerInput.SUBMIT)  # R8: refused once shutdown began
+            self.transition(_SUBMIT)  # R8: refused once shutdown began
             job = check_int("job_id", job_id)  # R7
             limit = None if deadline is None else check_positive("deadline", deadline, unit="seconds")  # R7/R26
             if self.store.knows(job) or self.load.knows(job):  # R7: an id in flight in either direction
@@ -181,7 +186,7 @@ class Core:
 
     def get_finished(self) -> list[TransferResult]:
         with self.call:
-            if self.transition(WorkerInput.GET_FINISHED) is Action.RETURN_EMPTY:
+            if self.transition(_GET_FINISHED) is _RETURN_EMPTY:
                 return []
             self.store.reap()  # backend calls: an interrupt here leaves every result where it waits (R14)
             self.load.reap()
@@ -193,7 +198,7 @@ class Core:
         started = self.backend.monotonic()
         deadline = None if limit is None else started + limit
         with self.call:
-            if self.transition(WorkerInput.WAIT) is Action.RETURN_EMPTY:
+            if self.transition(_WAIT) is _RETURN_EMPTY:
                 return
             marks = [(h, h.last_of(ids)) for h in (self.store, self.load)]  # R6: FIFO: the last settles them all
         for handler, mark in marks:  # R19: the lock is held for each poll, never across a sleep
@@ -203,7 +208,7 @@ class Core:
 
     def _settle(self, handler: DirectionHandlerAPI, mark: object) -> bool:
         with self.call:  # True once ``mark`` resolved, or shutdown began in another thread (R19)
-            return self.transition(WorkerInput.WAIT) is Action.RETURN_EMPTY or handler.settle(mark)
+            return self.transition(_WAIT) is _RETURN_EMPTY or handler.settle(mark)
 
     def order_after(self, job_ids: Iterable[int], stream: object | None) -> None:
         self.owner.check("this worker")  # R21

@@ -34,6 +34,8 @@ T = TypeVar("T")
 class Shield:
     """Collects the interrupts that arrive while release steps run, so the steps can finish first."""
 
+    __slots__ = ("interrupt",)
+
     def __init__(self) -> None:
         # Invariant: the first interrupting BaseException (not an Exception) seen by run(), or None.
         self.interrupt: BaseException | None = None

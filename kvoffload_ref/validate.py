@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Final, cast
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -106,6 +106,8 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
     Raises:
         InvalidTransferError: not an int (the message names ``name`` and what to pass), or out of range.
     """
+    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value  # the common case: a plain int in range (every submission and wait comes through here)
     # R7: every refusal names the field, the value and a valid example (the bound nearest zero).
     example = f" (e.g. {minimum if minimum is not None else 0 if maximum is None or maximum >= 0 else maximum})"
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -238,7 +240,9 @@ def check_job_ids(job_ids: object) -> set[int]:
                    else "{3} or [3, 4]")
         raise InvalidTransferError(f"job_ids must be an iterable of job ids (e.g. {example}), "
                                    f"got {type(job_ids).__name__} {_show(job_ids)}")
-    return {check_int("job_id", job) for job in cast(Iterable[object], job_ids)}
+    ids: Iterable[object] = job_ids  # type: ignore[assignment]  # an iterable (checked above; no cast: a cast
+    # of a subscripted generic builds the alias on every call)
+    return {check_int("job_id", job) for job in ids}
 
 
 def check_timeout(timeout: object) -> float | None:

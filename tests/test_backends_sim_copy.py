@@ -14,6 +14,7 @@ from kvoffload_ref.backends import _simcopy
 from kvoffload_ref.backends._simcopy import _MAX_GRIDS
 from kvoffload_ref.backends._simmem import EACH_MAX_PER_PAIR, SMALL_BATCH, Intervals
 from kvoffload_ref.backends.sim import SimBackend
+from kvoffload_ref.errors import DeviceError
 
 I64 = npt.NDArray[np.int64]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -79,6 +80,27 @@ def timed_copy(be: SimBackend, src: list[int], dst: list[int], sizes: list[int])
     be.record(end, stream)
     be.synchronize(end)
     return be.monotonic() - started
+
+
+@pytest.mark.parametrize("count", [SMALL_BATCH, SMALL_BATCH + 4])
+@pytest.mark.parametrize("bad_size", [-1, -PAGE])
+def test_sim_copy_with_a_negative_size_is_an_illegal_address_at_every_batch_size(count: int, bad_size: int) -> None:
+    """A descriptor of negative size lies in no span, small batch or large: the copy stops at execution with the
+    illegal-address error (700) naming it and moves nothing (a large batch's span lookup leaves out the sign test
+    only when its smallest size shows that no size is negative)."""
+    be = SimBackend()
+    source, target = (np.asarray(be.empty_device((count, PAGE))) for _ in range(2))
+    source[:] = 9
+    src = [int(source[k].ctypes.data) for k in range(count)]
+    dst = [int(target[k].ctypes.data) for k in range(count)]
+    sizes = [PAGE] * count
+    sizes[count - 2] = bad_size   # it ends before it starts: any room "fits" it, only the sign test refuses it
+    with pytest.raises(DeviceError) as info:
+        timed_copy(be, src, dst, sizes)
+    assert info.value.status == 700
+    assert [v.kind for v in be.violations] == ["illegal_address"]
+    assert f"descriptor {count - 2} " in be.violations[0].detail
+    assert not target.any(), "a failing copy moves nothing"
 
 
 def test_sim_prices_the_unpinned_host_bytes_of_large_batches_as_each_descriptor_lies() -> None:

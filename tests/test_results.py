@@ -13,7 +13,7 @@ from _support import BPC, CPU_CHUNKS, cspec, gspec, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
-from kvoffload_ref.results import JobOutcomes, TransferResult, by_group, destination_blocks, failure
+from kvoffload_ref.results import JobOutcomes, TransferResult, by_group, destination_blocks, failure, proven
 
 
 @dataclasses.dataclass
@@ -50,6 +50,19 @@ def test_results_failure_equals_the_result_init_builds(groups: tuple[int, ...]) 
     assert list(vars(built)) == [f.name for f in dataclasses.fields(TransferResult)]  # every field, in order
     with pytest.raises(dataclasses.FrozenInstanceError):
         built.success = True  # type: ignore[misc]
+
+
+@pytest.mark.rule("R5")
+@pytest.mark.parametrize("seconds", [1.5e-5, None])
+def test_results_proven_equals_the_result_init_builds(seconds: float | None) -> None:
+    """``proven`` skips the frozen dataclass's ``__init__`` (one per proven job of the fast engine): same value."""
+    built = proven(7, 4096, seconds, ("GPU", "CPU"), {"k": 1})
+    expected = TransferResult(7, True, 4096, seconds, transfer_type=("GPU", "CPU"), tag={"k": 1})
+    assert built == expected and repr(built) == repr(expected)
+    assert built.error is None and built.invalid_blocks == () and built.invalid_blocks_by_group == ()
+    assert list(vars(built)) == [f.name for f in dataclasses.fields(TransferResult)]  # every field, in order
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.success = False  # type: ignore[misc]
 
 
 @pytest.mark.rule("R22")

@@ -68,6 +68,8 @@ _MIN_RUN_ROWS: Final = 32
 _CHUNK_BYTES: Final = 2 * 1024 * 1024
 #: Grid views one snapshot of the spans keeps at most (a cache: emptied when full, rather than grown).
 _MAX_GRIDS: Final = 256
+#: An array's min() and max() without their Python wrappers (half a microsecond each on a copy's start).
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 
 #: One descriptor, as Python ints: (source span, destination span, size, source offset, destination offset).
@@ -130,24 +132,30 @@ class CopyPlan:
     data: Sequence[Bytes] = ()
     # Invariant: views[k] is a byte memoryview of spans[k].data (the snapshot's list); empty: build it.
     views: Sequence[memoryview] = ()
-    # Invariant: None until ``smallest`` is first read, then its value (a cache; not copied by replace()).
+    # Invariant: None until ``smallest`` is first read (or :meth:`bound` told it), then its value (a cache; not
+    # copied by replace()).
     _smallest: int | None = dataclasses.field(default=None, init=False, repr=False)
-    # Invariant: None until ``largest`` is first read, then its value (the same kind of cache).
+    # Invariant: None until ``largest`` is first read (or told), then its value (the same kind of cache).
     _largest: int | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def smallest(self) -> int:
         """The smallest size (0 when there is no descriptor)."""
         if self._smallest is None:   # a plain cache: a cached_property's lookup costs a copy's start more
-            self._smallest = int(self.sizes.min()) if self.sizes.size else 0
+            self._smallest = int(_MIN(self.sizes)) if self.sizes.size else 0
         return self._smallest
 
     @property
     def largest(self) -> int:
         """The largest size (0 when there is no descriptor)."""
         if self._largest is None:
-            self._largest = int(self.sizes.max()) if self.sizes.size else 0
+            self._largest = int(_MAX(self.sizes)) if self.sizes.size else 0
         return self._largest
+
+    def bound(self, smallest: int, largest: int) -> None:
+        """Seed :attr:`smallest` and :attr:`largest` with what the maker of the plan already computed (they must be
+        the sizes' minimum and maximum: ``tests/test_backends_sim_copy.py`` holds the plans to them)."""
+        self._smallest, self._largest = smallest, largest
 
     def live_bytes(self) -> int:
         """How many bytes the non-empty descriptors copy."""
@@ -158,9 +166,10 @@ class CopyPlan:
 
     def first_bad(self) -> int | None:
         """The first non-empty descriptor touching memory outside every live span, or None."""
-        worst = np.minimum(self.si, self.di)
-        if not worst.size or worst.min() >= 0:
+        si, di = self.si, self.di
+        if not si.size or (_MIN(si) >= 0 and _MIN(di) >= 0):
             return None
+        worst = np.minimum(si, di)
         bad = (worst < 0) & (self.sizes != 0)   # an empty copy touches nothing
         return int(bad.argmax()) if bad.any() else None
 
@@ -201,10 +210,11 @@ class CopyPlan:
             live = sizes > 0
             si, di, sizes, so, do, key = si[live], di[live], sizes[live], so[live], do[live], key[live]
             steps = key[1:] - key[:-1]
-        so, do = so - self.starts.take(si), do - self.starts.take(di)
+        starts = self.starts
+        so, do = so - starts.take(si), do - starts.take(di)
         views = self.views or byte_views(data)
         if sizes.size and self.smallest == self.largest:   # one size: the group order is the key's order
-            if int(steps.min()) < 0:   # out of group order: the columns permuted by a stable argsort, in C
+            if _MIN(steps) < 0:   # out of group order: the columns permuted by a stable argsort, in C
                 order = key.argsort(kind="stable")   # stable: descriptor order within a group
                 si, di, so, do = si.take(order), di.take(order), so.take(order), do.take(order)
             sources, destinations = si.tolist(), di.tolist()

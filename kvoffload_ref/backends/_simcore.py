@@ -16,7 +16,7 @@ import itertools
 import mmap
 import threading
 from collections.abc import Sequence
-from typing import Any, Final, TypeVar, cast
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -199,6 +199,8 @@ class SimCore:
     def _check_registrations(self, buf: DescriptorBuffer, count: int, tag: Tag | None) -> None:
         """R25: record ``crosses_registration`` for a copy with a host span in two registrations (the sim merges
         no descriptors, so each descriptor's span is checked as it is); the copy still runs."""
+        if len(self._memory.pinned) <= 1:   # no two registrations to span (first_crossing's own first test)
+            return
         sizes = buf.sizes[:count]
         for side, addrs in (("source", buf.src[:count]), ("destination", buf.dst[:count])):
             found = self._memory.first_crossing(addrs, sizes)
@@ -424,13 +426,13 @@ class SimCore:
         return [ops[i] for i in np.unique(owner[hit]).tolist()]
 
     def _op_duration(self, op: Op) -> float:
-        if isinstance(op, SlowOp):
-            return op.duration   # exact: a stall is not priced by the profile
-        if isinstance(op, ComputeOp):
-            return op.delay if self._cost is None else op.delay * self._cost.compute_factor()
-        if not isinstance(op, CopyOp):
+        if op.__class__ is not CopyOp:   # the common op first (no subclass of any op class exists)
+            if isinstance(op, SlowOp):
+                return op.duration   # exact: a stall is not priced by the profile
+            if isinstance(op, ComputeOp):
+                return op.delay if self._cost is None else op.delay * self._cost.compute_factor()
             return 0.0
-        n, buf = op.count, op.buf
+        n, buf = op.count, op.buf   # a CopyOp (its class, as tested)
         op.plan, slow = self._memory.plan(buf.src[:n], buf.dst[:n], buf.sizes[:n])   # read there: a snapshot
         if self._cost is not None:
             return self._cost.price(op, op.plan, slow, self.copy_path, self._memory.seams())
@@ -469,7 +471,7 @@ class SimCore:
 
     def _own_event(self, event: Event) -> SimEvent:
         if self._events.get(id(event)) is event:  # only this device's live events are in its table
-            return cast(SimEvent, event)
+            return event  # type: ignore[return-value]  # the table holds SimEvents only
         raise DeviceError(f"{event!r} is not a live event of this device", CUDA_ERROR_INVALID_RESOURCE_HANDLE)
 
     def _geometry(self, array: object) -> tuple[TensorGeometry, npt.NDArray[np.uint8]]:

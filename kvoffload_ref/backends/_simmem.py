@@ -49,6 +49,9 @@ __all__ = [
 I64 = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
 
+#: An array's min() and max() without their Python wrappers.
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+
 #: int64 words per shared block of descriptor words (4 KiB); buffers needing more than a quarter of one get
 #: their own array, so a block that one live buffer keeps alive wastes at most 4 KiB.
 DESCRIPTOR_BLOCK_WORDS: Final = 512
@@ -68,8 +71,9 @@ class Intervals:
         # before an address); [0] is a placeholder (no range there: find answers -1 whatever it reads).
         self._end_by_count: I64 = np.concatenate((np.zeros(1, dtype=np.int64), self.ends))
 
-    def find(self, addr: I64, size: I64) -> npt.NDArray[np.intp]:
-        """Index of the range holding each [addr, addr+size) whole, or -1 (also for a negative size)."""
+    def find(self, addr: I64, size: I64, *, sized: bool = False) -> npt.NDArray[np.intp]:
+        """Index of the range holding each [addr, addr+size) whole, or -1 (also for a negative size; ``sized``:
+        the caller knows that no size is negative, so none is compared with 0)."""
         if addr.size <= SMALL_BATCH:
             found = [self.find_one(a, n) for a, n in zip(addr.tolist(), size.tolist(), strict=True)]
             return np.array(found, dtype=np.intp)
@@ -77,7 +81,8 @@ class Intervals:
             return np.full(addr.shape, -1, dtype=np.intp)
         count = self.starts.searchsorted(addr, side="right")   # range count - 1 is the candidate, if count >= 1
         room = self._end_by_count.take(count) - addr   # no overflow where count >= 1: addr >= a start there
-        held: npt.NDArray[np.intp] = count * ((size >= 0) & (size <= room)) - 1   # count 0: -1 whatever room is
+        fits = size <= room if sized else (size >= 0) & (size <= room)
+        held: npt.NDArray[np.intp] = count * fits - 1   # count 0: -1 whatever room is
         return held
 
     def moves(self, src: list[int], dst: list[int], sizes: list[int]) -> Moves:
@@ -255,9 +260,12 @@ class Memory:
             plan = SmallPlan(values, index.intervals.moves(*values), index.spans, index.data, index.views)
         else:
             src, dst, sizes = src.copy(), dst.copy(), sizes.copy()
-            si, di = index.intervals.find(src, sizes), index.intervals.find(dst, sizes)
-            plan = CopyPlan(src, dst, sizes, index.spans, si, di, index.intervals.starts, index.grids, index.data,
+            smallest, largest = int(_MIN(sizes)), int(_MAX(sizes))   # more than SMALL_BATCH: not empty
+            intervals, sized = index.intervals, smallest >= 0
+            si, di = intervals.find(src, sizes, sized=sized), intervals.find(dst, sizes, sized=sized)
+            plan = CopyPlan(src, dst, sizes, index.spans, si, di, intervals.starts, index.grids, index.data,
                             index.views)
+            plan.bound(smallest, largest)
         slow = self._slow if self._slow is not None else self._slow_spans()
         slow_bytes = 0
         if self._any_slow:   # else every host side lies in a span one pinned range holds whole

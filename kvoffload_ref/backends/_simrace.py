@@ -270,8 +270,9 @@ class RaceDetector:
     # -- ops --------------------------------------------------------------------------------------------------
 
     def on_op(self, stream: SimStream, name: str | None, tag: Tag | None,
-              access: Access) -> Iterator[tuple[str, Tag | None, tuple[int, int]]]:
-        """Enqueue one memory op on ``stream``; yields (detail, tag, pair) for each live op it races with.
+              access: Access) -> list[tuple[str, Tag | None, tuple[int, int]]]:
+        """Enqueue one memory op on ``stream``; returns (detail, tag, pair) for each live op it races with, in
+        lane order (a list, empty in the common case: no generator per op).
 
         ``name`` says what the op is in messages; None for a tagged copy: the transfer its tag names
         (:func:`transfer_name`)."""
@@ -283,6 +284,7 @@ class RaceDetector:
         stream.clock = clock
         op = access
         op.seq, op.count, op.tag, op._name = next(self._seq), lane.head, tag, name
+        races: list[tuple[str, Tag | None, tuple[int, int]]] = []
         if access.touches:
             sides: tuple[tuple[I64, I64], tuple[I64, I64]] | None = None  # built for the first unordered op
             for other in self._unordered(clock, lane_id):
@@ -290,9 +292,10 @@ class RaceDetector:
                     sides = access.reads, access.writes
                 found = self._conflict(other, op, *sides)
                 if found is not None:
-                    yield found
+                    races.append(found)
             lane.live.append(op)
             lane.counts.append(op.count)
+        return races
 
     def live_ops(self) -> int:
         """How many ops the detector holds (those not yet known complete to the host)."""
@@ -357,7 +360,7 @@ class RaceDetector:
 def copy_access(buf: DescriptorBuffer, count: int) -> Access:
     """The ranges the first ``count`` descriptors of ``buf`` read (sources) and write (destinations) now."""
     sizes = buf.sizes[:count]
-    if not count or sizes.min() > 0:   # every descriptor touches memory (one reduction, no mask)
+    if not count or np.minimum.reduce(sizes) > 0:   # every descriptor touches memory (one reduction, no mask)
         src, dst = buf.src[:count], buf.dst[:count]
     else:
         live = sizes > 0
