@@ -46,7 +46,7 @@ from kvoffload_ref.testing.concurrent_rules import ConcurrentRules
 from kvoffload_ref.testing.invariants import Checks
 from kvoffload_ref.testing.machine_base import ConformanceError, Counters, MachineBase
 from kvoffload_ref.testing.ordering_rules import OrderingRules
-from kvoffload_ref.testing.reproduction import notes_once
+from kvoffload_ref.testing.reproduction import report_once
 from kvoffload_ref.testing.rules import TransferRules
 from kvoffload_ref.testing.settings import bounded_shrinking, kit_settings
 from kvoffload_ref.testing.shutdown import (
@@ -174,8 +174,9 @@ def _bounded_test_case(machine: type[OffloadingMachine], chosen: hypothesis.sett
 
         def runTest(self) -> None:
             # The reproduction is printed once: at normal verbosity Hypothesis's own listing of the steps (and
-            # its shrink-deadline warning, which bounded shrinking trips) is turned off, and the failure's notes
-            # are the kit's (reproduction.notes_once). A verbosity the user raised is left as it is.
+            # its shrink-deadline warning, which bounded shrinking trips) is turned off, and the kit's report is
+            # printed in place of the failure's notes (reproduction.report_once). A verbosity the user raised is left
+            # as it is.
             chosen = self.settings
             if chosen.verbosity == hypothesis.Verbosity.normal:
                 chosen = hypothesis.settings(chosen, verbosity=hypothesis.Verbosity.quiet)
@@ -186,7 +187,7 @@ def _bounded_test_case(machine: type[OffloadingMachine], chosen: hypothesis.sett
             except BaseException as exc:
                 # a failure without the kit's reproduction (Hypothesis's own errors, e.g. a flaky test) keeps its notes
                 if chosen.verbosity == hypothesis.Verbosity.quiet and machine.last_reproduction:
-                    notes_once(exc, machine.last_reproduction, machine.last_logs)
+                    report_once(exc, machine.last_reproduction, machine.last_logs)
                 raise
 
     ConformanceTestCase.runTest.__dict__.update(base.runTest.__dict__)

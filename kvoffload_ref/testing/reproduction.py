@@ -12,16 +12,17 @@ stating what the kit found there (it fails until the kit's own run passes).
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, TextIO
 
-__all__ = ["NO_SCRIPT_FORM", "REPRODUCTION_HEADING", "as_test", "notes_once"]
+__all__ = ["NO_SCRIPT_FORM", "REPRODUCTION_HEADING", "as_test", "report_once"]
 
 #: The comment on the closing line of a check with no Python form.
 NO_SCRIPT_FORM: Final = "# the kit's check (no Python form) failed here: rerun the kit to confirm a fix"
 _HEADER_START: Final = "import "
-#: The line above a reproduction in a failure's notes.
+#: The line above a reproduction in a failure's report.
 REPRODUCTION_HEADING: Final = "# Reproduction (runnable Python, a test):"
 #: The start of Hypothesis's own replay line (``print_blob``): kept beside the reproduction.
 _BLOB_START: Final = "You can reproduce this test case by temporarily adding @reproduce_failure"
@@ -49,18 +50,27 @@ def as_test(lines: Sequence[str], rules: str, message: str, asserts: str | None)
                       'if __name__ == "__main__":', "    test_reproduction()", ""])
 
 
-def notes_once(exc: BaseException, reproduction: str, logs: str) -> None:
-    """Make a failure's notes the kit's report, printed once: the reproduction, then the library's last log lines.
+def report_once(exc: BaseException, reproduction: str, logs: str, out: TextIO | None = None) -> None:
+    """Print a failure's report once -- the reproduction, the library's last log lines, Hypothesis's replay line --
+    and take the notes off the failure.
 
     Hypothesis notes its own copy of the steps (its ``Failing test case`` and each rule call) beside the kit's;
-    the reproduction already holds every step, runnable. Hypothesis's replay line (``@reproduce_failure``, with
-    ``print_blob``) is kept: it replays the kit's run itself, model included, which the reproduction does not.
+    the reproduction already holds every step, runnable. A note would be printed twice by pytest where it does
+    not shorten its summary (on CI, or with ``-vv``: the summary line holds the whole exception, notes included),
+    so the report is printed instead (pytest shows it once, under "Captured stdout call") and the failure keeps
+    only its one-line message. Hypothesis's replay line (``@reproduce_failure``, with ``print_blob``) is kept: it
+    replays the kit's run itself, model included, which the reproduction does not.
 
     Args:
-        exc: the failure Hypothesis raised (its ``__notes__`` are replaced).
+        exc: the failure Hypothesis raised (its ``__notes__`` are removed).
         reproduction: the failing run's reproduction (:func:`as_test`; "" when no run failed a check).
         logs: the library's last log lines of that run ("" for none).
+        out: where to print (default: ``sys.stdout`` at call time).
     """
     kept = [note.strip() for note in getattr(exc, "__notes__", ()) if note.strip().startswith(_BLOB_START)]
-    notes = ([f"{REPRODUCTION_HEADING}\n{reproduction}"] if reproduction else []) + ([logs] if logs else [])
-    exc.__notes__ = notes + kept
+    report = ([f"{REPRODUCTION_HEADING}\n{reproduction}"] if reproduction else []) + ([logs] if logs else []) + kept
+    if hasattr(exc, "__notes__"):
+        del exc.__notes__
+    stream = out if out is not None else sys.stdout
+    stream.write("\n".join(report) + "\n")
+    stream.flush()
