@@ -306,7 +306,8 @@ def _fuzz_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 #: What ``explore`` may be asked for (the explorer's own lists; kept here so that --help needs no Hypothesis).
-EXPLORE_CONFIGS = ("clean", "failed", "hung", "hung-release", "failed-release", "shared", "expired")
+EXPLORE_CONFIGS = ("clean", "failed", "hung", "hung-release", "failed-release", "shared", "expired", "allocated",
+                   "allocated-hung")
 EXPLORE_METHODS = ("construct", "submit_store", "submit_load", "get_finished", "wait", "order_after", "cancel",
                    "shutdown", "finalizer")
 EXPLORE_INJECTIONS = ("KeyboardInterrupt", "SystemExit", "double", "SIGINT", "handler_shutdown",

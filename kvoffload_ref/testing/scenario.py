@@ -54,17 +54,18 @@ HUNG_TIMEOUT: Final = 0.0002
 
 
 def _setup(faults: tuple[Fault, ...] = (), on_unproven: str = "quarantine", shared: bool = False,
-           timeout: float = TIMEOUT) -> Setup:
+           timeout: float = TIMEOUT, refuse: bool = False) -> Setup:
     return Setup(layout=_LAYOUT, blocks_per_chunk=2, num_gpu_blocks=12, num_cpu_chunks=6, gpu_row_pad=(0, 0),
                  policy=ShutdownPolicy(timeout=timeout, on_unproven=on_unproven), faults=faults,
-                 shared_region=shared)
+                 shared_region=shared, refuse_registration=refuse)
 
 
 #: name -> the setup of a configuration. Together they reach every path of shutdown: the clean path, a failed
 #: transfer (its head's end event fails: R5 reports it, the proof runs), a hung transfer (the drain times out,
-#: the proof times out, quarantine), the same under the release policy, a shared /dev/shm region, and a hung
+#: the proof times out, quarantine), the same under the release policy, a shared /dev/shm region, a hung
 #: transfer with a deadline (R26: it expires at the first poll past it, whichever call polls; its stream is
-#: retired and its blocks held, R27/R28).
+#: retired and its blocks held, R27/R28), and a platform that refuses host registration, clean and hung (the
+#: region is one pinned allocation: built in its place, R2; freed at release, R3; kept whole by a quarantine, R12).
 CONFIGS: Final[dict[str, Setup]] = {
     "clean": _setup(),
     "failed": _setup((Fault("event_query", "error", job_id=1),)),
@@ -73,6 +74,8 @@ CONFIGS: Final[dict[str, Setup]] = {
     "failed-release": _setup((Fault("event_query", "error", job_id=1),), on_unproven="release"),
     "shared": _setup(shared=True),
     "expired": _setup((Fault("copy", "hang", job_id=2),), timeout=HUNG_TIMEOUT),
+    "allocated": _setup(refuse=True),
+    "allocated-hung": _setup((Fault("copy", "hang", job_id=2),), timeout=HUNG_TIMEOUT, refuse=True),
 }
 #: configuration -> {prelude job id: its deadline} (R26; seconds from its start on the device). In "expired" the
 #: hung load 2 starts at the prelude's first look and passes its deadline before any method under test polls.
