@@ -111,7 +111,7 @@ class Held:
         ``shield`` (re-raised at the end when no shield is given).
         """
         local = shield or Shield()
-        errors = self._unpin_for_release(local)
+        errors, _ = self.unpin_or_leak(local)
         self.views.clear()  # R3 step 2: drop every view the library made, then the base export
         self.base = None
         errors.extend(self._free(local) if self.allocation is not None else self._unmap(local))
@@ -120,14 +120,20 @@ class Held:
             local.reraise()
         return errors
 
-    def _unpin_for_release(self, shield: Shield) -> list[str]:
-        """R3 step 1: unregister every range (reverse); a range whose unregister failed is leaked."""
-        errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin(shield)]
-        for ptr in self.pinned:  # unregister failed: the range is no longer ours to release
+    def unpin_or_leak(self, shield: Shield, only: Container[int] | None = None) -> tuple[list[str], list[int]]:
+        """R3 step 1: unregister every range (or those in ``only``), newest first; a range whose unregister failed
+        is no longer ours to release: leaked (R16), dropped from ``pinned``.
+
+        Returns:
+            (descriptions of the failed unregisters, the starts of the ranges leaked).
+        """
+        errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin(shield, only)]
+        leaked = [ptr for ptr in self.pinned if only is None or ptr in only]
+        for ptr in leaked:
             self.backend.ledger.leak("pinned", ptr)
-        self.leaked["pinned"] = self.leaked.get("pinned", 0) + len(self.pinned)
-        self.pinned.clear()
-        return errors
+            self.pinned.remove(ptr)
+        self.leaked["pinned"] = self.leaked.get("pinned", 0) + len(leaked)
+        return errors, leaked
 
     def _unmap(self, shield: Shield) -> list[str]:
         mapping, self.mmap = self.mmap, None
