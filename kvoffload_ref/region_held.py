@@ -68,10 +68,9 @@ class Held:
         self.pinning: RegionPinning = "pageable" if mapping is not None else "allocated"
         # Invariant: one 2-D view per layout tensor; emptied (dropped) only by release (R3 step 2).
         self.views: list[npt.NDArray[np.uint8]] = []
-        # Invariant: start addresses of the ranges registered and not yet unregistered, in registration order.
-        self.pinned: list[int] = []
-        # Invariant: start -> size of every range pin() registered (R29 keeps the ones a late copy may touch).
-        self.pin_bytes: dict[int, int] = {}
+        # Invariant: start -> size of the ranges registered and not yet unregistered, in registration order (R29
+        # keeps the ones a late copy may touch).
+        self.pinned: dict[int, int] = {}
         # Invariant: changed only through step(), i.e. tables.step(REGION_TABLE, ...), under lock.
         self.state = RegionState.CALLER_OWNED
         # Invariant: what release could not release, by ledger kind (filled by release; zeros omitted by users).
@@ -101,7 +100,7 @@ class Held:
                 logger.warning("cudaHostUnregister failed for rank=%d (code=%d)", self.log_rank, exc.status)
                 failures.append(exc)
                 continue
-            self.pinned.remove(ptr)
+            del self.pinned[ptr]
         return failures
 
     def release_steps(self, release_backing: Callable[[], list[str]], shield: Shield | None = None) -> list[str]:
@@ -120,18 +119,19 @@ class Held:
             local.reraise()
         return errors
 
-    def unpin_or_leak(self, shield: Shield, only: Container[int] | None = None) -> tuple[list[str], list[int]]:
+    def unpin_or_leak(self, shield: Shield,
+                      only: Container[int] | None = None) -> tuple[list[str], list[tuple[int, int]]]:
         """R3 step 1: unregister every range (or those in ``only``), newest first; a range whose unregister failed
         is no longer ours to release: leaked (R16), dropped from ``pinned``.
 
         Returns:
-            (descriptions of the failed unregisters, the starts of the ranges leaked).
+            (descriptions of the failed unregisters, the ``(start, size)`` of the ranges leaked).
         """
         errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin(shield, only)]
-        leaked = [ptr for ptr in self.pinned if only is None or ptr in only]
-        for ptr in leaked:
+        leaked = [(ptr, size) for ptr, size in self.pinned.items() if only is None or ptr in only]
+        for ptr, _ in leaked:
             self.backend.ledger.leak("pinned", ptr)
-            self.pinned.remove(ptr)
+            del self.pinned[ptr]
         self.leaked["pinned"] = self.leaked.get("pinned", 0) + len(leaked)
         return errors, leaked
 

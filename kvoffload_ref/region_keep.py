@@ -54,11 +54,11 @@ class Holdings(Protocol):
     mmap: mmap.mmap | None
     ptr: int
     nbytes: int
-    pinned: list[int]
-    pin_bytes: dict[int, int]
+    pinned: dict[int, int]
     log_rank: int
 
-    def unpin_or_leak(self, shield: Shield, only: Container[int] | None = None) -> tuple[list[str], list[int]]: ...
+    def unpin_or_leak(self, shield: Shield,
+                      only: Container[int] | None = None) -> tuple[list[str], list[tuple[int, int]]]: ...
 
 
 def rows_to_keep(chunks: Iterable[int], num_rows: int) -> Int64Array | None:
@@ -107,11 +107,11 @@ def give_back_unkept(held: Holdings, tensors: Sequence[TensorGeometry], rows: In
 def _unregister_unkept(held: Holdings, tensors: Sequence[TensorGeometry], rows: Int64Array,
                        shield: Shield) -> tuple[list[str], list[tuple[int, int]]]:
     """R3 step 1 for the registrations no row of ``rows`` meets; returns (failures, what stays mapped)."""
-    registrations = sorted((ptr, held.pin_bytes[ptr]) for ptr in held.pinned)
+    registrations = sorted(held.pinned.items())
     drop = {ptr for (ptr, _), keep in zip(registrations, touched(registrations, tensors, rows), strict=True)
             if not keep}
     failures, leaked = held.unpin_or_leak(shield, drop)  # a failed unregister: leaked (R16), its pages stay
-    stay = [(ptr, ptr + held.pin_bytes[ptr]) for ptr in (*held.pinned, *leaked)]
+    stay = [(ptr, ptr + size) for ptr, size in (*held.pinned.items(), *leaked)]
     return failures, stay
 
 
