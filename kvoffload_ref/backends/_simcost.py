@@ -67,9 +67,6 @@ LinkModel = Literal["fair", "fifo"]
 #: The valid ``CostProfile.link_model`` values.
 LINK_MODELS: Final[tuple[LinkModel, ...]] = ("fair", "fifo")
 Direction = Literal["h2d", "d2h", "local"]
-GB: Final = 1e9
-KiB: Final = 1024
-MiB: Final = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
