@@ -236,7 +236,7 @@ class HostRegion:
         return self._held.views
 
     @property
-    def _pinned(self) -> list[int]:
+    def _pinned(self) -> dict[int, int]:
         return self._held.pinned
 
     @property
@@ -367,8 +367,7 @@ class HostRegion:
         try:
             for ptr, nbytes in chunks:
                 self._backend.host_register(ptr, nbytes)
-                self._pinned.append(ptr)
-                self._held.pin_bytes[ptr] = nbytes
+                self._pinned[ptr] = nbytes
         except BaseException as exc:
             self.unpin()
             if isinstance(exc, RegistrationRefused) and (required or raise_refused):

@@ -68,10 +68,9 @@ class Held:
         self.pinning: RegionPinning = "pageable" if mapping is not None else "allocated"
         # Invariant: one 2-D view per layout tensor; emptied (dropped) only by release (R3 step 2).
         self.views: list[npt.NDArray[np.uint8]] = []
-        # Invariant: start addresses of the ranges registered and not yet unregistered, in registration order.
-        self.pinned: list[int] = []
-        # Invariant: start -> size of every range pin() registered (R29 keeps the ones a late copy may touch).
-        self.pin_bytes: dict[int, int] = {}
+        # Invariant: start -> size of the ranges registered and not yet unregistered, in registration order (R29
+        # keeps the ones a late copy may touch).
+        self.pinned: dict[int, int] = {}
         # Invariant: changed only through step(), i.e. tables.step(REGION_TABLE, ...), under lock.
         self.state = RegionState.CALLER_OWNED
         # Invariant: what release could not release, by ledger kind (filled by release; zeros omitted by users).
@@ -101,7 +100,7 @@ class Held:
                 logger.warning("cudaHostUnregister failed for rank=%d (code=%d)", self.log_rank, exc.status)
                 failures.append(exc)
                 continue
-            self.pinned.remove(ptr)
+            del self.pinned[ptr]
         return failures
 
     def release_steps(self, release_backing: Callable[[], list[str]], shield: Shield | None = None) -> list[str]:
@@ -111,7 +110,7 @@ class Held:
         ``shield`` (re-raised at the end when no shield is given).
         """
         local = shield or Shield()
-        errors = self._unpin_for_release(local)
+        errors, _ = self.unpin_or_leak(local)
         self.views.clear()  # R3 step 2: drop every view the library made, then the base export
         self.base = None
         errors.extend(self._free(local) if self.allocation is not None else self._unmap(local))
@@ -120,14 +119,21 @@ class Held:
             local.reraise()
         return errors
 
-    def _unpin_for_release(self, shield: Shield) -> list[str]:
-        """R3 step 1: unregister every range (reverse); a range whose unregister failed is leaked."""
-        errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin(shield)]
-        for ptr in self.pinned:  # unregister failed: the range is no longer ours to release
+    def unpin_or_leak(self, shield: Shield,
+                      only: Container[int] | None = None) -> tuple[list[str], list[tuple[int, int]]]:
+        """R3 step 1: unregister every range (or those in ``only``), newest first; a range whose unregister failed
+        is no longer ours to release: leaked (R16), dropped from ``pinned``.
+
+        Returns:
+            (descriptions of the failed unregisters, the ``(start, size)`` of the ranges leaked).
+        """
+        errors = [f"host_unregister failed (status {exc.status})" for exc in self.unpin(shield, only)]
+        leaked = [(ptr, size) for ptr, size in self.pinned.items() if only is None or ptr in only]
+        for ptr, _ in leaked:
             self.backend.ledger.leak("pinned", ptr)
-        self.leaked["pinned"] = self.leaked.get("pinned", 0) + len(self.pinned)
-        self.pinned.clear()
-        return errors
+            del self.pinned[ptr]
+        self.leaked["pinned"] = self.leaked.get("pinned", 0) + len(leaked)
+        return errors, leaked
 
     def _unmap(self, shield: Shield) -> list[str]:
         mapping, self.mmap = self.mmap, None

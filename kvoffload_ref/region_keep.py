@@ -30,7 +30,7 @@ import mmap
 from collections.abc import Container, Iterable, Sequence
 from typing import Protocol
 
-from kvoffload_ref.backends.base import Backend, ResourceKind
+from kvoffload_ref.backends.base import Backend
 from kvoffload_ref.errors import DeviceError, InvalidTransferError
 from kvoffload_ref.results import KeptRange
 from kvoffload_ref.seams import gaps, row_pages, touched
@@ -54,12 +54,11 @@ class Holdings(Protocol):
     mmap: mmap.mmap | None
     ptr: int
     nbytes: int
-    pinned: list[int]
-    pin_bytes: dict[int, int]
-    leaked: dict[ResourceKind, int]
+    pinned: dict[int, int]
     log_rank: int
 
-    def unpin(self, shield: Shield | None = None, only: Container[int] | None = None) -> list[DeviceError]: ...
+    def unpin_or_leak(self, shield: Shield,
+                      only: Container[int] | None = None) -> tuple[list[str], list[tuple[int, int]]]: ...
 
 
 def rows_to_keep(chunks: Iterable[int], num_rows: int) -> Int64Array | None:
@@ -108,17 +107,11 @@ def give_back_unkept(held: Holdings, tensors: Sequence[TensorGeometry], rows: In
 def _unregister_unkept(held: Holdings, tensors: Sequence[TensorGeometry], rows: Int64Array,
                        shield: Shield) -> tuple[list[str], list[tuple[int, int]]]:
     """R3 step 1 for the registrations no row of ``rows`` meets; returns (failures, what stays mapped)."""
-    registrations = sorted((ptr, held.pin_bytes[ptr]) for ptr in held.pinned)
+    registrations = sorted(held.pinned.items())
     drop = {ptr for (ptr, _), keep in zip(registrations, touched(registrations, tensors, rows), strict=True)
             if not keep}
-    failures = [f"host_unregister failed (status {exc.status})" for exc in held.unpin(shield, drop)]
-    leaked = [ptr for ptr in held.pinned if ptr in drop]  # its unregister failed: no longer ours (R16)
-    for ptr in leaked:
-        held.backend.ledger.leak("pinned", ptr)
-        held.pinned.remove(ptr)
-    if leaked:
-        held.leaked["pinned"] = held.leaked.get("pinned", 0) + len(leaked)
-    stay = [(ptr, ptr + held.pin_bytes[ptr]) for ptr in (*held.pinned, *leaked)]
+    failures, leaked = held.unpin_or_leak(shield, drop)  # a failed unregister: leaked (R16), its pages stay
+    stay = [(ptr, ptr + size) for ptr, size in (*held.pinned.items(), *leaked)]
     return failures, stay
 
 

@@ -103,14 +103,15 @@ class SimBatchCalls(SimCore):
             self._catch_up()
             if self._trace is not None:
                 self._trace.host_query(self._sched.now)
-            count, size, total = 0, PREFIX_FIRST_RUN, len(events)
-            # Invariant: stream -> the latest record counted so far on it (insertion keeps the latest per key).
+            count, size, total, race = 0, PREFIX_FIRST_RUN, len(events), self._race
+            # Invariant: stream -> the latest record counted so far on it (insertion keeps the latest per key); kept
+            # only for the race detector (without it nothing reads it: no per-record work on the poll).
             lasts: dict[object, Record] = {}
             while count < total:
                 run = events[count:count + size]
                 done, counted = _done_prefix(self._events, run)
                 count += done
-                if counted:
+                if counted and race is not None:
                     lasts.update(zip(map(_STREAM, counted), counted, strict=True))
                 if done < len(run):
                     pending = _pending_record(self._events, run[done])
@@ -118,9 +119,9 @@ class SimBatchCalls(SimCore):
                         self._watch(pending)
                     break
                 size *= 2
-            if self._race is not None:
+            if race is not None:
                 for last in lasts.values():
-                    self._race.observe(last)
+                    race.observe(last)
             return count
 
 

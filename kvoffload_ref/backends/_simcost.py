@@ -67,9 +67,6 @@ LinkModel = Literal["fair", "fifo"]
 #: The valid ``CostProfile.link_model`` values.
 LINK_MODELS: Final[tuple[LinkModel, ...]] = ("fair", "fifo")
 Direction = Literal["h2d", "d2h", "local"]
-GB: Final = 1e9
-KiB: Final = 1024
-MiB: Final = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +190,20 @@ class CostProfile:
             return self.load_link_bandwidth
         return self.link_bandwidth
 
+    def path_rate(self, cost: PathCost, mean_size: float, direction: Direction) -> float:
+        """Bytes/s a copy on path ``cost`` moves alone at a mean descriptor size: the path's rate, capped by its
+        direction's link (the link phase's demand rate for pinned bytes).
+
+        Args:
+            cost: one of this profile's paths.
+            mean_size: the batch's mean descriptor size in bytes.
+            direction: ``"h2d"``, ``"d2h"`` or ``"local"`` (see :meth:`PathCost.rate`, :meth:`link`).
+
+        Returns:
+            The rate, bytes/s.
+        """
+        return min(cost.rate(mean_size, direction), self.link(direction))
+
 
 def _check_points(name: str, points: object) -> None:
     """Refuse a bandwidth points tuple :meth:`PathCost.rate` could not read (see :class:`PathCost`)."""
@@ -275,7 +286,7 @@ class CostModel:
             src_host = si >= 0 and plan.spans[si].is_host
             dst_host = di >= 0 and plan.spans[di].is_host
             direction = "d2h" if dst_host and not src_host else "h2d" if src_host and not dst_host else "local"
-        rate = min(cost.rate(total / count if count else 1, direction), p.link(direction))
+        rate = p.path_rate(cost, total / count if count else 1, direction)
         link_time = (total - min(slow, total)) / rate + slow / p.pageable_bandwidth
         flow = Flow(path, direction, total, count, total / link_time if link_time > 0 else math.inf)
         op.flow = flow

@@ -303,9 +303,9 @@ class Scheduler:
     def _start_head(self, stream: SimStream, t: float) -> None:
         op = stream.queue[0]
         kind = op.__class__
-        if not op.instant and op.seq >= self.span_from:   # a device op starts (a hang: blocks) as it becomes head
-            begun = t if t >= op.submitted_at else op.submitted_at
-            self.span_start = min(self.span_start, begun)
+        start = t if t >= op.submitted_at else op.submitted_at   # never before it was submitted
+        if not op.instant and op.seq >= self.span_from and start < self.span_start:
+            self.span_start = start   # a device op starts (a hang: blocks) as it becomes head
         if kind is HangOp:
             ended: float | None = op.ended  # type: ignore[attr-defined]  # a HangOp's
             if ended is not None:   # ended while queued behind other work: it finishes as it reaches the head
@@ -318,7 +318,6 @@ class Scheduler:
             else:
                 record.waiters.append(stream)
             return
-        start = t if t >= op.submitted_at else op.submitted_at
         # An instant op (a record, a wait) finishes at its start: the same float, not a new one per record.
         duration = 0.0 if op.instant else self._duration(op)
         heapq.heappush(self._heap, (start + duration if duration else start, -op.seq, op))

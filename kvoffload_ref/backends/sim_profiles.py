@@ -87,10 +87,12 @@ H100: Final = CostProfile(
     compute_slowdown=1.06)
 
 
-def _same_time(path: PathCost, link: float, sizes: tuple[int, ...]) -> tuple[tuple[int, float], ...]:
-    """End-to-end bandwidth points at ``sizes`` that price one descriptor as ``path`` prices it alone (its
-    per-descriptor term plus its bytes at its store rate under the link; for a path with one set of points)."""
-    return tuple((s, s / (path.per_descriptor + s / min(path.rate(s, "d2h"), link))) for s in sizes)
+def _same_time(profile: CostProfile, sizes: tuple[int, ...]) -> tuple[tuple[int, float], ...]:
+    """End-to-end bandwidth points at ``sizes`` that price one descriptor as ``profile``'s memcpy path prices it
+    alone: its per-descriptor term plus its bytes at the rate the profile gives a store on that path
+    (:meth:`CostProfile.path_rate`; for a path with one set of points)."""
+    path = profile.memcpy
+    return tuple((s, s / (path.per_descriptor + s / profile.path_rate(path, s, "d2h"))) for s in sizes)
 
 
 #: MI355X (gfx950, ROCm 7.13), ROCm/clr #273, D2H with srcAccessOrder=ANY, GB/s per descriptor size.
@@ -120,14 +122,18 @@ _MI300X_LOOP: Final = PathCost(0.0, (22.4e-3 - _CALL) / _MI300X_ENTRIES - 6 * Ki
                                ((4 * KiB, _AMD_LINK),))
 _MI300X_BATCHED_ENTRY: Final = (10.5e-3 - _CALL) / _MI300X_ENTRIES   # ~2.56 us per entry, flat over 4-8 KiB
 
-MI300X: Final = CostProfile(
+_MI300X_LOOP_ONLY: Final = CostProfile(
     "mi300x", call_cost=_CALL,
     memcpy=_MI300X_LOOP,
     kernel=None,
+    dma=None,
+    link_bandwidth=_AMD_LINK, bidirectional_bandwidth=83.4 * GB, pageable_bandwidth=8 * GB)
+
+MI300X: Final = dataclasses.replace(
+    _MI300X_LOOP_ONLY,
     # batched: ~2.56 us per 4-8 KiB entry; from 32 KiB on no gain over the loop (#40549), so the same time as it
     dma=PathCost(0.0, 0.0, tuple((s, s / _MI300X_BATCHED_ENTRY) for s in (4 * KiB, 6 * KiB, 8 * KiB))
-                 + _same_time(_MI300X_LOOP, _AMD_LINK, (32 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB))),
-    link_bandwidth=_AMD_LINK, bidirectional_bandwidth=83.4 * GB, pageable_bandwidth=8 * GB)
+                 + _same_time(_MI300X_LOOP_ONLY, (32 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB))))
 
 #: GB200 (Grace), torchcomms #2195: one multi-request put (1 B-64 KB) by a cudaMemcpyAsync loop 3.36 us, by
 #: cudaMemcpyBatchAsync 3.15 us; on an x86 H100 3.55 us. Per copy: the loop's cost is h100's scaled by 3.36/3.55,
