@@ -363,10 +363,6 @@ class Retired(Generic[T]):
         """How many late transfers (held, not yet observed done) are queued on retired streams."""
         return sum(t.late is not None for lane in self.lanes for t in lane.queue)
 
-    def oldest_hold(self) -> float | None:
-        """The backend time the oldest held transfer became late (R30), or None."""
-        return min((t.late for t in self.transfers() if t.late is not None), default=None)
-
     def health(self, head_age: float | None, now: float, unproven_streams: int = 0) -> Health:
         """R30: this direction's health at ``now``: ``head_age`` is the current stream's head's device age (None:
         no head, or not started); the live heads of retired streams count as last seen started; the holds are this
@@ -376,7 +372,7 @@ class Retired(Generic[T]):
         if head_age is not None:
             ages.append(head_age)
         late = [t for t in self.transfers() if t.late is not None]
-        oldest = self.oldest_hold()
+        oldest = min((t.late for t in late if t.late is not None), default=None)  # the oldest hold's start
         return Health(max(ages, default=None), _distinct(t.gpu_ids for t in late), _distinct(t.cpu_ids for t in late),
                       None if oldest is None else now - oldest, len(self.lanes) + unproven_streams)
 
