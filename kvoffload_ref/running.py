@@ -44,6 +44,7 @@ from kvoffload_ref.results import (
     HeldBlocks,
     ReleasedHold,
     TransferResult,
+    Unproven,
     destination_blocks,
     failure,
 )
@@ -59,25 +60,18 @@ logger = logging.getLogger("kvoffload_ref.worker")
 REASONS: Final = ("deadline", "cancel", "behind")
 
 
-class LateTransfer(Protocol):
-    """What the shared pieces read and write of a handler's transfer record (both records have these fields)."""
+class LateTransfer(Unproven, Protocol):
+    """What the shared pieces read and write of a handler's transfer record (both records have these fields):
+    what a failed result is built from (``results.Unproven``: job id, destination blocks and groups, tag), and:"""
 
-    @property
-    def job_id(self) -> int: ...
     @property
     def start(self) -> Event: ...
     @property
     def end(self) -> Event: ...
     @property
-    def dst_blocks(self) -> Int64Array: ...  # R22: the destination's ids
-    @property
-    def dst_groups(self) -> tuple[int, ...]: ...  # R22: a load's GPU spec's group_sizes; () for a store
-    @property
     def gpu_ids(self) -> Int64Array: ...  # the GPU block ids of its specs
     @property
     def cpu_ids(self) -> Int64Array: ...  # the CPU chunk ids of its specs
-    @property
-    def user_tag(self) -> object: ...  # the caller's opaque tag
     @property
     def deadline(self) -> float | None: ...  # seconds from its device start (R26), or None
     @property
