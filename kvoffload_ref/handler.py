@@ -179,9 +179,7 @@ class DirectionHandler(DrainHalf):
         if self._step(_SUBMIT) is not _ENQUEUE:  # every other pair is refused
             return
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
-        gpu_spec, cpu_spec = (src, dst) if self.direction == "store" else (dst, src)
-        gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids  # type: ignore[attr-defined]  # checked specs
-        self._running.holds.check(self.direction, job_id, gpu_ids, cpu_ids)  # R27: nothing done yet if refused
+        gpu_ids, cpu_ids = self._running.holds.admit(self.direction, job_id, src, dst)  # R27: nothing done if refused
         if self._stream is None:  # R28: the last stream was retired: new work goes to a fresh one
             self._stream = self._backend.create_stream()
         taken, shield = Taken(), Shield()

@@ -107,9 +107,7 @@ class ReferenceHandler:
             return
         moves = check_transfer(self.layout, self.direction, src, dst, [g.rows for g in self.gpu],
                                [c.rows for c in self.cpu], self.bpc, self.canonical)  # R7, before any device work
-        gpu_spec, cpu_spec = (src, dst) if self.direction == "store" else (dst, src)
-        gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids  # type: ignore[attr-defined]  # checked specs
-        self.running.holds.check(self.direction, job_id, gpu_ids, cpu_ids)  # R27: nothing done yet if refused
+        gpu_ids, cpu_ids = self.running.holds.admit(self.direction, job_id, src, dst)  # R27: nothing done if refused
         if self.stream is None:  # R28: the last stream was retired: new work goes to a fresh one
             self.stream = self.backend.create_stream()
         backend, tag_, stream = self.backend, (self.direction, job_id), self.stream

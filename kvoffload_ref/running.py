@@ -105,6 +105,15 @@ class Holds:
         # Invariant: ended holds not yet handed out by take_released, in the order they ended.
         self._released: list[ReleasedHold] = []
 
+    def admit(self, direction: Direction, job_id: int, src: object, dst: object) -> tuple[Int64Array, Int64Array]:
+        """R27 at submission, for both handlers: the (GPU block ids, CPU chunk ids) of a transfer's checked specs
+        (a store's GPU spec is its source, a load's its destination), once :meth:`check` found no held block in the
+        way. Raises as :meth:`check` (nothing done yet)."""
+        gpu_spec, cpu_spec = (src, dst) if direction == "store" else (dst, src)
+        gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids  # type: ignore[attr-defined]  # checked specs
+        self.check(direction, job_id, gpu_ids, cpu_ids)
+        return gpu_ids, cpu_ids
+
     def check(self, direction: Direction, job_id: int, gpu_ids: Int64Array, cpu_ids: Int64Array) -> None:
         """R27: refuse a submission that would touch a held block the wrong way. With holds present a submission that
         conflicts with none costs two gathers (``kvoffload-ref bench``: running_held_submit).
