@@ -83,11 +83,7 @@ class DrainHalf:
     def _take_queue(self, current: bool = False, first: Transfer | None = None) -> list[Transfer]:
         """Empty the queue and the retired streams' (theirs first; the queue's if its failed head is R22's "failed")
         into the unproven bin; returns the live ones; the retired streams are kept for the proof (R13, R28)."""
-        live, late, streams = self._retired.take() if self._retired else ([], [], [])
-        taken = [*self._queue, *live] if current else [*live, *self._queue]
-        if first is not None and first in taken:  # R22: the failed head of a retired stream is named first
-            taken.remove(first)
-            taken.insert(0, first)
+        taken, late, streams = self._retired.take(self._queue, current, first)
         self._leave(taken)
         self._queue.clear()
         self._unproven += taken

@@ -341,11 +341,7 @@ class ReferenceHandler:
     def _take_queue(self, current: bool = False, first: _Transfer | None = None) -> list[_Transfer]:
         """Every live transfer still queued (retired streams' first, or the current stream's when its head failed:
         R22 names that head "failed"), now unproven; late ones join them (R13)."""
-        live, late, streams = self.retired.take()
-        taken = [*self.queue, *live] if current else [*live, *self.queue]
-        if first is not None and first in taken:  # R22: the failed head of a retired stream is named first
-            taken.remove(first)
-            taken.insert(0, first)
+        taken, late, streams = self.retired.take(self.queue, current, first)
         self.queue = collections.deque()
         for t in taken:
             t.resolved = True

@@ -356,11 +356,19 @@ class Retired(Generic[T]):
         """The retired streams not yet proven idle."""
         return [lane.stream for lane in self.lanes]
 
-    def take(self) -> tuple[list[T], list[T], list[Stream]]:
-        """Shutdown: hand over what the drain could not prove: (live, late, their streams); none is kept here."""
+    def take(self, queue: Sequence[T], current: bool = False, first: T | None = None
+             ) -> tuple[list[T], list[T], list[Stream]]:
+        """Shutdown: hand over what the drain could not prove, none kept here: (live, late, the retired streams).
+        ``live`` holds the current stream's ``queue`` too: the retired streams' first, or the queue's when its head
+        failed (``current``); R22 names a retired stream's failed head (``first``) first."""
         queued, streams = self.transfers(), self.streams()
         self.lanes = []
-        return [t for t in queued if t.late is None], [t for t in queued if t.late is not None], streams
+        retired = [t for t in queued if t.late is None]
+        live = [*queue, *retired] if current else [*retired, *queue]
+        if first is not None and first in live:  # R22: the failed head of a retired stream is named first
+            live.remove(first)
+            live.insert(0, first)
+        return live, [t for t in queued if t.late is not None], streams
 
     def late_count(self) -> int:
         """How many late transfers (held, not yet observed done) are queued on retired streams."""
