@@ -374,12 +374,12 @@ class ReferenceHandler:
         return {int(c) for t in (*self.unproven, *self.queue, *self.retired.transfers()) for c in t.cpu_ids.tolist()}
 
     def release(self, fate: Fate, shield: Shield | None = None, *,
-                reason: str = "device not proven idle") -> tuple[int, list[str]]:
+                reason: str = "device not proven idle") -> tuple[int, int, list[str]]:
         """R10: destroy the stream and every event, free proven transfers' descriptor buffers, and free (RELEASE) or
         quarantine (R12) the unproven ones' and the retired streams not proven idle (R28). Every step runs whatever
         another raised (R14)."""
         if self.step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
-            return 0, []
+            return 0, self.kept_streams, []
         backend = self.backend
         streams = [] if self.stream is None else [self.stream]
         retired = self.unproven_streams
@@ -401,7 +401,7 @@ class ReferenceHandler:
             ("quarantine descriptor buffers", keeper(backend.ledger.quarantine, "descriptor", kept, reason)),
             ("quarantine retired streams", keeper(backend.ledger.quarantine, "stream", kept_streams, reason)),
         ], shield)
-        return len(kept), failed
+        return len(kept), self.kept_streams, failed
 
     def discard(self) -> None:
         if self.stream is not None:  # R2: nothing was submitted; only the stream exists (retry-safe, R14; R16)
