@@ -137,10 +137,6 @@ class Holds:
                     "copy that may still run (R27); submit again once worker.take_released() handed out their "
                     "release, or use other blocks")
 
-    def hold(self, direction: Direction, gpu_ids: Int64Array, cpu_ids: Int64Array) -> None:
-        """Hold a late copy's blocks."""
-        self.hold_many(direction, [gpu_ids], [cpu_ids])
-
     def hold_many(self, direction: Direction, gpu_ids: Sequence[Int64Array], cpu_ids: Sequence[Int64Array]) -> None:
         """Hold the blocks of ``len(gpu_ids)`` late copies (one entry per copy in each list), in one update."""
         self._add(direction, _joined(gpu_ids), _joined(cpu_ids), 1)
