@@ -179,9 +179,7 @@ class DirectionHandler(DrainHalf):
         if self._step(_SUBMIT) is not _ENQUEUE:  # every other pair is refused
             return
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
-        gpu_spec, cpu_spec = (src, dst) if self.direction == "store" else (dst, src)
-        gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids  # type: ignore[attr-defined]  # checked specs
-        self._running.holds.check(self.direction, job_id, gpu_ids, cpu_ids)  # R27: nothing done yet if refused
+        gpu_ids, cpu_ids = self._running.holds.admit(self.direction, job_id, src, dst)  # R27: nothing done if refused
         if self._stream is None:  # R28: the last stream was retired: new work goes to a fresh one
             self._stream = self._backend.create_stream()
         taken, shield = Taken(), Shield()
@@ -370,13 +368,21 @@ class DirectionHandler(DrainHalf):
     def _heads_proven(self, count: int) -> None:
         """The ``count`` oldest transfers were proven by their own end events. HEAD_PROVEN is a self-loop in every
         state that allows it, so one table step decides for the whole run: report them, or count them drained."""
-        action = self._step(_HEAD_PROVEN)
-        queue, kind = self._queue, self._kind
+        queue = self._queue
         whole = count == len(queue)
-        run: Sequence[Transfer] = queue if whole else list(itertools.islice(queue, count))
+        self._book_proven(self._step(_HEAD_PROVEN), queue if whole else list(itertools.islice(queue, count)))
+        if whole:
+            queue.clear()
+        else:  # popleft ``count`` times, in C
+            collections.deque(itertools.starmap(queue.popleft, itertools.repeat((), count)), maxlen=0)
+
+    def _book_proven(self, action: Action, run: Sequence[Transfer]) -> None:
+        """``run`` was proven by its own end events (the table said ``action``): reported, or counted drained; its
+        events and descriptor buffers go back to the pools. The caller then removes it from its queue."""
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
         if action is _REPORT:
+            kind = self._kind
             self._resolved += [proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag) for h in run]
         self._events += itertools.chain.from_iterable(map(EVENTS, run))
         self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
@@ -387,13 +393,9 @@ class DirectionHandler(DrainHalf):
             self._drained_bytes.extend(map(NBYTES, run))
             if self._tagged:  # an untagged handler keeps no tags (nothing per job)
                 self._drained_tags += [t.user_tag for t in run]
-            self._counts["drained"] += count
+            self._counts["drained"] += len(run)
         self._leave(run)
-        if whole:
-            queue.clear()
-        else:  # popleft ``count`` times, in C
-            collections.deque(itertools.starmap(queue.popleft, itertools.repeat((), count)), maxlen=0)
-        self._counts["completed"] += count
+        self._counts["completed"] += len(run)
 
     def _leave(self, run: Iterable[Transfer]) -> None:
         """``run`` (heads of the queue) is leaving it: the marks among them are resolved."""
@@ -445,18 +447,7 @@ class DirectionHandler(DrainHalf):
 
     def _proven_retired(self, head: Transfer) -> None:
         """A live job on a retired stream, proven by its own end event: reported (or drained) like any other."""
-        action = self._step(HandlerInput.HEAD_PROVEN)
-        if action is Action.REPORT:
-            self._resolved.append(proven(head.job_id, head.nbytes, self._seconds(head), self._kind, head.user_tag))
-        else:  # COUNT_DRAINED
-            self._drained_ids.append(head.job_id)
-            self._drained_bytes.append(head.nbytes)
-            if self._tagged:
-                self._drained_tags.append(head.user_tag)
-            self._counts["drained"] += 1
-        self._free_late(head)
-        self._leave([head])
-        self._counts["completed"] += 1
+        self._book_proven(self._step(_HEAD_PROVEN), (head,))
 
     def _free_late(self, transfer: Transfer) -> None:
         """Its copy was observed done (R27: only now): its events and descriptor buffer go back to the pools."""

@@ -89,11 +89,13 @@ class DirectionHandlerAPI(Protocol):
         """The streams this handler still holds, retired ones included (what the device-level proof covers, R13)."""
 
     def release(self, fate: Fate, shield: Shield | None = None, *,
-                reason: str = "device not proven idle") -> tuple[int, list[str]]:
-        """R10/R12: release the stream and events, free or quarantine (``fate``) unproven descriptor buffers.
+                reason: str = "device not proven idle") -> tuple[int, int, list[str]]:
+        """R10/R12: release the stream and events, free or quarantine (``fate``) unproven descriptor buffers and
+        retired streams not proven idle (R28).
 
         Returns:
-            (descriptor buffers quarantined, descriptions of the steps that failed).
+            (descriptor buffers quarantined, retired streams quarantined (the report's ``retired_streams``),
+            descriptions of the steps that failed).
         """
 
     def discard(self) -> None:

@@ -83,11 +83,7 @@ class DrainHalf:
     def _take_queue(self, current: bool = False, first: Transfer | None = None) -> list[Transfer]:
         """Empty the queue and the retired streams' (theirs first; the queue's if its failed head is R22's "failed")
         into the unproven bin; returns the live ones; the retired streams are kept for the proof (R13, R28)."""
-        live, late, streams = self._retired.take() if self._retired else ([], [], [])
-        taken = [*self._queue, *live] if current else [*live, *self._queue]
-        if first is not None and first in taken:  # R22: the failed head of a retired stream is named first
-            taken.remove(first)
-            taken.insert(0, first)
+        taken, late, streams = self._retired.take(self._queue, current, first)
         self._leave(taken)
         self._queue.clear()
         self._unproven += taken
@@ -199,7 +195,7 @@ class DrainHalf:
         return [*current, *self._retired.streams(), *self._unproven_streams]
 
     def release(self, fate: Fate, shield: Shield | None = None, *,
-                reason: str = "device not proven idle") -> tuple[int, list[str]]:
+                reason: str = "device not proven idle") -> tuple[int, int, list[str]]:
         """Release the transfer-side resources after the drain (R10); idempotent.
 
         The stream, the events and the descriptor buffers of proven transfers are always released. The descriptor
@@ -214,17 +210,19 @@ class DrainHalf:
             reason: why the kept buffers are quarantined (for the registry).
 
         Returns:
-            (how many descriptor buffers were quarantined, descriptions of the steps that failed).
+            (how many descriptor buffers were quarantined, how many retired streams were (the report's
+            ``retired_streams``), descriptions of the steps that failed).
         """
         if self._step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
-            return 0, []
+            return 0, self._kept_streams, []
         # The pools' own lists are taken over (a copy of thousands would touch each); the handler holds none after.
         stream, events, freed, unproven = self._stream, self._events, self._descriptors, self._unproven
         retired, self._unproven_streams = self._unproven_streams, []
         self._kept_streams = 0 if fate is Fate.RELEASE else len(retired)
         self._stream, self._events, self._descriptors, self._unproven = None, [], [], []
-        return release_pools(self._backend, self.direction, self.leaks, stream, events, freed, unproven, fate, shield,
-                             reason, retired)
+        kept, failed = release_pools(self._backend, self.direction, self.leaks, stream, events, freed, unproven, fate,
+                                     shield, reason, retired)
+        return kept, self._kept_streams, failed
 
     def discard(self) -> None:
         """Construction rollback (R2): destroy what the constructor created; nothing was ever submitted. An

@@ -348,10 +348,10 @@ class Core:
         reason = f"device not proven idle (device_sync={run.proof.value})"
         chunks = handler_api.unproven_chunks(self.store, self.load) if fate is Fate.QUARANTINE else None  # R29
         for name, handler in (("store", self.store), ("load", self.load)):
-            kept, failed = handler.release(fate, shield, reason=reason)
+            kept, kept_streams, failed = handler.release(fate, shield, reason=reason)
             run.errors.extend(f"{name} release: {f}" for f in [*handler.leaks.errors, *failed])
             run.add("quarantined", "descriptor", kept)
-            run.add("quarantined", "stream", handler.report().retired_streams)  # R28: retired, not proven idle
+            run.add("quarantined", "stream", kept_streams)  # R28: retired, not proven idle
             for kind, count in handler.leaks.counts.items():  # R16: release calls that failed, now or earlier
                 run.add("leaked", kind, count)
         wait = self._wait_left(run, shield)  # R11: a shared file's lock is waited for within the same timeout

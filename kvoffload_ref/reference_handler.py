@@ -107,9 +107,7 @@ class ReferenceHandler:
             return
         moves = check_transfer(self.layout, self.direction, src, dst, [g.rows for g in self.gpu],
                                [c.rows for c in self.cpu], self.bpc, self.canonical)  # R7, before any device work
-        gpu_spec, cpu_spec = (src, dst) if self.direction == "store" else (dst, src)
-        gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids  # type: ignore[attr-defined]  # checked specs
-        self.running.holds.check(self.direction, job_id, gpu_ids, cpu_ids)  # R27: nothing done yet if refused
+        gpu_ids, cpu_ids = self.running.holds.admit(self.direction, job_id, src, dst)  # R27: nothing done if refused
         if self.stream is None:  # R28: the last stream was retired: new work goes to a fresh one
             self.stream = self.backend.create_stream()
         backend, tag_, stream = self.backend, (self.direction, job_id), self.stream
@@ -343,11 +341,7 @@ class ReferenceHandler:
     def _take_queue(self, current: bool = False, first: _Transfer | None = None) -> list[_Transfer]:
         """Every live transfer still queued (retired streams' first, or the current stream's when its head failed:
         R22 names that head "failed"), now unproven; late ones join them (R13)."""
-        live, late, streams = self.retired.take()
-        taken = [*self.queue, *live] if current else [*live, *self.queue]
-        if first is not None and first in taken:  # R22: the failed head of a retired stream is named first
-            taken.remove(first)
-            taken.insert(0, first)
+        taken, late, streams = self.retired.take(self.queue, current, first)
         self.queue = collections.deque()
         for t in taken:
             t.resolved = True
@@ -380,12 +374,12 @@ class ReferenceHandler:
         return {int(c) for t in (*self.unproven, *self.queue, *self.retired.transfers()) for c in t.cpu_ids.tolist()}
 
     def release(self, fate: Fate, shield: Shield | None = None, *,
-                reason: str = "device not proven idle") -> tuple[int, list[str]]:
+                reason: str = "device not proven idle") -> tuple[int, int, list[str]]:
         """R10: destroy the stream and every event, free proven transfers' descriptor buffers, and free (RELEASE) or
         quarantine (R12) the unproven ones' and the retired streams not proven idle (R28). Every step runs whatever
         another raised (R14)."""
         if self.step(HandlerInput.RELEASE) is not Action.RELEASE_RESOURCES:
-            return 0, []
+            return 0, self.kept_streams, []
         backend = self.backend
         streams = [] if self.stream is None else [self.stream]
         retired = self.unproven_streams
@@ -407,7 +401,7 @@ class ReferenceHandler:
             ("quarantine descriptor buffers", keeper(backend.ledger.quarantine, "descriptor", kept, reason)),
             ("quarantine retired streams", keeper(backend.ledger.quarantine, "stream", kept_streams, reason)),
         ], shield)
-        return len(kept), failed
+        return len(kept), self.kept_streams, failed
 
     def discard(self) -> None:
         if self.stream is not None:  # R2: nothing was submitted; only the stream exists (retry-safe, R14; R16)

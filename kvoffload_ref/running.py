@@ -44,6 +44,7 @@ from kvoffload_ref.results import (
     HeldBlocks,
     ReleasedHold,
     TransferResult,
+    Unproven,
     destination_blocks,
     failure,
 )
@@ -59,25 +60,18 @@ logger = logging.getLogger("kvoffload_ref.worker")
 REASONS: Final = ("deadline", "cancel", "behind")
 
 
-class LateTransfer(Protocol):
-    """What the shared pieces read and write of a handler's transfer record (both records have these fields)."""
+class LateTransfer(Unproven, Protocol):
+    """What the shared pieces read and write of a handler's transfer record (both records have these fields):
+    what a failed result is built from (``results.Unproven``: job id, destination blocks and groups, tag), and:"""
 
-    @property
-    def job_id(self) -> int: ...
     @property
     def start(self) -> Event: ...
     @property
     def end(self) -> Event: ...
     @property
-    def dst_blocks(self) -> Int64Array: ...  # R22: the destination's ids
-    @property
-    def dst_groups(self) -> tuple[int, ...]: ...  # R22: a load's GPU spec's group_sizes; () for a store
-    @property
     def gpu_ids(self) -> Int64Array: ...  # the GPU block ids of its specs
     @property
     def cpu_ids(self) -> Int64Array: ...  # the CPU chunk ids of its specs
-    @property
-    def user_tag(self) -> object: ...  # the caller's opaque tag
     @property
     def deadline(self) -> float | None: ...  # seconds from its device start (R26), or None
     @property
@@ -111,6 +105,15 @@ class Holds:
         # Invariant: ended holds not yet handed out by take_released, in the order they ended.
         self._released: list[ReleasedHold] = []
 
+    def admit(self, direction: Direction, job_id: int, src: object, dst: object) -> tuple[Int64Array, Int64Array]:
+        """R27 at submission, for both handlers: the (GPU block ids, CPU chunk ids) of a transfer's checked specs
+        (a store's GPU spec is its source, a load's its destination), once :meth:`check` found no held block in the
+        way. Raises as :meth:`check` (nothing done yet)."""
+        gpu_spec, cpu_spec = (src, dst) if direction == "store" else (dst, src)
+        gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids  # type: ignore[attr-defined]  # checked specs
+        self.check(direction, job_id, gpu_ids, cpu_ids)
+        return gpu_ids, cpu_ids
+
     def check(self, direction: Direction, job_id: int, gpu_ids: Int64Array, cpu_ids: Int64Array) -> None:
         """R27: refuse a submission that would touch a held block the wrong way. With holds present a submission that
         conflicts with none costs two gathers (``kvoffload-ref bench``: running_held_submit).
@@ -133,10 +136,6 @@ class Holds:
                     f"{direction} job {job_id} would {access} {what}s {sorted({int(i) for i in hit})}, held by a late "
                     "copy that may still run (R27); submit again once worker.take_released() handed out their "
                     "release, or use other blocks")
-
-    def hold(self, direction: Direction, gpu_ids: Int64Array, cpu_ids: Int64Array) -> None:
-        """Hold a late copy's blocks."""
-        self.hold_many(direction, [gpu_ids], [cpu_ids])
 
     def hold_many(self, direction: Direction, gpu_ids: Sequence[Int64Array], cpu_ids: Sequence[Int64Array]) -> None:
         """Hold the blocks of ``len(gpu_ids)`` late copies (one entry per copy in each list), in one update."""
@@ -353,19 +352,23 @@ class Retired(Generic[T]):
         """The retired streams not yet proven idle."""
         return [lane.stream for lane in self.lanes]
 
-    def take(self) -> tuple[list[T], list[T], list[Stream]]:
-        """Shutdown: hand over what the drain could not prove: (live, late, their streams); none is kept here."""
+    def take(self, queue: Sequence[T], current: bool = False, first: T | None = None
+             ) -> tuple[list[T], list[T], list[Stream]]:
+        """Shutdown: hand over what the drain could not prove, none kept here: (live, late, the retired streams).
+        ``live`` holds the current stream's ``queue`` too: the retired streams' first, or the queue's when its head
+        failed (``current``); R22 names a retired stream's failed head (``first``) first."""
         queued, streams = self.transfers(), self.streams()
         self.lanes = []
-        return [t for t in queued if t.late is None], [t for t in queued if t.late is not None], streams
+        retired = [t for t in queued if t.late is None]
+        live = [*queue, *retired] if current else [*retired, *queue]
+        if first is not None and first in live:  # R22: the failed head of a retired stream is named first
+            live.remove(first)
+            live.insert(0, first)
+        return live, [t for t in queued if t.late is not None], streams
 
     def late_count(self) -> int:
         """How many late transfers (held, not yet observed done) are queued on retired streams."""
         return sum(t.late is not None for lane in self.lanes for t in lane.queue)
-
-    def oldest_hold(self) -> float | None:
-        """The backend time the oldest held transfer became late (R30), or None."""
-        return min((t.late for t in self.transfers() if t.late is not None), default=None)
 
     def health(self, head_age: float | None, now: float, unproven_streams: int = 0) -> Health:
         """R30: this direction's health at ``now``: ``head_age`` is the current stream's head's device age (None:
@@ -376,7 +379,7 @@ class Retired(Generic[T]):
         if head_age is not None:
             ages.append(head_age)
         late = [t for t in self.transfers() if t.late is not None]
-        oldest = self.oldest_hold()
+        oldest = min((t.late for t in late if t.late is not None), default=None)  # the oldest hold's start
         return Health(max(ages, default=None), _distinct(t.gpu_ids for t in late), _distinct(t.cpu_ids for t in late),
                       None if oldest is None else now - oldest, len(self.lanes) + unproven_streams)
 

@@ -30,7 +30,7 @@ def test_running_holds_of_many_copies_at_once_end_one_copy_at_a_time() -> None:
     many, one_by_one = Holds(8, 8), Holds(8, 8)
     many.hold_many("load", [first.gpu_ids, second.gpu_ids], [first.cpu_ids, second.cpu_ids])
     for late in (first, second):
-        one_by_one.hold("load", late.gpu_ids, late.cpu_ids)
+        one_by_one.hold_many("load", [late.gpu_ids], [late.cpu_ids])
     assert many.held() == one_by_one.held() == kv.HeldBlocks((1, 2, 3), (0, 4), (), (0, 4))
     many.end("load", first)  # type: ignore[arg-type]  # end reads the ids, the job id and the tag only
     assert many.held() == kv.HeldBlocks((2, 3), (0, 4), (), (0, 4))  # block 2 still held by the second copy
@@ -61,7 +61,7 @@ def test_running_holds_of_no_copies_change_nothing() -> None:
 def test_running_holds_check_each_access_against_each_hold(late: str, direction: str, gpu: list[int], cpu: list[int],
                                                            refused: str | None) -> None:
     holds = Holds(16, 16)
-    holds.hold(late, _ids(1), _ids(1))  # type: ignore[arg-type]
+    holds.hold_many(late, [_ids(1)], [_ids(1)])  # type: ignore[arg-type]
     if refused is None:
         holds.check(direction, 5, _ids(*gpu), _ids(*cpu))  # type: ignore[arg-type]
     else:

@@ -58,7 +58,7 @@ def _descriptors_freed_while_quarantined(make: Any) -> Any:
     def factory(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
         worker = make(backend, gpu, setup)
         for handler in (worker._core.store, worker._core.load):
-            def release(self: Any, fate: Fate, shield: Any = None, *, reason: str = "") -> tuple[int, list[str]]:
+            def release(self: Any, fate: Fate, shield: Any = None, *, reason: str = "") -> tuple[int, int, list[str]]:
                 return type(self).release(self, Fate.RELEASE, shield, reason=reason)  # type: ignore[no-any-return]
             handler.release = types.MethodType(release, handler)
         return worker  # type: ignore[no-any-return]
