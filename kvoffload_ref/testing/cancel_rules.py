@@ -17,7 +17,7 @@ It runs only for a worker with a running engine's calls (``Capabilities.running`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
@@ -44,9 +44,6 @@ class CancelRules(MachineBase):
     A mixin over :class:`~kvoffload_ref.testing.machine_base.MachineBase`, composed with the others in
     :class:`~kvoffload_ref.testing.machine.OffloadingMachine`.
     """
-
-    if TYPE_CHECKING:  # from Checks
-        def _unreliable(self) -> bool: ...
 
     @precondition(_can_cancel)
     @rule(data=st.data())

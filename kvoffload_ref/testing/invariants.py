@@ -86,10 +86,6 @@ class Checks(MachineBase):
         model, last = self.current_model, self.current_model.last_reported[transfer.lane]
         return next(t.job_id for t in model.transfers.values() if t.lane == transfer.lane and t.index == last)
 
-    def _unreliable(self) -> bool:
-        """The device was lost or saw misuse: queries may fail without a recorded firing."""
-        return self.current_device.lost() or bool(self.current_device.violations())
-
     def _check_attribution(self, transfer: ModelTransfer, result: ResultLike) -> None:
         """R22 (when the worker has attribution): which side the ids index, and the blocks a failure poisoned."""
         if self.capabilities.attribution:
@@ -181,13 +177,12 @@ class Checks(MachineBase):
             return
         self.jobs_accounted_once()
         model, device = self.current_model, self.current_device
-        unreliable = device.lost() or bool(device.violations())
         for outcome in report.unreported:  # R26: what each listed expiry says (a "behind" names one of them)
             error = getattr(outcome.result, "error", None)
             if isinstance(error, TransferExpired) and outcome.result.job_id in model.transfers:
                 model.transfers[outcome.result.job_id].expired = error.reason
-        self._problems(outcome_problems(report, model, settled, unreliable=unreliable, proven_in_time=proven_in_time,
-                                        running=self.running, now=device.clock()))
+        self._problems(outcome_problems(report, model, settled, unreliable=self._unreliable(),
+                                        proven_in_time=proven_in_time, running=self.running, now=device.clock()))
         for outcome in report.unreported:
             transfer = model.transfers[outcome.result.job_id]
             if outcome.result.success:

@@ -326,6 +326,10 @@ class MachineBase(RuleBasedStateMachine):
                            "checks (R26-R28; docs/conformance.md); pass Capabilities(running=False) to say so",
                            type(self).__name__)
 
+    def _unreliable(self) -> bool:
+        """The device was lost or saw misuse: queries may fail without a recorded firing."""
+        return self.current_device.lost() or bool(self.current_device.violations())
+
     def _stats(self) -> object:
         return self.current_worker.stats() if self.capabilities.stats else None
 

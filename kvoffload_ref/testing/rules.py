@@ -316,7 +316,7 @@ class TransferRules(MachineBase):
                                                     f"within timeout={timeout}", "raised is None")
             return
         # Every query fails now: jobs resolve as failed.
-        resolvable = self.current_device.lost() or bool(self.current_device.violations())
+        resolvable = self._unreliable()
         for t in listed:
             if t.status == "pending" and not t.must_fail and not resolvable and not model.may_be_late(t):
                 self._check(not t.stuck, "R6", f"wait() returned although job {t.job_id} can never be proven",
