@@ -297,7 +297,7 @@ class Model:
     def next_lane(self, direction: Direction) -> str | None:
         """The stream the next transfer of ``direction`` goes to as far as the model knows: its latest transfer's,
         unless that one was retired (None: a fresh stream, R28)."""
-        lane = next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
+        lane = self._latest_lane(direction)
         return None if lane is None or lane in self.retired_lanes else lane
 
     def may_be_late(self, transfer: ModelTransfer) -> bool:
@@ -321,7 +321,7 @@ class Model:
         captured = [source.capture(m) for m in moves]
         destination = cpu_spec if direction == "store" else gpu_spec
         lane = direction if lane is None else lane
-        previous = next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
+        previous = self._latest_lane(direction)
         if previous is not None and previous != lane and previous not in self.retired_lanes:
             self.switches.append((direction, previous, job_id))  # R28 must explain it: checked at shutdown
         transfer = ModelTransfer(job_id, direction, self._next_index, moves, sum(m.size for m in moves),
@@ -425,6 +425,10 @@ class Model:
                 target.release(move)
 
     # -- internals ------------------------------------------------------------------------------------------------
+    def _latest_lane(self, direction: str) -> str | None:
+        """The stream ``direction``'s latest transfer was queued on (None: none yet)."""
+        return next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
+
     def _mask(self, side: str, moves: Sequence[Move]) -> list[Mask]:
         mask = [np.zeros_like(k) for k in self.sides[side].known]
         for move in moves:
