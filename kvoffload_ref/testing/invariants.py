@@ -76,10 +76,7 @@ class Checks(MachineBase):
         counters = type(self).counters
         counters.succeeded += result.success
         counters.failed += not result.success
-        last = model.last_reported.get(transfer.lane, -1)
-        model.resolve(transfer, result.success)
-        if expired:  # R26: an expiry does not move its stream's order (live jobs ahead of it come later)
-            model.last_reported[transfer.lane] = last
+        model.resolve(transfer, result.success, expired=expired)
 
     def _reported_after(self, transfer: ModelTransfer) -> int:
         """The job reported last on ``transfer``'s stream (R5/R28: one submitted after it)."""

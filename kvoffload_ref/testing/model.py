@@ -409,13 +409,16 @@ class Model:
             for move in transfer.moves:
                 target.release(move)
 
-    def resolve(self, transfer: ModelTransfer, success: bool) -> None:
-        """The worker reported the transfer (checks are the machine's; this only updates the model)."""
+    def resolve(self, transfer: ModelTransfer, success: bool, *, expired: bool = False) -> None:
+        """The worker reported the transfer (checks are the machine's; this only updates the model). ``expired``:
+        reported with a ``TransferExpired``, which does not move its stream's order (R26: live jobs ahead of it
+        come later)."""
         transfer.status = "succeeded" if success else "failed"
         self.any_failed |= not success
         if not success:
             self.retired_lanes.add(transfer.lane)
-        self.last_reported[transfer.lane] = transfer.index
+        if not expired:
+            self.last_reported[transfer.lane] = transfer.index
         if transfer in self.chain[transfer.direction]:
             self.chain[transfer.direction].remove(transfer)
         target = self.sides[transfer.writes]
