@@ -326,6 +326,14 @@ class MachineBase(RuleBasedStateMachine):
                            "checks (R26-R28; docs/conformance.md); pass Capabilities(running=False) to say so",
                            type(self).__name__)
 
+    def _check_fresh_lane(self, direction: str, job: int, lane: str | None) -> None:
+        """R28: an accepted job was not queued on a stream retired after a job on it became late (``lane``: the
+        stream the device saw it queued on, None: unknown)."""
+        retired = self.current_model.retired_lanes
+        self._check(lane is None or lane not in retired, "R28",
+                    f"{direction} job {job} was queued on stream {lane}, retired after a job on it became late",
+                    lambda: f"dev.streams.get(({direction!r}, {job})) not in {sorted(retired)!r}")
+
     def _unreliable(self) -> bool:
         """The device was lost or saw misuse: queries may fail without a recorded firing."""
         return self.current_device.lost() or bool(self.current_device.violations())
