@@ -200,11 +200,6 @@ class ModelTransfer:
         return self.hung or self.blocked
 
     @property
-    def late(self) -> bool:
-        """R27: reported failed (or released): its copy may have been left running, its blocks held until released."""
-        return self.status == "failed" or self.released
-
-    @property
     def reads(self) -> str:
         return "gpu" if self.direction == "store" else "cpu"
 
