@@ -56,9 +56,7 @@ class CancelRules(MachineBase):
             if pending and not self.current_device.lost() and data.draw(st.booleans(), label="after completion"):
                 self._cancel_after_completion(data)
                 return
-            reported = [j for j, t in model.transfers.items() if t.status != "pending"][-2:]
-            ids = data.draw(st.lists(st.sampled_from([*pending, *reported, self.next_job + 50]), max_size=3,
-                                     unique=True), label="ids")
+            ids = data.draw(st.lists(st.sampled_from(self._id_pool(pending)), max_size=3, unique=True), label="ids")
             bad = data.draw(st.sampled_from(BAD_IDS), label="bad id")
             self._cancel(ids, bad)
 

@@ -304,6 +304,12 @@ class MachineBase(RuleBasedStateMachine):
         job, self.next_job = self.next_job, self.next_job + 1
         return job
 
+    def _id_pool(self, queued: Iterable[int]) -> list[int]:
+        """The ids a ``cancel`` or ``order_after`` draws from: ``queued`` jobs, the last two reported, an unknown
+        one (R23/R26: only the queued ones do anything)."""
+        reported = [j for j, t in self.current_model.transfers.items() if t.status != "pending"][-2:]
+        return [*queued, *reported, self.next_job + 50]
+
     def _new_firings(self) -> list[Firing]:
         firings = self.current_device.plan.firings[self.seen_firings:]
         self.seen_firings += len(firings)
