@@ -17,7 +17,7 @@ It runs only for a worker with a running engine's calls (``Capabilities.running`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
@@ -45,9 +45,6 @@ class CancelRules(MachineBase):
     :class:`~kvoffload_ref.testing.machine.OffloadingMachine`.
     """
 
-    if TYPE_CHECKING:  # from Checks
-        def _unreliable(self) -> bool: ...
-
     @precondition(_can_cancel)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
@@ -59,9 +56,7 @@ class CancelRules(MachineBase):
             if pending and not self.current_device.lost() and data.draw(st.booleans(), label="after completion"):
                 self._cancel_after_completion(data)
                 return
-            reported = [j for j, t in model.transfers.items() if t.status != "pending"][-2:]
-            ids = data.draw(st.lists(st.sampled_from([*pending, *reported, self.next_job + 50]), max_size=3,
-                                     unique=True), label="ids")
+            ids = data.draw(st.lists(st.sampled_from(self._id_pool(pending)), max_size=3, unique=True), label="ids")
             bad = data.draw(st.sampled_from(BAD_IDS), label="bad id")
             self._cancel(ids, bad)
 

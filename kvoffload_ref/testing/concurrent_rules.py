@@ -185,10 +185,7 @@ class ConcurrentRules(MachineBase):
         if error is None:
             firings = dev.plan.firings[self.seen_firings:]
             hung = any(f.fault.kind == "hang" and f.tag == (direction, job) for f in firings)
-            retired = sorted(self.current_model.retired_lanes)
-            self._check(lane is None or lane not in retired, "R28",
-                        f"{direction} job {job} was queued on stream {lane}, retired after a job on it became late",
-                        f"dev.streams.get(({direction!r}, {job})) not in {retired!r}")
+            self._check_fresh_lane(direction, job, lane)
             self.current_model.submit(direction, job, gpu, cpu, hung=hung, lane=lane)  # type: ignore[arg-type]
             type(self).counters.submitted += 1
         elif queued:

@@ -79,6 +79,10 @@ class Outcome:
     def reported_ids(self) -> list[int]:
         return [r.job_id for r in self.results]  # type: ignore[attr-defined]
 
+    def jobs(self) -> dict[int, tuple[str, object, object]]:
+        """Job id -> (direction, source spec, destination spec) of the prelude's jobs and those under test."""
+        return {job: (d, src, dst) for d, job, src, dst in (*PRELUDE, *self.under_test)}
+
 
 def check_case(case: CaseLike, out: Outcome) -> Iterator[Problem]:
     """Every rule the case broke."""
@@ -184,11 +188,16 @@ def _accounting(case: CaseLike, out: Outcome, report: ReportLike | None) -> Iter
                                 f"(results {sorted(ids)}, report {sorted(in_report)})")
 
 
+def _every_result(out: Outcome, report: ReportLike | None) -> list[object]:
+    """Every result the case saw: those ``get_finished()`` returned, then those the report lists."""
+    listed = [] if report is None else [o.result for o in getattr(report, "unreported", ())]
+    return [*out.results, *listed]
+
+
 def _expiries(out: Outcome, report: ReportLike | None) -> Iterator[Problem]:
     """R26: a job ends expired only as the case allows: "cancel" once a cancel ran and listed it, "deadline" only
     for a job given one, "behind" only naming a job that was one of those."""
-    listed = [] if report is None else [o.result for o in getattr(report, "unreported", ())]
-    for result in [*out.results, *listed]:
+    for result in _every_result(out, report):
         error = getattr(result, "error", None)
         if not isinstance(error, TransferExpired):
             continue
@@ -209,16 +218,15 @@ def _failed_reported_failed(out: Outcome, report: ReportLike | None) -> Iterator
     failing = {f.job_id for f in out.setup.faults if f.kind == "error" and f.job_id is not None}
     if not failing:
         return
-    jobs = {job: (d, dst) for d, job, _, dst in (*PRELUDE, *out.under_test)}
-    listed = [] if report is None else [o.result for o in getattr(report, "unreported", ())]
-    for result in [*out.results, *listed]:
+    jobs = out.jobs()
+    for result in _every_result(out, report):
         job = getattr(result, "job_id", None)
         if job not in failing or job not in jobs:
             continue
         if getattr(result, "success", False):
             yield "R5", f"job {job}'s completion failed on the device, yet it was reported success=True"
             continue
-        direction, dst = jobs[job]
+        direction, _, dst = jobs[job]
         want = tuple(sorted({int(b) for b in getattr(dst, "block_ids", ())}))
         got = tuple(int(b) for b in getattr(result, "invalid_blocks", ()))
         if got != want:
@@ -242,7 +250,7 @@ def _cancel_carried_out(case: CaseLike, out: Outcome) -> Iterator[Problem]:
 
 def _bytes(out: Outcome) -> Iterator[Problem]:
     """R5: a job reported success=True moved exactly the right bytes."""
-    jobs = {job: (d, src, dst) for d, job, src, dst in (*PRELUDE, *out.under_test)}
+    jobs = out.jobs()
     setup = out.setup
     gpu0 = [initial_gpu_bytes(setup, t) for t in range(setup.layout.num_tensors)]
     for result in out.results:

@@ -76,26 +76,26 @@ def _ids(ids: Iterable[int]) -> str:
     return "{" + ", ".join(map(str, sorted(ids))) + "}" if ids else "set()"
 
 
+def _touched(transfers: Iterable[ModelTransfer]) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
+    """Per side: the ids the transfers touch (to hold at all), and those they write (to hold for any access)."""
+    every: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
+    written: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
+    for transfer in transfers:
+        (read_side, reads), (write_side, writes) = _access(transfer.direction, transfer.gpu_ids, transfer.cpu_ids)
+        every[read_side] |= reads
+        every[write_side] |= writes
+        written[write_side] |= writes
+    return every, written
+
+
 def held_problems(held: HeldSets, model: Model) -> Iterator[Problem]:
     """``held()`` against the model (see the module docstring)."""
     for side, (every, writes_only) in held.items():
         if not writes_only <= every:
             yield ("R27", f"held() lists {side} ids {sorted(writes_only - every)} as held for writes only, not as held",
                    f"{_held(side, True)} <= {_held(side)}")
-    must_any: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
-    must: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
-    may_any: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
-    may: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
-    for transfer in model.holding():
-        (read_side, reads), (write_side, writes) = _access(transfer.direction, transfer.gpu_ids, transfer.cpu_ids)
-        must[read_side] |= reads
-        must[write_side] |= writes
-        must_any[write_side] |= writes
-    for transfer in [*model.holding(), *model.pending()]:
-        (read_side, reads), (write_side, writes) = _access(transfer.direction, transfer.gpu_ids, transfer.cpu_ids)
-        may[read_side] |= reads
-        may[write_side] |= writes
-        may_any[write_side] |= writes
+    must, must_any = _touched(model.holding())
+    may, may_any = _touched([*model.holding(), *model.pending()])
     for side, (every, writes_only) in held.items():
         held_any = every - writes_only
         if not must[side] <= every:

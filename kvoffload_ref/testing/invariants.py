@@ -76,19 +76,12 @@ class Checks(MachineBase):
         counters = type(self).counters
         counters.succeeded += result.success
         counters.failed += not result.success
-        last = model.last_reported.get(transfer.lane, -1)
-        model.resolve(transfer, result.success)
-        if expired:  # R26: an expiry does not move its stream's order (live jobs ahead of it come later)
-            model.last_reported[transfer.lane] = last
+        model.resolve(transfer, result.success, expired=expired)
 
     def _reported_after(self, transfer: ModelTransfer) -> int:
         """The job reported last on ``transfer``'s stream (R5/R28: one submitted after it)."""
         model, last = self.current_model, self.current_model.last_reported[transfer.lane]
         return next(t.job_id for t in model.transfers.values() if t.lane == transfer.lane and t.index == last)
-
-    def _unreliable(self) -> bool:
-        """The device was lost or saw misuse: queries may fail without a recorded firing."""
-        return self.current_device.lost() or bool(self.current_device.violations())
 
     def _check_attribution(self, transfer: ModelTransfer, result: ResultLike) -> None:
         """R22 (when the worker has attribution): which side the ids index, and the blocks a failure poisoned."""
@@ -181,13 +174,12 @@ class Checks(MachineBase):
             return
         self.jobs_accounted_once()
         model, device = self.current_model, self.current_device
-        unreliable = device.lost() or bool(device.violations())
         for outcome in report.unreported:  # R26: what each listed expiry says (a "behind" names one of them)
             error = getattr(outcome.result, "error", None)
             if isinstance(error, TransferExpired) and outcome.result.job_id in model.transfers:
                 model.transfers[outcome.result.job_id].expired = error.reason
-        self._problems(outcome_problems(report, model, settled, unreliable=unreliable, proven_in_time=proven_in_time,
-                                        running=self.running, now=device.clock()))
+        self._problems(outcome_problems(report, model, settled, unreliable=self._unreliable(),
+                                        proven_in_time=proven_in_time, running=self.running, now=device.clock()))
         for outcome in report.unreported:
             transfer = model.transfers[outcome.result.job_id]
             if outcome.result.success:

@@ -122,13 +122,13 @@ class _Tally:
         self.shrinks = shrinks
 
     def line(self, goal: str, started: float) -> str:
-        steps = sum(c.steps for c in self.latest)
+        total = self.total()
         seconds = max(time.perf_counter() - started, 1e-9)
         running = self.done.count(False)
-        return (f"fuzz: {len(self.latest)} jobs ({running} running)  steps {steps}/{goal}  "
-                f"{steps / seconds:,.0f} steps/s  {seconds:.1f} s  runs {sum(c.runs for c in self.latest)}  "
-                f"violations {sum(c.violations for c in self.latest)}{self.total().shrinking(self.shrinks)}  "
-                f"accepted release-policy hazards {sum(c.hazards for c in self.latest)}\n")
+        return (f"fuzz: {len(self.latest)} jobs ({running} running)  steps {total.steps}/{goal}  "
+                f"{total.steps / seconds:,.0f} steps/s  {seconds:.1f} s  runs {total.runs}  "
+                f"violations {total.violations}{total.shrinking(self.shrinks)}  "
+                f"accepted release-policy hazards {total.hazards}\n")
 
     def total(self) -> Counters:
         """Every counter summed over the jobs (``first_failure_step``: the first job's that has one)."""

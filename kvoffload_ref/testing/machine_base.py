@@ -304,6 +304,12 @@ class MachineBase(RuleBasedStateMachine):
         job, self.next_job = self.next_job, self.next_job + 1
         return job
 
+    def _id_pool(self, queued: Iterable[int]) -> list[int]:
+        """The ids a ``cancel`` or ``order_after`` draws from: ``queued`` jobs, the last two reported, an unknown
+        one (R23/R26: only the queued ones do anything)."""
+        reported = [j for j, t in self.current_model.transfers.items() if t.status != "pending"][-2:]
+        return [*queued, *reported, self.next_job + 50]
+
     def _new_firings(self) -> list[Firing]:
         firings = self.current_device.plan.firings[self.seen_firings:]
         self.seen_firings += len(firings)
@@ -325,6 +331,18 @@ class MachineBase(RuleBasedStateMachine):
             logger.warning("%s: the worker has no cancel/held/take_released: the kit skips the running-engine "
                            "checks (R26-R28; docs/conformance.md); pass Capabilities(running=False) to say so",
                            type(self).__name__)
+
+    def _check_fresh_lane(self, direction: str, job: int, lane: str | None) -> None:
+        """R28: an accepted job was not queued on a stream retired after a job on it became late (``lane``: the
+        stream the device saw it queued on, None: unknown)."""
+        retired = self.current_model.retired_lanes
+        self._check(lane is None or lane not in retired, "R28",
+                    f"{direction} job {job} was queued on stream {lane}, retired after a job on it became late",
+                    lambda: f"dev.streams.get(({direction!r}, {job})) not in {sorted(retired)!r}")
+
+    def _unreliable(self) -> bool:
+        """The device was lost or saw misuse: queries may fail without a recorded firing."""
+        return self.current_device.lost() or bool(self.current_device.violations())
 
     def _stats(self) -> object:
         return self.current_worker.stats() if self.capabilities.stats else None

@@ -200,11 +200,6 @@ class ModelTransfer:
         return self.hung or self.blocked
 
     @property
-    def late(self) -> bool:
-        """R27: reported failed (or released): its copy may have been left running, its blocks held until released."""
-        return self.status == "failed" or self.released
-
-    @property
     def reads(self) -> str:
         return "gpu" if self.direction == "store" else "cpu"
 
@@ -297,7 +292,7 @@ class Model:
     def next_lane(self, direction: Direction) -> str | None:
         """The stream the next transfer of ``direction`` goes to as far as the model knows: its latest transfer's,
         unless that one was retired (None: a fresh stream, R28)."""
-        lane = next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
+        lane = self._latest_lane(direction)
         return None if lane is None or lane in self.retired_lanes else lane
 
     def may_be_late(self, transfer: ModelTransfer) -> bool:
@@ -321,7 +316,7 @@ class Model:
         captured = [source.capture(m) for m in moves]
         destination = cpu_spec if direction == "store" else gpu_spec
         lane = direction if lane is None else lane
-        previous = next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
+        previous = self._latest_lane(direction)
         if previous is not None and previous != lane and previous not in self.retired_lanes:
             self.switches.append((direction, previous, job_id))  # R28 must explain it: checked at shutdown
         transfer = ModelTransfer(job_id, direction, self._next_index, moves, sum(m.size for m in moves),
@@ -409,13 +404,16 @@ class Model:
             for move in transfer.moves:
                 target.release(move)
 
-    def resolve(self, transfer: ModelTransfer, success: bool) -> None:
-        """The worker reported the transfer (checks are the machine's; this only updates the model)."""
+    def resolve(self, transfer: ModelTransfer, success: bool, *, expired: bool = False) -> None:
+        """The worker reported the transfer (checks are the machine's; this only updates the model). ``expired``:
+        reported with a ``TransferExpired``, which does not move its stream's order (R26: live jobs ahead of it
+        come later)."""
         transfer.status = "succeeded" if success else "failed"
         self.any_failed |= not success
         if not success:
             self.retired_lanes.add(transfer.lane)
-        self.last_reported[transfer.lane] = transfer.index
+        if not expired:
+            self.last_reported[transfer.lane] = transfer.index
         if transfer in self.chain[transfer.direction]:
             self.chain[transfer.direction].remove(transfer)
         target = self.sides[transfer.writes]
@@ -425,6 +423,10 @@ class Model:
                 target.release(move)
 
     # -- internals ------------------------------------------------------------------------------------------------
+    def _latest_lane(self, direction: str) -> str | None:
+        """The stream ``direction``'s latest transfer was queued on (None: none yet)."""
+        return next((t.lane for t in reversed(self.transfers.values()) if t.direction == direction), None)
+
     def _mask(self, side: str, moves: Sequence[Move]) -> list[Mask]:
         mask = [np.zeros_like(k) for k in self.sides[side].known]
         for move in moves:

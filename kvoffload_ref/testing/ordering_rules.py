@@ -61,8 +61,7 @@ class OrderingRules(MachineBase):
             model, setup = self.current_model, self.current_setup
             queued = [t for d in ("load", "store") for t in model.chain[d]  # R26: an expired job orders nothing
                       if model.can_finish(t) and not model.may_be_late(t)]
-            reported = [j for j, t in model.transfers.items() if t.status != "pending"][-2:]
-            pool = [t.job_id for t in queued] + reported + [self.next_job + 50]
+            pool = self._id_pool(t.job_id for t in queued)
             ids = data.draw(st.lists(st.sampled_from(pool), max_size=3, unique=True), label="ids")
             if data.draw(st.booleans(), label="order_after"):
                 stream = data.draw(st.sampled_from(ORDER_STREAMS), label="stream")

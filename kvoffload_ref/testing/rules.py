@@ -187,10 +187,7 @@ class TransferRules(MachineBase):
         hung = any(f.fault.kind == "hang" and f.point in TRANSFER_HANG_POINTS and f.tag == (direction, job)
                    for f in firings)
         lane = self.current_device.streams.get((direction, job))
-        retired = sorted(self.current_model.retired_lanes)
-        self._check(lane is None or lane not in retired, "R28",
-                    f"{direction} job {job} was queued on stream {lane}, retired after a job on it became late",
-                    f"dev.streams.get(({direction!r}, {job})) not in {retired!r}")
+        self._check_fresh_lane(direction, job, lane)
         self.current_model.submit(direction, job, gpu, cpu, hung=hung, lane=lane,  # type: ignore[arg-type]
                                   deadline=deadline, now=now)
         self.current_race.transfer(direction, job, moves, lane)
@@ -316,7 +313,7 @@ class TransferRules(MachineBase):
                                                     f"within timeout={timeout}", "raised is None")
             return
         # Every query fails now: jobs resolve as failed.
-        resolvable = self.current_device.lost() or bool(self.current_device.violations())
+        resolvable = self._unreliable()
         for t in listed:
             if t.status == "pending" and not t.must_fail and not resolvable and not model.may_be_late(t):
                 self._check(not t.stuck, "R6", f"wait() returned although job {t.job_id} can never be proven",
