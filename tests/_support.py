@@ -73,6 +73,13 @@ def messages(caplog: Any) -> list[str]:
     return [r.getMessage() for r in caplog.records]
 
 
+
+def assert_accounted(be: Any, report: kv.ShutdownReport) -> None:
+    """R16: nothing live after shutdown; what is not released is listed as quarantined or leaked."""
+    assert be.ledger.live() == {}
+    assert be.ledger.quarantined() == dict(report.quarantined)
+    assert be.ledger.leaked() == dict(report.leaked)
+
 #: The CI budget the kit must catch a deliberately wrong worker in (examples of up to 50 steps).
 CATCH_BUDGET = 200
 
