@@ -95,6 +95,7 @@ def test_register_with_require_pinned_fails_cleanly_with_nothing_leaked(worker: 
     assert "pinned_alloc" not in be.ledger.acquired(), "no fallback under pinning='register'"
 
 
+@pytest.mark.rule("R16")
 @pytest.mark.parametrize("worker", WORKERS)
 def test_register_without_require_pinned_runs_from_pageable_memory_as_before(worker: str, caplog: Any) -> None:
     be = SimBackend(host_register="refuse")
@@ -108,6 +109,7 @@ def test_register_without_require_pinned_runs_from_pageable_memory_as_before(wor
     assert_accounted(be, report)
 
 
+@pytest.mark.rule("R16")
 @pytest.mark.parametrize("worker", WORKERS)
 def test_alloc_allocates_even_where_registration_is_allowed(worker: str) -> None:
     be = SimBackend()
