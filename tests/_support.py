@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -73,6 +73,28 @@ def messages(caplog: Any) -> list[str]:
     return [r.getMessage() for r in caplog.records]
 
 
+
+@contextmanager
+def at_call(be: Any, point: str, action: Callable[[], None], *, nth: int = 1) -> Iterator[None]:
+    """Run ``action`` at the start of the ``nth`` backend call named ``point`` (the sim's on_call hook)."""
+    seen = [0]
+
+    def hook(name: str, tag: object) -> None:
+        if name == point:
+            seen[0] += 1
+            if seen[0] == nth:
+                action()
+
+    be.on_call = hook
+    try:
+        yield
+    finally:
+        be.on_call = None
+
+
+def raise_interrupt() -> None:
+    """An ``at_call`` action: the Ctrl-C that lands at that call."""
+    raise KeyboardInterrupt
 
 def assert_accounted(be: Any, report: kv.ShutdownReport) -> None:
     """R16: nothing live after shutdown; what is not released is listed as quarantined or leaked."""
