@@ -26,6 +26,8 @@ FACTORIES: dict[str, tuple[WorkerFactory, str]] = {
     "reference": (reference_worker_factory, "kvoffload_ref.testing.adapter:reference_worker_factory"),
 }
 WORKERS = list(FACTORIES)
+#: The two workers' constructors by the same ids (``make_worker(kind=...)``).
+CREATE: dict[str, Any] = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 
 
 def small_layout(num_tensors: int = 2, page: int = PAGE) -> kv.KVCacheLayout:
@@ -41,16 +43,15 @@ def patterned_gpu(be: Any, layout: kv.KVCacheLayout, blocks: int = GPU_BLOCKS, s
 
 
 def make_worker(be: Any = None, *, layout: kv.KVCacheLayout | None = None, timeout: float = 1.0,
-                on_unproven: str = "quarantine", bpc: int = BPC, **kwargs: Any) -> tuple[Any, kv.CPUOffloadingWorker,
-                                                                                          list[Any]]:
-    """A sim backend (unless given), patterned GPU tensors and a worker over them."""
+                on_unproven: str = "quarantine", bpc: int = BPC, kind: str = "engine",
+                **kwargs: Any) -> tuple[Any, kv.CPUOffloadingWorker, list[Any]]:
+    """A sim backend (unless given), patterned GPU tensors and a worker (``kind``: a ``CREATE`` id) over them."""
     be = be if be is not None else SimBackend()
     layout = layout or small_layout()
     gpu = patterned_gpu(be, layout)
     policy = kv.ShutdownPolicy(timeout=timeout, on_unproven=on_unproven)
-    worker = kv.create_worker(be, gpu, layout, blocks_per_chunk=bpc, num_cpu_chunks=kwargs.pop("num_cpu_chunks",
-                                                                                             CPU_CHUNKS),
-                              policy=policy, **kwargs)
+    worker = CREATE[kind](be, gpu, layout, blocks_per_chunk=bpc,
+                          num_cpu_chunks=kwargs.pop("num_cpu_chunks", CPU_CHUNKS), policy=policy, **kwargs)
     return be, worker, gpu
 
 

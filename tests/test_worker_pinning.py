@@ -10,7 +10,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support import BPC, CPU_CHUNKS, assert_accounted, cspec, gspec, messages, patterned_gpu, small_layout
+from _support import (
+    BPC,
+    CPU_CHUNKS,
+    CREATE,
+    assert_accounted,
+    cspec,
+    gspec,
+    make_worker,
+    messages,
+    patterned_gpu,
+    small_layout,
+)
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
@@ -18,7 +29,6 @@ from kvoffload_ref.errors import CUDA_ERROR_NOT_SUPPORTED, RegistrationRefused
 from kvoffload_ref.facade import FALLBACK_WARNING
 from kvoffload_ref.lifecycle import RegionState
 
-CREATE: dict[str, Any] = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 WORKERS = list(CREATE)
 TIMEOUT = 1.0
 FALLBACK = FALLBACK_WARNING % CUDA_ERROR_NOT_SUPPORTED
@@ -32,11 +42,7 @@ def _refusing(*, said: bool = True, plan: kv.FaultPlan | None = None) -> SimBack
 
 
 def _build(worker: str, backend: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
-    layout = small_layout()
-    gpu = patterned_gpu(backend, layout)
-    policy = kv.ShutdownPolicy(timeout=TIMEOUT)
-    kv_worker = CREATE[worker](backend, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS, policy=policy,
-                               **kwargs)
+    _, kv_worker, gpu = make_worker(backend, kind=worker, timeout=TIMEOUT, **kwargs)
     return kv_worker, gpu
 
 

@@ -13,22 +13,15 @@ import pytest
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
-from tests._support import BPC, CPU_CHUNKS, at_call, cspec, gspec, patterned_gpu, small_layout
+from tests._support import BPC, CPU_CHUNKS, WORKERS, at_call, cspec, gspec, make_worker
 
-WORKERS = ["engine", "reference"]
 #: A link slow enough that a transfer's copy takes milliseconds of virtual time (3 blocks x 2 tensors x 512 B:
 #: 3 KiB at 1 MB/s is about 3 ms), so a deadline can pass while the copy still runs.
 SLOW = {"latency": 1e-5, "pinned_bandwidth": 1e6}
 
 
 def build(kind: str, be: SimBackend | None = None, **kwargs: Any) -> tuple[SimBackend, Any, list[Any]]:
-    be = be if be is not None else SimBackend(**SLOW)
-    layout = small_layout()
-    gpu = patterned_gpu(be, layout)
-    create = kv.create_worker if kind == "engine" else kv.create_reference_worker
-    worker = create(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS,
-                    policy=kv.ShutdownPolicy(timeout=1.0), **kwargs)
-    return be, worker, gpu
+    return make_worker(be if be is not None else SimBackend(**SLOW), kind=kind, **kwargs)
 
 
 def live_streams(be: SimBackend) -> int:

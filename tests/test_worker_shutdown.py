@@ -13,6 +13,7 @@ import pytest
 from _support import (
     BPC,
     CPU_CHUNKS,
+    CREATE,
     GPU_BLOCKS,
     PAGE,
     assert_accounted,
@@ -133,7 +134,6 @@ RELEASE_STEPS: dict[str, tuple[set[str], str]] = {
     "host_unregister": ({"pinned"}, "host_unregister failed"),
     "unmap": ({"mapping"}, "unmap failed"),
 }
-CREATE = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 
 
 @pytest.mark.rule("R3")
