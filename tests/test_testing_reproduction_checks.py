@@ -85,7 +85,7 @@ def _run(cwd: pathlib.Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.rule("R3", "R4", "R5", "R6", "R7", "R10", "R11", "R13", "R14", "R20", "R22", "R26", "R27")
 @pytest.mark.parametrize("check", CHECKS)
-def test_testing_reproduction_asserts_the_check_and_passes_once_fixed(check: str) -> None:
+def test_testing_reproduction_closes_in_the_check_on_the_wrong_worker(check: str) -> None:
     """The script reads the check and runs the wrong worker (its runs: the test below)."""
     script = _script(check)
     _, _, reads = CASES[check]
