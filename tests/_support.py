@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,6 +26,8 @@ FACTORIES: dict[str, tuple[WorkerFactory, str]] = {
     "reference": (reference_worker_factory, "kvoffload_ref.testing.adapter:reference_worker_factory"),
 }
 WORKERS = list(FACTORIES)
+#: The two workers' constructors by the same ids (``make_worker(kind=...)``).
+CREATE: dict[str, Any] = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 
 
 def small_layout(num_tensors: int = 2, page: int = PAGE) -> kv.KVCacheLayout:
@@ -41,16 +43,15 @@ def patterned_gpu(be: Any, layout: kv.KVCacheLayout, blocks: int = GPU_BLOCKS, s
 
 
 def make_worker(be: Any = None, *, layout: kv.KVCacheLayout | None = None, timeout: float = 1.0,
-                on_unproven: str = "quarantine", bpc: int = BPC, **kwargs: Any) -> tuple[Any, kv.CPUOffloadingWorker,
-                                                                                          list[Any]]:
-    """A sim backend (unless given), patterned GPU tensors and a worker over them."""
+                on_unproven: str = "quarantine", bpc: int = BPC, kind: str = "engine",
+                **kwargs: Any) -> tuple[Any, kv.CPUOffloadingWorker, list[Any]]:
+    """A sim backend (unless given), patterned GPU tensors and a worker (``kind``: a ``CREATE`` id) over them."""
     be = be if be is not None else SimBackend()
     layout = layout or small_layout()
     gpu = patterned_gpu(be, layout)
     policy = kv.ShutdownPolicy(timeout=timeout, on_unproven=on_unproven)
-    worker = kv.create_worker(be, gpu, layout, blocks_per_chunk=bpc, num_cpu_chunks=kwargs.pop("num_cpu_chunks",
-                                                                                             CPU_CHUNKS),
-                              policy=policy, **kwargs)
+    worker = CREATE[kind](be, gpu, layout, blocks_per_chunk=bpc,
+                          num_cpu_chunks=kwargs.pop("num_cpu_chunks", CPU_CHUNKS), policy=policy, **kwargs)
     return be, worker, gpu
 
 
@@ -72,6 +73,35 @@ def captured(caplog: Any, level: int = logging.DEBUG) -> Iterator[Any]:
 def messages(caplog: Any) -> list[str]:
     return [r.getMessage() for r in caplog.records]
 
+
+
+@contextmanager
+def at_call(be: Any, point: str, action: Callable[[], None], *, nth: int = 1) -> Iterator[None]:
+    """Run ``action`` at the start of the ``nth`` backend call named ``point`` (the sim's on_call hook)."""
+    seen = [0]
+
+    def hook(name: str, tag: object) -> None:
+        if name == point:
+            seen[0] += 1
+            if seen[0] == nth:
+                action()
+
+    be.on_call = hook
+    try:
+        yield
+    finally:
+        be.on_call = None
+
+
+def raise_interrupt() -> None:
+    """An ``at_call`` action: the Ctrl-C that lands at that call."""
+    raise KeyboardInterrupt
+
+def assert_accounted(be: Any, report: kv.ShutdownReport) -> None:
+    """R16: nothing live after shutdown; what is not released is listed as quarantined or leaked."""
+    assert be.ledger.live() == {}
+    assert be.ledger.quarantined() == dict(report.quarantined)
+    assert be.ledger.leaked() == dict(report.leaked)
 
 #: The CI budget the kit must catch a deliberately wrong worker in (examples of up to 50 steps).
 CATCH_BUDGET = 200

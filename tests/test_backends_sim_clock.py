@@ -8,15 +8,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support import cspec, gspec, small_layout
+from _support import CREATE, cspec, gspec, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends import polling
 from kvoffload_ref.backends.sim import ScheduleLength, SimBackend
 from kvoffload_ref.backends.sim_profiles import PROFILES
 from kvoffload_ref.faults import FaultyBackend
-
-FACTORIES = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 
 #: (page bytes, blocks) of a store and a load of two tensors: under h200 about 19 us, 126 us and 1.36 ms each.
 SHAPES = [(4096, 1), (65536, 32), (1 << 20, 32)]
@@ -47,7 +45,7 @@ def polling_spans(doc: dict[str, Any]) -> list[tuple[float, float]]:
 
 # -- exact waits through both workers --------------------------------------------------------------------------------
 @pytest.mark.rule("R6")
-@pytest.mark.parametrize("factory", list(FACTORIES.values()), ids=list(FACTORIES))
+@pytest.mark.parametrize("factory", list(CREATE.values()), ids=list(CREATE))
 @pytest.mark.parametrize(("page", "blocks"), SHAPES, ids=["short", "medium", "long"])
 @pytest.mark.parametrize("profile", list(PROFILES))
 def test_clock_wait_returns_exactly_at_the_transfers_end(profile: str, page: int, blocks: int, factory: Any) -> None:
@@ -76,7 +74,7 @@ def test_clock_wait_returns_exactly_at_the_transfers_end(profile: str, page: int
 
 
 @pytest.mark.rule("R6")
-@pytest.mark.parametrize("factory", list(FACTORIES.values()), ids=list(FACTORIES))
+@pytest.mark.parametrize("factory", list(CREATE.values()), ids=list(CREATE))
 def test_clock_two_step_schedule_differs_between_profiles_by_its_copies(factory: Any) -> None:
     """Step 0 loads 4 blocks, step 1 stores them and loads 4 others; each step ends with a ``wait()``. The clock a
     step takes is its device span, on every profile, so h200 and h100 differ by what their copies differ."""
@@ -140,7 +138,7 @@ def test_clock_unbounded_wait_on_hung_work_reaches_the_horizon_in_few_polls() ->
 
 @pytest.mark.rule("R10")
 @pytest.mark.rule("R13")
-@pytest.mark.parametrize("factory", list(FACTORIES.values()), ids=list(FACTORIES))
+@pytest.mark.parametrize("factory", list(CREATE.values()), ids=list(CREATE))
 def test_clock_shutdown_drain_ends_at_the_last_completion(factory: Any) -> None:
     """Pending stores when shutdown begins: the drain proves them head first and the clock stops exactly at the
     last one's completion, on the host's polling track too."""
@@ -318,7 +316,7 @@ def test_clock_poll_sleep_to_tail_runs_on_to_the_streams_last_record() -> None:
 
 
 @pytest.mark.rule("R6")
-@pytest.mark.parametrize("factory", list(FACTORIES.values()), ids=list(FACTORIES))
+@pytest.mark.parametrize("factory", list(CREATE.values()), ids=list(CREATE))
 def test_clock_wait_for_a_job_with_work_queued_behind_it_returns_at_its_own_end(factory: Any) -> None:
     be = SimBackend(profile="h200")
     w = worker(be, 65536, 8, factory)

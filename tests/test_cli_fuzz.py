@@ -106,20 +106,22 @@ def test_cli_fuzz_wrong_worker_exits_1_with_a_reproduction_that_is_a_test(
     assert "from kvoffload_ref.testing.mutants import failures_reported_as_success" in script
     path = tmp_path / "repro.py"
     path.write_text(script)
-    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60, check=False,
-                          cwd=tmp_path)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "success=True" in done.stdout and "AssertionError: R5: job" in done.stderr
-    tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
-                            capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path)
-    assert tested.returncode == 1 and "1 failed" in tested.stdout, tested.stdout[-2000:]
     fixed = tmp_path / "fixed.py"
     fixed.write_text(script.replace("w = failures_reported_as_success(", "w = reference_factory("))
-    done = subprocess.run([sys.executable, str(fixed)], capture_output=True, text=True, timeout=60, check=False,
-                          cwd=tmp_path)
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, check=False,
+                              cwd=tmp_path)
+
+    under_pytest = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
+    done = run(str(path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "success=True" in done.stdout and "AssertionError: R5: job" in done.stderr
+    tested = run(*under_pytest, str(path))
+    assert tested.returncode == 1 and "1 failed" in tested.stdout, tested.stdout[-2000:]
+    done = run(str(fixed))
     assert done.returncode == 0, done.stdout + done.stderr
-    tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(fixed)],
-                            capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path)
+    tested = run(*under_pytest, str(fixed))
     assert tested.returncode == 0 and "1 passed" in tested.stdout, tested.stdout[-2000:]
 
 

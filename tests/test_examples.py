@@ -6,9 +6,9 @@ import importlib.util
 import pathlib
 import sys
 from types import ModuleType
-from typing import Any
 
 import pytest
+from _support import CREATE
 
 import kvoffload_ref as kv
 
@@ -48,20 +48,13 @@ def test_examples_layerwise_prefetch_without_order_after_is_flagged_by_the_race_
     assert example.main(["--no-order"]) == 0  # the racy version exits 0 when the detector caught it
 
 
-RUNNING_WORKERS = ["engine", "reference"]
-
-
-def _create(kind: str) -> Any:
-    return kv.create_worker if kind == "engine" else kv.create_reference_worker
-
-
 @pytest.mark.rule("R26")
 @pytest.mark.rule("R27")
 @pytest.mark.rule("R28")
-@pytest.mark.parametrize("kind", RUNNING_WORKERS)
+@pytest.mark.parametrize("kind", list(CREATE))
 def test_examples_running_engine_survives_a_hung_load_on_a_fresh_stream(kind: str) -> None:
     example = _load("running_engine")
-    one = example.hung_load(_create(kind))
+    one = example.hung_load(CREATE[kind])
     steps = {(what, job): step for step, what, _, job, _ in one.events}
     # R26: the deadline (4.5 ms) counts from the poll that first saw job 11 start (step 1): it expires at step 6
     assert steps[("deadline", 11)] == 6 and steps[("behind", 12)] == 6
@@ -77,10 +70,10 @@ def test_examples_running_engine_survives_a_hung_load_on_a_fresh_stream(kind: st
 
 @pytest.mark.rule("R26")
 @pytest.mark.rule("R27")
-@pytest.mark.parametrize("kind", RUNNING_WORKERS)
+@pytest.mark.parametrize("kind", list(CREATE))
 def test_examples_running_engine_reuses_a_late_copys_blocks_once_it_lands(kind: str) -> None:
     example = _load("running_engine")
-    two = example.slow_copy(_create(kind))
+    two = example.slow_copy(CREATE[kind])
     blocks = (16, 17, 18, 19)
     # the load expires at step 3 (1.5 ms after step 1's poll saw it start), its 4.1 ms copy lands before step 5
     assert [(step, what, job) for step, what, _, job, b in two.events if b == blocks] == [

@@ -8,14 +8,13 @@ import pathlib
 from typing import Any
 
 import pytest
-from _support import WORKERS, cspec, gspec, patterned_gpu, small_layout
+from _support import CREATE, WORKERS, cspec, gspec, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.docgen import fault_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MAKE = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,7 @@ def test_fault_table_rows_agree_with_the_rules(cells: list[fault_table.Cell], wo
 def test_fault_table_a_copy_error_refuses_the_job_and_says_so(worker: str) -> None:
     be = SimBackend(faults=kv.FaultPlan([kv.Fault("copy", "error", nth=1)]))
     layout = small_layout()
-    with MAKE[worker](be, patterned_gpu(be, layout), layout, blocks_per_chunk=3, num_cpu_chunks=16) as w:
+    with CREATE[worker](be, patterned_gpu(be, layout), layout, blocks_per_chunk=3, num_cpu_chunks=16) as w:
         with pytest.raises(kv.DeviceError, match=r"^store job 7 was refused: nothing was queued") as info:
             w.submit_store(7, gspec([1, 2, 3]), cspec([0]))
         assert info.value.status == kv.Fault("copy", "error").status and "injected copy failure" in str(info.value)
@@ -75,7 +74,7 @@ def test_fault_table_event_sync_never_fires_under_wait(worker: str) -> None:
     layout = small_layout()
     calls: list[Any] = []
     be.on_call = lambda point, tag: calls.append(point)
-    with MAKE[worker](be, patterned_gpu(be, layout), layout, blocks_per_chunk=3, num_cpu_chunks=16) as w:
+    with CREATE[worker](be, patterned_gpu(be, layout), layout, blocks_per_chunk=3, num_cpu_chunks=16) as w:
         w.submit_store(1, gspec([1, 2, 3]), cspec([0]))
         w.wait({1}, timeout=1.0)
         assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]

@@ -16,15 +16,13 @@ from typing import Any
 
 import pytest
 from _interleave import Pause, run_in_thread
-from _support import BPC, CPU_CHUNKS, cspec, gspec, patterned_gpu, small_layout
+from _support import BPC, CPU_CHUNKS, CREATE, cspec, gspec, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref import handler_api, lockcheck, reference
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.lifecycle import HandlerState, WorkerState
 from kvoffload_ref.reference import Core
-
-CREATE: dict[str, Callable[..., Any]] = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 
 
 def _worker(kind: str, be: Any = None) -> tuple[Any, Any, Core]:

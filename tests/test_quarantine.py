@@ -10,14 +10,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support import cspec, gspec, patterned_gpu, small_layout
+from _support import CREATE, cspec, gspec, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.base import DescriptorBuffer
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.region_keep import NOT_GIVEN_BACK
-
-CREATE = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 
 
 def _hung_shutdown(create: Any) -> tuple[SimBackend, kv.FaultPlan, kv.ShutdownReport, list[kv.QuarantinedItem]]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _support import at_call, raise_interrupt
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
@@ -134,18 +135,8 @@ def test_testing_found_a_late_copy_the_drain_proves_before_an_interrupt_leaves_n
     w.submit_load(2, kv.CPULoadStoreSpec([]), kv.GPULoadStoreSpec([], (0,), (0,)))
     assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, False), (2, False)]
     be.clock_advance(0.01)  # job 1's copy has run (nobody observed it yet)
-    queries = []
-
-    def interrupt_at_the_second(point: str, tag: object) -> None:
-        if point == "event_query":
-            queries.append(tag)
-            if len(queries) == 2:
-                raise KeyboardInterrupt
-
-    be.on_call = interrupt_at_the_second
-    with pytest.raises(KeyboardInterrupt):
+    with at_call(be, "event_query", raise_interrupt, nth=2), pytest.raises(KeyboardInterrupt):  # the 2nd query
         w.shutdown()
-    be.on_call = None
     report = w.shutdown()
     assert report.interrupted and report.device_sync == "skipped"
     assert [(r.job_id, r.gpu_blocks) for r in w.take_released()] == [(1, (0, 1))]  # proven by the drain

@@ -11,6 +11,7 @@ import pathlib
 import subprocess
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import seed
@@ -26,32 +27,38 @@ from kvoffload_ref.testing.settings import bounded_shrinking, kit_settings
 HEADER = "import gc\nfrom kvoffload_ref import *"
 
 
-def _run(tmp_path: pathlib.Path, text: str, *pytest_args: str) -> int:
-    path = tmp_path / "repro.py"
-    path.write_text(text)
-    argv = ["-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, str(path)] if pytest_args else [str(path)]
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, check=False,
-                          cwd=tmp_path).returncode
+def _run(tmp_path: pathlib.Path, *runs: tuple[str, ...]) -> list[int]:
+    """The exit status of each run, side by side: ``(text,)`` under python, ``(text, *pytest_args)`` under pytest."""
+
+    def one(index: int, text: str, *pytest_args: str) -> int:
+        path = tmp_path / f"repro_{index}.py"
+        path.write_text(text)
+        under = ("-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args) if pytest_args else ()
+        return subprocess.run([sys.executable, *under, str(path)], capture_output=True, text=True, timeout=60,
+                              check=False, cwd=tmp_path).returncode
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda indexed: one(indexed[0], *indexed[1]), enumerate(runs)))
 
 
 def test_testing_reproduction_asserts_the_rule_under_python_and_pytest(tmp_path: pathlib.Path) -> None:
     steps = [HEADER, "results = [1, 2]", "print(results)"]
     broken = as_test(steps, "R5", "job 3 reported", "3 in results")
     assert broken.count("def test_reproduction() -> None:") == 1 and broken.startswith('"""')
-    assert _run(tmp_path, broken) == 1 and _run(tmp_path, broken, "-x") == 1
     holds = as_test(steps, "R5", "job 3 reported", "2 in results")
-    assert _run(tmp_path, holds) == 0 and _run(tmp_path, holds, "-x") == 0
+    assert _run(tmp_path, (broken,), (broken, "-x"), (holds,), (holds, "-x")) == [1, 1, 0, 0]
 
 
 def test_testing_reproduction_without_a_python_form_fails_where_the_kit_did(tmp_path: pathlib.Path) -> None:
     text = as_test([HEADER, "x = 1"], "R16", "the ledger does not balance", None)
     assert NO_SCRIPT_FORM in text and "raise AssertionError('R16: the ledger does not balance')" in text
-    assert _run(tmp_path, text) == 1
+    assert _run(tmp_path, (text,)) == [1]
 
 
 def test_testing_reproduction_of_a_call_that_raised_passes_once_it_returns(tmp_path: pathlib.Path) -> None:
-    assert _run(tmp_path, as_test([HEADER, "raise KeyboardInterrupt"], "the last call raised", "x", "True")) != 0
-    assert _run(tmp_path, as_test([HEADER, "pass"], "the last call raised", "x", "True")) == 0
+    raised, returned = _run(tmp_path, *((as_test([HEADER, last], "the last call raised", "x", "True"),)
+                                        for last in ("raise KeyboardInterrupt", "pass")))
+    assert raised != 0 and returned == 0
 
 
 @pytest.mark.rule("R5")

@@ -3,17 +3,15 @@ workers (the engine and the reference)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _support import BPC, CPU_CHUNKS, cspec, gspec, patterned_gpu, small_layout
+from _support import CREATE, cspec, gspec, make_worker
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.testing.campaign import quiet_logs
-
-CREATE: dict[str, Callable[..., Any]] = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 
 
 @pytest.fixture(autouse=True)
@@ -23,10 +21,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _worker(kind: str, faults: list[kv.Fault], timeout: float = 0.01) -> tuple[SimBackend, Any]:
-    be = SimBackend(faults=kv.FaultPlan(faults))
-    layout = small_layout()
-    worker = CREATE[kind](be, patterned_gpu(be, layout), layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS,
-                          policy=kv.ShutdownPolicy(timeout=timeout))
+    be, worker, _ = make_worker(SimBackend(faults=kv.FaultPlan(faults)), kind=kind, timeout=timeout)
     return be, worker
 
 
@@ -94,11 +89,9 @@ def test_worker_hung_transfer_at_shutdown_is_abandoned_with_its_blocks(kind: str
 # -- by KV-cache group and by tag (engine-shaped failure reports) ---------------------------------------------------
 def _two_groups(kind: str, faults: list[kv.Fault], timeout: float = 0.01) -> tuple[SimBackend, Any]:
     """Two KV-cache groups over two tensors (a model with, e.g., full and sliding-window attention)."""
-    be = SimBackend(faults=kv.FaultPlan(faults))
     page = 512
     layout = kv.KVCacheLayout((page, page), [[kv.LayerRef(0, page)], [kv.LayerRef(1, page)]])
-    worker = CREATE[kind](be, patterned_gpu(be, layout), layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS,
-                          policy=kv.ShutdownPolicy(timeout=timeout))
+    be, worker, _ = make_worker(SimBackend(faults=kv.FaultPlan(faults)), kind=kind, layout=layout, timeout=timeout)
     return be, worker
 
 

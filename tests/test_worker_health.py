@@ -4,24 +4,19 @@ holds and the oldest hold's age, the retired streams) and the stall warning -- o
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _support import BPC, CPU_CHUNKS, cspec, gspec, patterned_gpu, small_layout
+from _support import CREATE, cspec, gspec, make_worker
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.results import HandlerStats
 
-CREATE: dict[str, Callable[..., Any]] = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
-
 
 def _worker(kind: str, faults: list[kv.Fault] = (), **kwargs: Any) -> tuple[SimBackend, Any]:  # type: ignore[assignment]
     be = SimBackend(faults=kv.FaultPlan(list(faults)), latency=kwargs.pop("latency", 5e-6))
-    layout = small_layout()
-    worker = CREATE[kind](be, patterned_gpu(be, layout), layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS,
-                          policy=kv.ShutdownPolicy(timeout=0.01), **kwargs)
+    _, worker, _ = make_worker(be, kind=kind, timeout=0.01, **kwargs)
     return be, worker
 
 

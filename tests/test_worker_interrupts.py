@@ -7,37 +7,14 @@ name the behaviour a user reads in the docs, each at the call point that showed 
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import pytest
 
 import kvoffload_ref as kv
-from tests._support import cspec, gspec, make_worker
-
-
-@contextmanager
-def at_call(be: Any, point: str, action: Callable[[], None], *, nth: int = 1) -> Iterator[None]:
-    """Run ``action`` at the start of the ``nth`` backend call named ``point`` (the sim's on_call hook)."""
-    seen = [0]
-
-    def hook(name: str, tag: object) -> None:
-        if name == point:
-            seen[0] += 1
-            if seen[0] == nth:
-                action()
-
-    be.on_call = hook
-    try:
-        yield
-    finally:
-        be.on_call = None
-
-
-def _raise() -> None:
-    raise KeyboardInterrupt
+from tests._support import at_call, cspec, gspec, make_worker, raise_interrupt
 
 
 @contextmanager
@@ -64,7 +41,7 @@ def test_interrupt_before_the_drain_began_still_finishes_the_shutdown() -> None:
     quarantined (not proven idle), the worker is closed, and a later shutdown() returns that report."""
     be, w, _ = make_worker(timeout=0.5)
     w.submit_store(1, gspec([1, 2]), cspec([0]))
-    with at_call(be, "monotonic", _raise), pytest.raises(KeyboardInterrupt):
+    with at_call(be, "monotonic", raise_interrupt), pytest.raises(KeyboardInterrupt):
         w.shutdown()
     report = w.shutdown()
     assert report.interrupted and report.region == "quarantined" and report.device_sync == "skipped"
@@ -96,7 +73,7 @@ def test_submission_interrupted_after_the_device_took_its_copy_is_queued_whole()
     """An interrupt at the end event's record: the copy already runs, so the job is queued (and reported) and
     the interrupt propagates afterwards; its bytes arrive."""
     be, w, gpu = make_worker(timeout=0.5)
-    with at_call(be, "record", _raise, nth=3), pytest.raises(KeyboardInterrupt):  # marker, start, end
+    with at_call(be, "record", raise_interrupt, nth=3), pytest.raises(KeyboardInterrupt):  # marker, start, end
         w.submit_store(5, gspec([4]), cspec([1]))
     w.wait({5})
     assert [(r.job_id, r.success) for r in w.get_finished()] == [(5, True)]
@@ -108,7 +85,7 @@ def test_submission_interrupted_after_the_device_took_its_copy_is_queued_whole()
 @pytest.mark.rule("R14")
 def test_submission_interrupted_before_the_copy_leaves_no_trace_and_frees_its_id() -> None:
     be, w, _ = make_worker(timeout=0.5)
-    with at_call(be, "copy", _raise), pytest.raises(KeyboardInterrupt):
+    with at_call(be, "copy", raise_interrupt), pytest.raises(KeyboardInterrupt):
         w.submit_store(5, gspec([4]), cspec([1]))
     assert w.stats().store.queued == 0
     assert w.submit_store(5, gspec([4]), cspec([1]))  # the id is free
@@ -124,7 +101,7 @@ def test_get_finished_interrupted_at_a_timing_read_loses_no_result() -> None:
     w.submit_store(1, gspec([1]), cspec([0]))
     w.submit_load(2, cspec([3]), gspec([9]))
     be.clock_advance(0.01)
-    with at_call(be, "elapsed", _raise, nth=2), pytest.raises(KeyboardInterrupt):  # the load's timing
+    with at_call(be, "elapsed", raise_interrupt, nth=2), pytest.raises(KeyboardInterrupt):  # the load's timing
         w.get_finished()
     assert [r.job_id for r in w.get_finished()] == [1, 2]  # the store's result was not handed over and lost
     w.shutdown()

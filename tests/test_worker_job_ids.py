@@ -6,17 +6,15 @@ hung one."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _support import BPC, CPU_CHUNKS, cspec, gspec, patterned_gpu, small_layout
+from _support import BPC, CPU_CHUNKS, CREATE, cspec, gspec, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.testing.campaign import quiet_logs
-
-CREATE: dict[str, Callable[..., Any]] = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 
 #: A uuid4().int, fixed so the test is deterministic (128 bits: what a real-world request id looks like).
 UUID4 = uuid.UUID("5c1f8e0a-93d2-4b7e-a1c4-2f6d8b9e0a13").int

@@ -3,16 +3,14 @@ detector counts (R20) -- on both workers (the engine and the reference)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _support import BPC, CPU_CHUNKS, cspec, gspec, patterned_gpu, small_layout
+from _support import BPC, CPU_CHUNKS, CREATE, cspec, gspec, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
 
-CREATE: dict[str, Callable[..., Any]] = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 ROWS = [6, 7, 8]
 
 

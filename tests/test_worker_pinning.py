@@ -10,7 +10,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support import BPC, CPU_CHUNKS, cspec, gspec, messages, patterned_gpu, small_layout
+from _support import (
+    BPC,
+    CPU_CHUNKS,
+    CREATE,
+    assert_accounted,
+    cspec,
+    gspec,
+    make_worker,
+    messages,
+    patterned_gpu,
+    small_layout,
+)
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
@@ -18,7 +29,6 @@ from kvoffload_ref.errors import CUDA_ERROR_NOT_SUPPORTED, RegistrationRefused
 from kvoffload_ref.facade import FALLBACK_WARNING
 from kvoffload_ref.lifecycle import RegionState
 
-CREATE: dict[str, Any] = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 WORKERS = list(CREATE)
 TIMEOUT = 1.0
 FALLBACK = FALLBACK_WARNING % CUDA_ERROR_NOT_SUPPORTED
@@ -32,19 +42,8 @@ def _refusing(*, said: bool = True, plan: kv.FaultPlan | None = None) -> SimBack
 
 
 def _build(worker: str, backend: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
-    layout = small_layout()
-    gpu = patterned_gpu(backend, layout)
-    policy = kv.ShutdownPolicy(timeout=TIMEOUT)
-    kv_worker = CREATE[worker](backend, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS, policy=policy,
-                               **kwargs)
+    _, kv_worker, gpu = make_worker(backend, kind=worker, timeout=TIMEOUT, **kwargs)
     return kv_worker, gpu
-
-
-def _accounted(be: SimBackend, report: kv.ShutdownReport) -> None:
-    """R16: nothing live after shutdown but what the report lists."""
-    assert be.ledger.live() == {}
-    assert be.ledger.quarantined() == dict(report.quarantined)
-    assert be.ledger.leaked() == dict(report.leaked)
 
 
 @pytest.mark.rule("R2")
@@ -76,7 +75,7 @@ def test_auto_falls_back_to_a_pinned_allocation_transfers_exactly_and_frees_it_o
         assert np.array_equal(rows[40:43], rows[3:6]), "load: byte-exact"
     report = w.shutdown()
     assert (report.region, report.pinning, report.kept) == ("released", "allocated", ())
-    _accounted(be, report)
+    assert_accounted(be, report)
     assert be.ledger.acquired()["pinned_alloc"] == be.ledger.released()["pinned_alloc"] == 1
     assert not be.violations
 
@@ -102,6 +101,7 @@ def test_register_with_require_pinned_fails_cleanly_with_nothing_leaked(worker: 
     assert "pinned_alloc" not in be.ledger.acquired(), "no fallback under pinning='register'"
 
 
+@pytest.mark.rule("R16")
 @pytest.mark.parametrize("worker", WORKERS)
 def test_register_without_require_pinned_runs_from_pageable_memory_as_before(worker: str, caplog: Any) -> None:
     be = SimBackend(host_register="refuse")
@@ -112,9 +112,10 @@ def test_register_without_require_pinned_runs_from_pageable_memory_as_before(wor
     assert FALLBACK not in messages(caplog)
     report = w.shutdown()
     assert report.pinning == "pageable"
-    _accounted(be, report)
+    assert_accounted(be, report)
 
 
+@pytest.mark.rule("R16")
 @pytest.mark.parametrize("worker", WORKERS)
 def test_alloc_allocates_even_where_registration_is_allowed(worker: str) -> None:
     be = SimBackend()
@@ -122,7 +123,7 @@ def test_alloc_allocates_even_where_registration_is_allowed(worker: str) -> None
     assert w.stats().pinning == "allocated" and be.registrations() == []
     assert be.ledger.acquired() == {"pinned_alloc": 1, **{k: v for k, v in be.ledger.acquired().items()
                                                            if k in ("stream", "event")}}
-    _accounted(be, w.shutdown())
+    assert_accounted(be, w.shutdown())
 
 
 @pytest.mark.rule("R2")
@@ -167,7 +168,7 @@ def test_a_hung_copy_quarantines_the_allocation_whole_and_never_frees_it(worker:
         report = w.shutdown()
     assert (report.region, report.pinning, report.device_sync) == ("quarantined", "allocated", "timeout")
     assert report.quarantined.get("pinned_alloc") == 1 and "mapping" not in report.quarantined
-    _accounted(be, report)
+    assert_accounted(be, report)
     assert be.ledger.released().get("pinned_alloc") is None, "R12: never freed"
     assert len(report.kept) == 1 and report.kept[0].offset == 0, "R29: one allocation is one unit, kept whole"
     item = kv.quarantined()[-1]
@@ -220,4 +221,4 @@ def test_a_failed_release_of_the_refused_mapping_is_reported_by_the_worker_that_
     assert be.ledger.leaked() == {"mapping": 1}
     report = w.shutdown()
     assert dict(report.leaked) == {"mapping": 1} and report.pinning == "allocated"
-    _accounted(be, report)
+    assert_accounted(be, report)

@@ -13,22 +13,15 @@ import pytest
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends.sim import SimBackend
-from tests._support import BPC, CPU_CHUNKS, cspec, gspec, patterned_gpu, small_layout
+from tests._support import BPC, CPU_CHUNKS, WORKERS, at_call, cspec, gspec, make_worker
 
-WORKERS = ["engine", "reference"]
 #: A link slow enough that a transfer's copy takes milliseconds of virtual time (3 blocks x 2 tensors x 512 B:
 #: 3 KiB at 1 MB/s is about 3 ms), so a deadline can pass while the copy still runs.
 SLOW = {"latency": 1e-5, "pinned_bandwidth": 1e6}
 
 
 def build(kind: str, be: SimBackend | None = None, **kwargs: Any) -> tuple[SimBackend, Any, list[Any]]:
-    be = be if be is not None else SimBackend(**SLOW)
-    layout = small_layout()
-    gpu = patterned_gpu(be, layout)
-    create = kv.create_worker if kind == "engine" else kv.create_reference_worker
-    worker = create(be, gpu, layout, blocks_per_chunk=BPC, num_cpu_chunks=CPU_CHUNKS,
-                    policy=kv.ShutdownPolicy(timeout=1.0), **kwargs)
-    return be, worker, gpu
+    return make_worker(be if be is not None else SimBackend(**SLOW), kind=kind, **kwargs)
 
 
 def live_streams(be: SimBackend) -> int:
@@ -141,16 +134,10 @@ def test_running_cancel_with_bad_ids_cancels_nothing(kind: str, bad: object) -> 
 def test_running_cancel_from_a_signal_handler_inside_a_call_runs_as_the_call_returns(kind: str) -> None:
     be, w, _ = build(kind)
     w.submit_store(1, gspec([0, 1, 2]), cspec([0]))
-    fired = []
-
-    def in_a_call(point: str, tag: object) -> None:  # the worker's lock is held here, as in a signal handler
-        if point == "event_query" and not fired:
-            fired.append(point)
-            w.cancel([1])  # must neither deadlock nor raise: deferred
-
-    be.on_call = in_a_call
-    assert w.get_finished() == []  # the cancel ran as this call returned
-    be.on_call = None
+    # at the first query the worker's lock is held, as in a signal handler: the cancel must neither deadlock nor
+    # raise (deferred)
+    with at_call(be, "event_query", lambda: w.cancel([1])):
+        assert w.get_finished() == []  # the cancel ran as this call returned
     (result,) = w.get_finished()
     assert (result.job_id, result.error.reason) == (1, "cancel")
     w.shutdown()

@@ -13,8 +13,10 @@ import pytest
 from _support import (
     BPC,
     CPU_CHUNKS,
+    CREATE,
     GPU_BLOCKS,
     PAGE,
+    assert_accounted,
     cspec,
     gspec,
     make_worker,
@@ -50,13 +52,6 @@ def _busy_worker(plan: kv.FaultPlan, on_unproven: str = "quarantine", *, create:
     return be, w
 
 
-def _assert_accounted(be: Any, report: kv.ShutdownReport) -> None:
-    """R16: nothing live after shutdown; what is not released is listed as quarantined or leaked."""
-    assert be.ledger.live() == {}
-    assert be.ledger.quarantined() == dict(report.quarantined)
-    assert be.ledger.leaked() == dict(report.leaked)
-
-
 @pytest.mark.rule("R9")
 @pytest.mark.rule("R13")
 @pytest.mark.rule("R16")
@@ -72,7 +67,7 @@ def test_shutdown_clean_path_releases_without_device_proof(caplog: Any) -> None:
         "not_needed", "released", (), False)
     assert calls == [], "R13: no device-level proof on the clean path"
     assert not caplog.records
-    _assert_accounted(be, report)
+    assert_accounted(be, report)
     assert not be.violations
 
 
@@ -128,7 +123,7 @@ def test_shutdown_fault_matrix_quarantine_policy(name: str, faults: list[kv.Faul
     for text in want.get("logs", []):
         assert text in logged, (text, logged)
     assert bool(plan.fired) == ("not on the shutdown path" not in name), "the scenario really happened"
-    _assert_accounted(be, report)
+    assert_accounted(be, report)
     assert not be.violations, "R12: nothing released while it may be under DMA"
 
 
@@ -139,7 +134,6 @@ RELEASE_STEPS: dict[str, tuple[set[str], str]] = {
     "host_unregister": ({"pinned"}, "host_unregister failed"),
     "unmap": ({"mapping"}, "unmap failed"),
 }
-CREATE = {"engine": kv.create_worker, "reference": kv.create_reference_worker}
 
 
 @pytest.mark.rule("R3")
@@ -168,7 +162,7 @@ def test_shutdown_fault_matrix_release_steps(point: str, every: bool, worker: st
     quarantined = hung and on_unproven == "quarantine"
     assert report.region == ("quarantined" if quarantined else "released")
     assert report.device_sync == ("timeout" if hung else "not_needed")
-    _assert_accounted(be, report)  # R16: nothing else live; leaked and quarantined exactly as reported
+    assert_accounted(be, report)  # R16: nothing else live; leaked and quarantined exactly as reported
     assert not be.violations or (hung and on_unproven == "release"), "R12: nothing released under DMA"
     assert any(f.point == point for f in plan.fired), "the release step failed"
     leaked = dict(report.leaked)
@@ -199,7 +193,7 @@ def test_shutdown_release_policy_reproduces_vllm_and_the_sim_sees_the_hazard(poi
     assert SYNC_FAIL in messages(caplog)
     if point != "device_sync":
         assert be.violations, "the hung load still references the released region"
-    _assert_accounted(be, report)
+    assert_accounted(be, report)
 
 
 @pytest.mark.rule("R16")
@@ -210,7 +204,7 @@ def test_shutdown_lost_device_under_release_policy_reports_leaked_pins() -> None
     assert report.region == "released" and report.device_sync == "failed"
     assert report.leaked.get("pinned", 0) >= 2, "every unregister failed on the lost device"
     assert any("host_unregister failed" in e for e in report.errors)
-    _assert_accounted(be, report)
+    assert_accounted(be, report)
 
 
 @pytest.mark.rule("R10")
@@ -245,7 +239,7 @@ def test_shutdown_both_handlers_attempted_when_one_raises_unexpectedly(caplog: A
     assert report.load.drained == 1, "the load handler was still shut down"
     assert report.store.abandoned == 1 and isinstance(report.store.error, RuntimeError)
     assert report.region == "released" and report.device_sync == "ok"
-    _assert_accounted(w2_be, report)
+    assert_accounted(w2_be, report)
     w.shutdown()
 
 
@@ -307,7 +301,7 @@ def test_shutdown_keyboard_interrupt_abandons_quarantines_and_propagates() -> No
     report = w.shutdown()
     assert report.interrupted and report.device_sync == "skipped" and report.region == "quarantined"
     assert report.store.abandoned == 1 and report.load.abandoned == 1, "the load was abandoned without a wait"
-    _assert_accounted(be, report)
+    assert_accounted(be, report)
     with pytest.raises(kv.WorkerClosedError):
         w.submit_store(3, gspec([1]), cspec([1]))
 
@@ -399,7 +393,7 @@ def test_shutdown_failed_submission_leaves_no_trace(point: str) -> None:
     assert [r.success for r in w.get_finished()] == [True, True]
     report = w.shutdown()
     assert report.region == "released" and report.device_sync == "not_needed"
-    _assert_accounted(be, report)
+    assert_accounted(be, report)
 
 
 # -- R1, R2: ownership and construction failure -----------------------------------------------------------------

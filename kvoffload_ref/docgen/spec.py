@@ -27,9 +27,9 @@ _DIAGRAM_HEADER = "# Lifecycle diagrams\n\nGenerated from `kvoffload_ref/lifecyc
 
 def _rule_ids(decorators: list[ast.expr]) -> Iterator[str]:
     for node in decorators:
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "rule"
-                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            yield node.args[0].value
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "rule":
+            # every id of the marker (``rule("R4", "R20")`` cites both)
+            yield from (arg.value for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str))
 
 
 def _is_test(node: ast.FunctionDef | ast.ClassDef) -> bool:
