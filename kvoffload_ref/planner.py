@@ -133,13 +133,22 @@ class _GroupColumns:
     cpu_rows: int  # Invariant: the same for the CPU views.
     cpu_subs: Int64Array  # Invariant: cpu_subs[r, j] = j * tensor_page_bytes[tensor of ref r].
     page_sizes: Int64Array
+    # Invariant: the same factors flat, per ref, for a slice of one block (a small job's): gpu_ptr, gpu_stride and
+    # cpu_stride as 1-D arrays, cpu_firsts[j] = cpu_ptr + cpu_subs[:, j] (the sub-block j of chunk 0, per ref).
+    gpu_ptr1: Int64Array
+    gpu_stride1: Int64Array
+    cpu_stride1: Int64Array
+    cpu_firsts: tuple[Int64Array, ...]
 
     @classmethod
     def of(cls, refs: GroupRefs, gpu: _Side, cpu: _Side, pages: Int64Array, bpc: int) -> _GroupColumns:
         t = refs.tensors
+        subs = pages[t][:, None] * np.arange(bpc, dtype=np.int64)[None, :]
+        firsts = tuple(readonly(cpu.ptr[t] + subs[:, j]) for j in range(bpc))
         return cls(refs, gpu.ptr[t][:, None], gpu.stride[t][:, None], int(gpu.rows[t].min()),
-                   cpu.ptr[t][:, None], cpu.stride[t][:, None], int(cpu.rows[t].min()),
-                   pages[t][:, None] * np.arange(bpc, dtype=np.int64)[None, :], refs.page_sizes[:, None])
+                   cpu.ptr[t][:, None], cpu.stride[t][:, None], int(cpu.rows[t].min()), subs,
+                   refs.page_sizes[:, None], readonly(gpu.ptr[t]), readonly(gpu.stride[t]), readonly(cpu.stride[t]),
+                   firsts)
 
 
 class _Slice(NamedTuple):
@@ -220,6 +229,12 @@ def _fill_gpu(out: Int64Array, ptr: Int64Array, stride: Int64Array, ids: Int64Ar
     """Write ``ptr[r] + ids * stride[r]`` into ``out`` (shape: refs x blocks): one block per row."""
     np.multiply(stride, ids[None, :], out=out)
     out += ptr
+
+
+def _fill_one(out: Int64Array, first: Int64Array, stride: Int64Array, row: int) -> None:
+    """Write ``first + row * stride`` into the 1-D ``out`` (one block or chunk ``row`` per ref)."""
+    np.multiply(stride, row, out=out)
+    out += first
 
 
 def _add_outer(out: Int64Array, rows: Int64Array, subs: Int64Array) -> None:
@@ -336,6 +351,12 @@ class PreparedPlan:
             cols = columns[s.group]
             refs = len(cols.refs.tensors)
             end = pos + s.size * refs
+            if s.size == 1:   # one block (a small job): per ref, one GPU page and one CPU sub-block, flat
+                _fill_one(gpu_out[pos:end], cols.gpu_ptr1, cols.gpu_stride1, int(self._gpu_ids[s.gpu_off]))
+                _fill_one(cpu_out[pos:end], cols.cpu_firsts[s.skip], cols.cpu_stride1, int(self._cpu_ids[s.cpu_off]))
+                sizes[pos:end] = cols.refs.page_sizes
+                pos = end
+                continue
             shape = (refs, s.size)
             _fill_gpu(gpu_out[pos:end].reshape(shape), cols.gpu_ptr, cols.gpu_stride,
                       self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
