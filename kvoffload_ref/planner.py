@@ -70,6 +70,8 @@ from kvoffload_ref.validate import readonly
 
 __all__ = ["CanonicalPlan", "CopyPlan", "Planner", "PreparedPlan", "plan_copies"]
 
+#: How many spec shapes a planner remembers the group slicing of (then it forgets them all and starts again).
+SLICE_SHAPES = 256
 _INT64 = np.dtype(np.int64)  # an int64 array's dtype is usually this very object: ``is`` before ``!=``
 
 
@@ -495,6 +497,9 @@ class Planner:
         # Invariant: each tests ids below its side's largest row count (ids are range-checked before).
         self._gpu_repeats = RepeatTest(int(self._gpu.rows.max()))
         self._cpu_repeats = RepeatTest(int(self._cpu.rows.max()))
+        # Invariant: (group_sizes, block_indices, CPU id count) -> what _slice_groups returned for them (they alone
+        # decide it on this planner); only shapes that passed its checks; emptied when SLICE_SHAPES are held.
+        self._shapes: dict[tuple[tuple[int, ...], tuple[int, ...], int], list[_Slice]] = {}
 
     def _sums(self, refs: GroupRefs) -> tuple[int, int, bool]:
         if self.canonical is None:
@@ -528,7 +533,7 @@ class Planner:
         return self.prepare(direction, src_spec, dst_spec).to_plan()
 
     def _prepare(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, store: bool) -> PreparedPlan:
-        slices = _slice_groups(self.layout, gpu_spec, cpu_spec, self.blocks_per_chunk)
+        slices = self._slices(gpu_spec, cpu_spec)
         gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids
         for s in slices:
             cols = self._columns[s.group]
@@ -543,6 +548,18 @@ class Planner:
         if self.canonical is not None:
             return CanonicalPlan(self, gpu_ids, cpu_ids, slices, store, self.canonical)
         return PreparedPlan(self, gpu_ids, cpu_ids, slices, store)
+
+    def _slices(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec) -> list[_Slice]:
+        """:func:`_slice_groups` of the specs, remembered per shape (a server's jobs come in a few shapes: one
+        block at each block index, a prompt's chunk...); the slices are never changed by their users."""
+        key = (gpu_spec.group_sizes, gpu_spec.block_indices, len(cpu_spec.block_ids))
+        found = self._shapes.get(key)
+        if found is None:
+            found = _slice_groups(self.layout, gpu_spec, cpu_spec, self.blocks_per_chunk)  # raises: not kept
+            if len(self._shapes) >= SLICE_SHAPES:
+                self._shapes.clear()
+            self._shapes[key] = found
+        return found
 
     def _check_gpu_destinations(self, slices: list[_Slice], ids: Int64Array) -> None:
         """R7: refuse a load that writes one (tensor, GPU block) twice; cheap unless an id repeats."""
