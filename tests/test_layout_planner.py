@@ -212,3 +212,41 @@ def test_layout_planner_worker_refuses_duplicate_destinations_before_any_device_
         assert [(r.job_id, r.success) for r in worker.get_finished()] == [(3, True)]
     finally:
         worker.shutdown()
+
+
+# --------------------------------------------------------------------------------------------- remembered shapes
+
+
+@pytest.mark.parametrize("kept", [256, 2])
+def test_layout_planner_reused_across_spec_shapes_plans_each_as_a_fresh_one(kept: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planner remembers each spec shape's group slicing; a reused planner plans every transfer exactly as a fresh
+    one, whichever shapes came before (block index, group sizes, empty groups), also once it forgets (kept=2)."""
+    monkeypatch.setattr("kvoffload_ref.planner.SLICE_SHAPES", kept)
+    bpc = 4
+    layout, gpu, cpu = _rig([[0], [1]], bpc)
+    planner = Planner(layout, gpu, cpu, bpc)
+    shapes = [((1, 0), (0, 0)), ((1, 0), (3, 0)), ((0, 1), (0, 2)), ((1, 1), (2, 1)), ((3, 2), (1, 3)),
+              ((1, 0), (1, 0)), ((1, 0), (3, 0)), ((0, 1), (0, 2))]
+    for direction in ("store", "load"):
+        for turn, (sizes, indices) in enumerate(shapes):
+            ids = [(7 * turn + k) % ROWS for k in range(sum(sizes))]
+            chunks = sum(-(-(n + i) // bpc) for n, i in zip(sizes, indices) if n)
+            gpu_spec = GPULoadStoreSpec(ids, sizes, indices)
+            cpu_spec = CPULoadStoreSpec([(3 * turn + k) % ROWS for k in range(chunks)])
+            src, dst = (gpu_spec, cpu_spec) if direction == "store" else (cpu_spec, gpu_spec)
+            assert planner.plan(direction, src, dst) == plan_copies(layout, direction, src, dst, gpu, cpu, bpc)
+
+
+@pytest.mark.rule("R7")
+def test_layout_planner_refused_shape_is_refused_again() -> None:
+    """A shape that fails the slicing checks is never remembered: it is refused on every call, also after the
+    same group sizes passed with another CPU id count."""
+    layout, gpu, cpu = _rig([[0, 1]], 2)
+    planner = Planner(layout, gpu, cpu, 2)
+    planner.prepare("store", GPULoadStoreSpec([1, 2], (2,), (0,)), CPULoadStoreSpec([0]))
+    for _ in range(2):
+        with pytest.raises(InvalidTransferError, match=r"CPULoadStoreSpec has 2 block ids, expected 1"):
+            planner.prepare("store", GPULoadStoreSpec([1, 2], (2,), (0,)), CPULoadStoreSpec([0, 1]))
+        with pytest.raises(InvalidTransferError, match=r"block_indices\[0\] = 2 is out of range"):
+            planner.prepare("store", GPULoadStoreSpec([1, 2], (2,), (2,)), CPULoadStoreSpec([0, 1]))
