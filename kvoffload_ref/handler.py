@@ -281,6 +281,8 @@ class DirectionHandler(DrainHalf):
         resolved, every listed job here is (R6); with retired streams (R28), a mark of it and the listed live jobs
         queued on them."""
         queue = self._queue
+        if not queue and not self._retired.lanes:  # nothing queued here (the other direction's wait): no search
+            return None
         mark = queue[-1] if queue and queue[-1].job_id in job_ids else next(  # the newest first, without a generator
             (t for t in reversed(queue) if t.job_id in job_ids), None)
         if mark is not None:
