@@ -294,3 +294,23 @@ def test_running_a_live_job_left_on_a_retired_stream_still_expires_at_its_deadli
     assert results[3].success
     assert results[1].error.reason == "deadline" and w.held().cpu_chunks == (0, 1)
     w.shutdown()
+
+
+@pytest.mark.rule("R6")
+@pytest.mark.rule("R28")
+@pytest.mark.parametrize("kind", WORKERS)
+def test_running_wait_for_a_live_job_on_a_retired_stream_with_nothing_queued_anew(kind: str) -> None:
+    """R6 across R28: a wait for a job left live on a retired stream returns once that job is proven, also when
+    nothing was queued on the fresh stream since (the direction's own queue is empty)."""
+    be, w, _ = build(kind)
+    w.submit_store(1, gspec([0, 1, 2]), cspec([0]))  # about 3 ms of copy
+    w.submit_store(2, gspec([3, 4, 5]), cspec([1]))
+    assert w.get_finished() == []  # job 1 seen started
+    w.cancel([2])  # the stream retired with job 1 still live on it
+    (cancelled,) = w.get_finished()
+    assert (cancelled.job_id, cancelled.error.reason) == (2, "cancel")
+    w.wait([1])
+    assert be.monotonic() > 0.003  # the wait advanced the clock to job 1's completion
+    (done,) = w.get_finished()
+    assert (done.job_id, done.success) == (1, True)
+    w.shutdown()
