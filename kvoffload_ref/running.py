@@ -52,12 +52,9 @@ from kvoffload_ref.shield import Leaks
 from kvoffload_ref.specs import Direction
 from kvoffload_ref.validate import Int64Array
 
-__all__ = ["REASONS", "Health", "Holds", "LateTransfer", "Mark", "Retired", "Running", "expire", "started_age"]
+__all__ = ["Health", "Holds", "LateTransfer", "Mark", "Retired", "Running", "expire", "started_age"]
 
 logger = logging.getLogger("kvoffload_ref.worker")
-
-#: The reasons a transfer expires (``TransferExpired.reason``).
-REASONS: Final = ("deadline", "cancel", "behind")
 
 
 class LateTransfer(Unproven, Protocol):
