@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import mmap
-import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -857,11 +856,12 @@ def test_ledger_release_many_is_release_for_each_key() -> None:
 # -- scale and speed ---------------------------------------------------------------------------------------------
 
 
-def test_sim_ten_thousand_chained_transfers_drain_quickly(capsys: pytest.CaptureFixture[str]) -> None:
+def test_sim_ten_thousand_chained_transfers_drain_in_virtual_time() -> None:
+    """10,000 transfers, each on its own stream waiting for the previous one's end: one synchronize drains them
+    all, and the clock reads exactly their copies' time. (How fast in real time is a bench figure, not a test's.)"""
     rig = make_rig(rows=16, host_pages=16)
     be, n = rig.be, 10_000
     previous: Event | None = None
-    started = time.perf_counter()
     for job in range(n):
         tag = ("store", job)
         stream = be.create_stream(tag=tag)
@@ -869,57 +869,37 @@ def test_sim_ten_thousand_chained_transfers_drain_quickly(capsys: pytest.Capture
             be.wait_event(stream, previous)
         rig.copy(stream, [(rig.dev_addr(job % 16), rig.host_addr(job % 16))], tag=tag)
         previous = rig.end_event(stream, tag)
-    submitted = time.perf_counter()
     assert previous is not None and not be.query(previous)
     be.synchronize(previous)
-    drained = time.perf_counter() - submitted
-    with capsys.disabled():
-        print(f"\n10k chained transfers: submit {submitted - started:.3f} s, drain {drained:.3f} s (real)")
     assert be.monotonic() == pytest.approx(n * copy_time(PAGE))
-    assert drained < 5.0, "generous bound; expected well under a second"
 
 
-def measure_data_path(page: int, total: int = 32 << 20, repeats: int = 3) -> tuple[float, float]:
-    """(store, load) throughput of the sim over one contiguous numpy copy of the same bytes (higher is better)."""
-    be, rows = SimBackend(), total // page
+@pytest.mark.parametrize("page", [4096, 65536])
+def test_sim_data_path_moves_scattered_rows_both_ways(page: int) -> None:
+    """A store of scattered device rows into contiguous host pages and a load back into other rows move every
+    byte (the bench's ``datapath_*`` figures time this path; no test asserts a speed)."""
+    be, rows = SimBackend(), (1 << 20) // page
     dev = be.empty_device((2 * rows, page))
     assert isinstance(dev, np.ndarray)
-    dev[...] = 7
-    host = np.ones(total, dtype=np.uint8)
-    be.track_host(int(host.ctypes.data), total)
-    be.host_register(int(host.ctypes.data), total)
-    gpu = int(dev.ctypes.data) + np.random.default_rng(0).permutation(2 * rows)[:rows] * page
+    dev[...] = np.random.default_rng(page).integers(0, 256, dev.shape, dtype=np.uint8)
+    host = np.zeros(rows * page, dtype=np.uint8)
+    be.track_host(int(host.ctypes.data), host.nbytes)
+    be.host_register(int(host.ctypes.data), host.nbytes)
+    order = np.random.default_rng(0).permutation(2 * rows)
+    source, target = order[:rows], order[rows:]
     cpu = int(host.ctypes.data) + np.arange(rows, dtype=np.int64) * page
     store, load = be.alloc_descriptors(rows), be.alloc_descriptors(rows)
-    store.fill(gpu, cpu, np.full(rows, page))
-    load.fill(cpu, gpu, np.full(rows, page))
+    store.fill(int(dev.ctypes.data) + source * page, cpu, np.full(rows, page))
+    load.fill(cpu, int(dev.ctypes.data) + target * page, np.full(rows, page))
     stream, end = be.create_stream(), be.create_event()
-    a, b = np.ones(total, dtype=np.uint8), np.zeros(total, dtype=np.uint8)
-
-    def best(run: Callable[[], object]) -> float:
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    def transfer(buf: DescriptorBuffer) -> None:
+    expected = dev[source].copy()
+    for buf in (store, load):
         be.copy_batch(stream, buf, rows)
         be.record(end, stream)
         be.synchronize(end)
-
-    reference = best(lambda: np.copyto(b, a))
-    return reference / best(lambda: transfer(store)), reference / best(lambda: transfer(load))
-
-
-def test_sim_data_path_bandwidth_against_a_contiguous_numpy_copy(capsys: pytest.CaptureFixture[str]) -> None:
-    for page in (4096, 65536):
-        store, load = measure_data_path(page)
-        with capsys.disabled():
-            print(f"\nsim data path, {page >> 10} KiB pages: store {store:.2f}x, load {load:.2f}x "
-                  "of one contiguous numpy copy")
-        assert store > 0.1 and load > 0.1, "loose bound: CI machines are noisy"
+    assert np.array_equal(host.reshape(rows, page), expected)
+    assert np.array_equal(dev[target], expected) and np.array_equal(dev[source], expected)
+    assert be.violations == []
 
 
 def test_sim_hang_is_not_an_exception() -> None:
