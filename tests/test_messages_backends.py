@@ -83,7 +83,7 @@ BAD: list[tuple[str, str, Callable[[SimBackend, pathlib.Path], object]]] = [
     ("jobs", "0", lambda be, tmp: run_jobs("kvoffload_ref.testing.adapter:reference_factory", 0, 10, 1, None)),
     ("configs", "'nope'", lambda be, tmp: explore(configs=["nope"])),
     ("firsts", "'nope'", lambda be, tmp: explore_pairs(firsts=["nope"])),
-    ("job_ids", "['x']", lambda be, tmp: _order_after_ignored(["x"])),
+    ("job_id", "str 'x'", lambda be, tmp: _order_after_ignored(["x"])),  # the worker's own R7 check
 ]
 
 

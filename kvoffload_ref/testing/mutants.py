@@ -17,7 +17,6 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from kvoffload_ref.backends.base import Backend
-from kvoffload_ref.errors import InvalidTransferError
 from kvoffload_ref.testing.adapter import (
     Bytes,
     HeldLike,
@@ -30,6 +29,7 @@ from kvoffload_ref.testing.adapter import (
     WorkerLike,
     reference_factory,
 )
+from kvoffload_ref.validate import check_job_ids
 
 __all__ = ["failures_reported_as_success", "interrupts_swallowed", "order_after_ignored", "poisons_source_blocks"]
 
@@ -187,9 +187,8 @@ class _Unordered(_Wrapper):
     races with the transfers it meant to wait for (SGLang #20611-style)."""
 
     def order_after(self, job_ids: Iterable[int], stream: object | None = None) -> None:
-        ids = list(job_ids)  # checked as R7 says (only R23 is broken), then dropped
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise InvalidTransferError(f"job_ids must be ints, got {ids!r} (e.g. [1, 2])")
+        check_job_ids(job_ids)  # R7 as the worker checks it (only R23 is broken): the ids, then the stream,
+        self._inner.order_after((), stream)  # which the worker resolves (or refuses) and orders nothing after
 
 
 def failures_reported_as_success(backend: Backend, gpu: Sequence[object], setup: Setup) -> WorkerLike:
