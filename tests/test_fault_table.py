@@ -79,3 +79,13 @@ def test_fault_table_event_sync_never_fires_under_wait(worker: str) -> None:
         w.wait({1}, timeout=1.0)
         assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
     assert plan.fired == [] and "event_sync" not in calls and "event_query" in calls
+
+
+def test_fault_table_consulted_points_name_real_points_and_cover_every_fault_point() -> None:
+    """``backends.base.CONSULTED`` (which fault point each on_call point consults, what the table reads) maps
+    reported points to fault points only, and every fault point is consulted by some call."""
+    from kvoffload_ref.backends.base import CALL_POINTS, CONSULTED
+    from kvoffload_ref.fault_plan import POINTS
+
+    assert set(CONSULTED) <= set(CALL_POINTS.values())
+    assert set(CONSULTED.values()) == set(POINTS)

@@ -40,6 +40,7 @@ __all__ = [
     "POLL_MAX_SLEEP",
     "RESOURCE_KINDS",
     "CALL_POINTS",
+    "CONSULTED",
     "Backend",
     "Backoff",
     "CallHook",
@@ -90,6 +91,16 @@ CALL_POINTS: Final[dict[str, str]] = {
     "elapsed": "elapsed", "monotonic": "monotonic", "sleep": "sleep", "poll_sleep": "sleep",
     "empty_device": "empty_device", "from_host": "from_host", "to_host": "to_host", "array_info": "array_info",
     "alloc_pinned": "alloc_pinned", "free_pinned": "free_pinned",
+}
+
+#: The fault point each ``on_call`` point consults (a point absent here consults none): the fault point of the same
+#: name, and the release calls' shared ones (``destroy_stream``/``destroy_event`` -> ``"destroy"``,
+#: ``free_descriptors`` -> ``"free"``, ``untrack_host``/``free_pinned`` -> ``"unmap"``).
+CONSULTED: Final[dict[str, FaultPoint]] = {
+    "event_query": "event_query", "event_sync": "event_sync", "copy": "copy", "device_sync": "device_sync",
+    "host_register": "host_register", "host_unregister": "host_unregister", "stream_create": "stream_create",
+    "event_create": "event_create", "descriptor_alloc": "descriptor_alloc", "destroy_stream": "destroy",
+    "destroy_event": "destroy", "free_descriptors": "free", "untrack_host": "unmap", "free_pinned": "unmap",
 }
 
 #: ``on_call(point, tag)``: called at the start of a backend call, before the backend takes its lock.

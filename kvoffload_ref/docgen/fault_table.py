@@ -17,6 +17,7 @@ import pathlib
 import sys
 from collections.abc import Callable
 
+from kvoffload_ref.backends.base import CONSULTED
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.docgen.failure_modes import quiet
 from kvoffload_ref.errors import DeadlineExceeded, DeviceError
@@ -35,13 +36,6 @@ BEGIN = "<!-- fault-table: generated from kvoffload_ref/docgen/fault_table.py --
 END = "<!-- /fault-table -->"
 
 _LAYOUT = KVCacheLayout(tensor_page_bytes=(512, 512), groups=((LayerRef(0, 512), LayerRef(1, 512)),))
-#: The points ``on_call`` reports (``backends.base.CALL_POINTS``'s values) -> the fault point consulted there.
-_CONSULTS: dict[str, str] = {
-    "event_query": "event_query", "event_sync": "event_sync", "copy": "copy", "device_sync": "device_sync",
-    "host_register": "host_register", "host_unregister": "host_unregister", "stream_create": "stream_create",
-    "event_create": "event_create", "descriptor_alloc": "descriptor_alloc", "destroy_stream": "destroy",
-    "destroy_event": "destroy", "free_descriptors": "free", "untrack_host": "unmap", "free_pinned": "unmap",
-}
 _WORKERS: dict[str, Callable[..., WorkerFacade]] = {"engine": create_worker, "reference": create_reference_worker}
 
 
@@ -129,8 +123,8 @@ def _run(make: Callable[..., WorkerFacade], fault: Fault | None, at: str) -> _Sc
     current = ["create_worker"]
 
     def on_call(point: str, tag: object) -> None:
-        if point in _CONSULTS:
-            script.consulted[current[0]].add(_CONSULTS[point])
+        if point in CONSULTED:
+            script.consulted[current[0]].add(CONSULTED[point])
 
     be.on_call = on_call
     gpu = [be.empty_device((64, 512)) for _ in range(2)]
