@@ -11,8 +11,10 @@ import pytest
 from _support import CREATE, WORKERS, cspec, gspec, patterned_gpu, small_layout
 
 import kvoffload_ref as kv
+from kvoffload_ref.backends.base import CALL_POINTS, CONSULTED
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.docgen import fault_table
+from kvoffload_ref.fault_plan import POINTS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -84,8 +86,5 @@ def test_fault_table_event_sync_never_fires_under_wait(worker: str) -> None:
 def test_fault_table_consulted_points_name_real_points_and_cover_every_fault_point() -> None:
     """``backends.base.CONSULTED`` (which fault point each on_call point consults, what the table reads) maps
     reported points to fault points only, and every fault point is consulted by some call."""
-    from kvoffload_ref.backends.base import CALL_POINTS, CONSULTED
-    from kvoffload_ref.fault_plan import POINTS
-
     assert set(CONSULTED) <= set(CALL_POINTS.values())
     assert set(CONSULTED.values()) == set(POINTS)
