@@ -142,6 +142,9 @@ def _series(rig: CopyRig, direction: Direction, path: PathName, counts: tuple[in
 
 
 def _duplex_row(rig: CopyRig, path: PathName, count: int) -> dict[str, Any]:
+    """The pair run together against each alone. The alone times are taken again here, next to the pair, not
+    reused from the series: a time is a difference of two clock readings, so figures read at the same clock
+    magnitude compare exactly (reused ones put the speed-up over serial at 2 + 4e-16)."""
     store_alone, load_alone = rig.time("d2h", count), rig.time("h2d", count)
     store, load = rig.duplex(count)
     nbytes = count * rig.size
