@@ -49,7 +49,7 @@ from kvoffload_ref.backends.base import (
     Tag,
     TensorGeometry,
 )
-from kvoffload_ref.backends.copy_paths import CopyPath
+from kvoffload_ref.backends.copy_paths import CopyPath, check_copy_path
 from kvoffload_ref.backends.sim_profiles import profile_named
 from kvoffload_ref.backends.trace_format import write_document
 from kvoffload_ref.errors import (
@@ -90,8 +90,7 @@ PROFILE_VALUE: float = _ProfileValue("nan")
 
 def _check_switches(copy_path: object, host_register: object, trace: object, race_check: object) -> None:
     """Refuse a constructor switch outside its values (R7: InvalidTransferError naming it, the value, the valid)."""
-    if copy_path not in ("auto", "kernel", "memcpy"):
-        raise InvalidTransferError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
+    check_copy_path(copy_path)
     if host_register not in ("allow", "refuse"):
         raise InvalidTransferError(f"host_register must be 'allow' or 'refuse'; got {short_repr(host_register)}")
     for name, value in (("trace", trace), ("race_check", race_check)):

@@ -19,12 +19,27 @@ from typing import Final, Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["DEFAULT_KERNEL_MAX_MEAN_BYTES", "DEFAULT_KERNEL_MIN_COUNT", "CopyPath", "choose_path",
-           "registration_seams", "run_starts"]
+from kvoffload_ref.errors import InvalidTransferError
+
+__all__ = ["COPY_PATHS", "DEFAULT_KERNEL_MAX_MEAN_BYTES", "DEFAULT_KERNEL_MIN_COUNT", "CopyPath", "check_copy_path",
+           "choose_path", "registration_seams", "run_starts"]
 
 I64 = npt.NDArray[np.int64]
 
 CopyPath = Literal["auto", "kernel", "memcpy"]
+COPY_PATHS: Final[tuple[CopyPath, ...]] = ("auto", "kernel", "memcpy")
+
+
+def check_copy_path(copy_path: object) -> CopyPath:
+    """A backend's ``copy_path`` argument, checked (R7; one check and one message for every backend).
+
+    Raises:
+        InvalidTransferError: (a ValueError) not one of :data:`COPY_PATHS`.
+    """
+    for path in COPY_PATHS:
+        if copy_path is path or (isinstance(copy_path, str) and copy_path == path):
+            return path
+    raise InvalidTransferError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
 
 #: Thresholds for ``copy_path="auto"``, measured on an H200 (docs/gpu-check.md; scripts/gpu_bench.py's crossover:
 #: the kernel wins or ties within 5 % in both directions from 16 descriptors of up to 1 MiB).

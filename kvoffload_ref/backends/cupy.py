@@ -42,6 +42,7 @@ from kvoffload_ref.backends._cupy_streams import StreamsMixin
 from kvoffload_ref.backends._cupy_tensors import copy_from_host, copy_to_host, view_tensor
 from kvoffload_ref.backends._cupy_trace import TracingMixin
 from kvoffload_ref.backends.base import DescriptorBuffer, Ledger, Stream, Tag, record_and_poll
+from kvoffload_ref.backends.copy_paths import check_copy_path
 from kvoffload_ref.errors import (
     CUDA_ERROR_NOT_SUPPORTED,
     DeviceError,
@@ -50,6 +51,7 @@ from kvoffload_ref.errors import (
     RegistrationRefused,
 )
 from kvoffload_ref.specs import TensorGeometry
+from kvoffload_ref.validate import INT64_MAX, check_int
 
 __all__ = ["DEFAULT_KERNEL_MAX_MEAN_BYTES", "DEFAULT_KERNEL_MIN_COUNT", "KERNEL_SOURCE", "CopyPath", "CupyBackend",
            "CupyEvent", "CupyStream", "gpu_usable"]
@@ -93,8 +95,7 @@ class CupyBackend(StreamsMixin, TracingMixin):
                  kernel_min_count: int = DEFAULT_KERNEL_MIN_COUNT,
                  kernel_max_mean_bytes: int = DEFAULT_KERNEL_MAX_MEAN_BYTES,
                  _cupy_module: Any = None) -> None:
-        if copy_path not in ("auto", "kernel", "memcpy"):
-            raise ValueError(f"copy_path must be 'auto', 'kernel' or 'memcpy'; got {copy_path!r}")
+        copy_path = check_copy_path(copy_path)
         if kernel_min_count < 1 or kernel_max_mean_bytes < 0:
             raise ValueError(f"kernel_min_count must be >= 1 and kernel_max_mean_bytes >= 0, got kernel_min_count="
                              f"{kernel_min_count!r}, kernel_max_mean_bytes={kernel_max_mean_bytes!r} (e.g. "
@@ -318,11 +319,10 @@ class CupyBackend(StreamsMixin, TracingMixin):
             be used after :meth:`free_pinned`).
 
         Raises:
-            InvalidTransferError: ``nbytes`` is not an int >= 1.
+            InvalidTransferError: ``nbytes`` is not an int in [1, 2**63 - 1] (R7).
             DeviceError: the allocation failed (e.g. 2, out of memory).
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
-            raise InvalidTransferError(f"alloc_pinned: nbytes must be an int >= 1, got {nbytes!r}")
+        nbytes = check_int("alloc_pinned: nbytes", nbytes, minimum=1, maximum=INT64_MAX)  # the sim's check (R7)
         with self._cuda(f"alloc_pinned({nbytes})"):
             ptr = int(self._rt.hostAlloc(nbytes, 0))
         buffer = np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
