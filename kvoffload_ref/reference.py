@@ -201,10 +201,12 @@ class Core:
             if self.transition(_WAIT) is _RETURN_EMPTY:
                 return
             marks = [(h, h.last_of(ids)) for h in (self.store, self.load)]  # R6: FIFO: the last settles them all
+        now: float | None = started  # the first poll's reading (read before it); a later direction's reads anew
         for handler, mark in marks:  # R19: the lock is held for each poll, never across a sleep
             if mark is not None:
                 wait_polling(self.backend, functools.partial(self._settle, handler, mark), started, deadline,
-                             f"{handler.direction} job {getattr(mark, 'job_id', '?')}")
+                             f"{handler.direction} job {getattr(mark, 'job_id', '?')}", now=now)
+                now = None
 
     def _settle(self, handler: DirectionHandlerAPI, mark: object) -> bool:
         with self.call:  # True once ``mark`` resolved, or shutdown began in another thread (R19)

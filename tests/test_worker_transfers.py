@@ -6,9 +6,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support import BPC, CPU_CHUNKS, GPU_BLOCKS, PAGE, cspec, gspec, make_worker, small_layout
+from _support import BPC, CPU_CHUNKS, GPU_BLOCKS, PAGE, WORKERS, cspec, gspec, make_worker, small_layout
 
 import kvoffload_ref as kv
+from kvoffload_ref.backends import base
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.handler import PREFIX_WINDOW
 
@@ -308,4 +309,29 @@ def test_worker_stats_snapshot_counts_per_direction() -> None:
     assert stats.store.pooled_streams >= 1 and stats.region == "worker_owned"
     with pytest.raises(AttributeError):
         stats.state = "x"  # type: ignore[misc]
+    w.shutdown()
+
+
+@pytest.mark.rule("R6")
+@pytest.mark.parametrize("kind", WORKERS)
+def test_worker_wait_over_both_directions_never_sleeps_past_its_deadline(kind: str) -> None:
+    """A wait for a store and a load: the store is proven just before the deadline, the load would end long after.
+    The load's first poll reads the clock anew, so no pause runs past the deadline (a reading from before the
+    store's wait would allow a whole first pause past it)."""
+    def rig() -> tuple[SimBackend, Any]:
+        be, w, _ = make_worker(SimBackend(latency=1e-5, pinned_bandwidth=1e6), kind=kind)
+        w.submit_store(1, gspec([0, 1, 2]), cspec([0]))  # 3 KiB at 1 MB/s: about 3 ms
+        w.submit_load(2, cspec([1, 2, 3]), gspec([3, 4, 5, 6, 7, 8, 9, 10, 11]))  # three times as long
+        return be, w
+
+    be, w = rig()
+    w.wait({1})
+    store_done = be.monotonic()  # when the store alone is proven (the load runs on its own stream meanwhile)
+    w.shutdown()
+    be, w = rig()
+    limit = store_done + base.POLL_FIRST_SLEEP / 4  # the store is proven before it; the load is not
+    with pytest.raises(kv.DeadlineExceeded, match=r"^load job 2 not proven complete by the deadline$"):
+        w.wait({1, 2}, timeout=limit)
+    assert be.monotonic() == pytest.approx(limit, abs=1e-12)  # at the deadline exactly: no pause past it
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
     w.shutdown()

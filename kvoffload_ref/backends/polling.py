@@ -157,7 +157,7 @@ def poll_until(backend: Clock, done: Callable[[], bool], deadline: float | None,
 
 
 def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float, deadline: float | None,
-                 what: str) -> None:
+                 what: str, *, now: float | None = None) -> None:
     """Poll ``settled()`` until it returns True, sleeping between polls on the backend's clock (``wait``, R6).
 
     ``settled`` takes the worker's lock for one non-blocking poll; the sleeps run without it (R19). It is polled at
@@ -170,6 +170,8 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
     Args:
         backend: whose clock and sleep to use. settled: one poll. started: when the wait began (backend clock).
         deadline: absolute backend time, or None for no bound. what: the awaited job, for messages.
+        now: the clock as read just before this wait's first poll, by a caller that read it then (it is then not
+            read again before that poll); None: read here.
 
     Raises:
         DeadlineExceeded: the deadline passed first (R6).
@@ -179,10 +181,11 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
     horizon = backend.hang_horizon if deadline is None else None
     longest = POLL_MAX_SLEEP if horizon is None else max(POLL_MAX_SLEEP, horizon / 64)
     pause = POLL_FIRST_SLEEP
+    if now is None:
+        now = backend.monotonic()
     while True:
         # R19: the clock is read before the poll, so time that passed after it (another thread's shutdown that
         # completed meanwhile) is never held against it: a wait gives up only after a poll begun past its deadline.
-        now = backend.monotonic()
         if settled():
             return
         if deadline is not None and now >= deadline:
@@ -191,6 +194,7 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
             backend.check_unbounded_wait(started, now, what)
         poll_pause(backend, pause if deadline is None else max(min(pause, deadline - now), 0.0))
         pause = min(pause * 2, longest)
+        now = backend.monotonic()
 
 
 def record_and_poll(backend: ProvingDevice[_S, _E], streams: Sequence[_S], deadline: float, *,
