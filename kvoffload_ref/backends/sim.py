@@ -247,12 +247,14 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
         if self.on_call is not None:
             self.on_call("wait_event", None)
         with self._lock:
-            self._check_alive()
+            if self._sticky is not None or self._plan is not None:  # else _check_alive finds nothing
+                self._check_alive()
             target, awaited = self._own_stream(stream), self._own_event(event)
-            if awaited.latest is not None:
-                self._sched.submit(WaitOp(target, awaited.latest))
+            latest = awaited.latest
+            if latest is not None:
+                self._sched.submit(WaitOp(target, latest))
                 if self._race is not None:
-                    self._race.on_wait(target, awaited.latest)
+                    self._race.on_wait(target, latest)
 
     def create_event(self, *, tag: Tag | None = None) -> Event:
         """A new event (ledger kind "event", key id(event)); it counts as complete until recorded.
@@ -307,10 +309,12 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
         if self.on_call is not None:
             self.on_call("record", tag)
         with self._lock:
-            self._check_alive()
+            if self._sticky is not None or self._plan is not None:  # else _check_alive finds nothing
+                self._check_alive()
             target, recorded = self._own_stream(stream), self._own_event(event)
             recorded.latest, recorded.tag = self._submit_record(target), tag
-            self._queue_stall(target, tag)
+            if tag is not None and not target.compute:  # else no stall can follow it (``_select_stall``)
+                self._queue_stall(target, tag)
 
     def query(self, event: Event) -> bool:
         """Whether the event's latest record completed (True if never recorded). Runs work due by now.
@@ -368,7 +372,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
         if self.on_call is not None:
             self.on_call("elapsed", tag_of(end))
         with self._lock:
-            self._check_alive()
+            if self._sticky is not None or self._plan is not None:  # else _check_alive finds nothing
+                self._check_alive()
             self._catch_up()
             first, last = self._own_event(start).latest, self._own_event(end).latest
             if first is None or last is None or first.done_at is None or last.done_at is None:
