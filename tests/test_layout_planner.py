@@ -231,7 +231,7 @@ def test_layout_planner_reused_across_spec_shapes_plans_each_as_a_fresh_one(kept
     for direction in ("store", "load"):
         for turn, (sizes, indices) in enumerate(shapes):
             ids = [(7 * turn + k) % ROWS for k in range(sum(sizes))]
-            chunks = sum(-(-(n + i) // bpc) for n, i in zip(sizes, indices) if n)
+            chunks = sum(-(-(n + i) // bpc) for n, i in zip(sizes, indices, strict=True) if n)
             gpu_spec = GPULoadStoreSpec(ids, sizes, indices)
             cpu_spec = CPULoadStoreSpec([(3 * turn + k) % ROWS for k in range(chunks)])
             src, dst = (gpu_spec, cpu_spec) if direction == "store" else (cpu_spec, gpu_spec)

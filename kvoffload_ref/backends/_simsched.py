@@ -276,8 +276,7 @@ class Scheduler:
             t, _, op = pop(heap)
             if settle is not None and not settle(op, t):
                 continue
-            if t > self.now:  # max(now, t), without the call
-                self.now = t
+            self.now = max(self.now, t)
             finish(op, t)
             if until is not None and until(op):
                 return True
