@@ -33,17 +33,17 @@ from kvoffload_ref.backends._simcopy import (
     Grids,
     Move,
     Moves,
-    Plan,
     SmallPlan,
     Span,
     byte_views,
 )
+from kvoffload_ref.backends._simsized import ByCount, Plan, SizedPlan, sized_plan
 from kvoffload_ref.backends.copy_paths import registration_seams
 from kvoffload_ref.errors import InvalidTransferError
 
 __all__ = [
-    "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Plan", "SmallPlan",
-    "Span", "address", "host_view",
+    "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Plan", "SizedPlan",
+    "SmallPlan", "Span", "address", "host_view",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -136,6 +136,8 @@ class _SpanIndex(NamedTuple):
     views: list[memoryview]
     # Invariant: the grid views the copies over these spans made of their data (CopyPlan.grids).
     grids: Grids
+    # Invariant: the same spans indexed by how many start at or before an address (what sized_plan reads).
+    by_count: ByCount
 
 
 class Memory:
@@ -259,13 +261,19 @@ class Memory:
             values = src.tolist(), dst.tolist(), sizes.tolist()
             plan = SmallPlan(values, index.intervals.moves(*values), index.spans, index.data, index.views)
         else:
-            src, dst, sizes = src.copy(), dst.copy(), sizes.copy()
-            smallest, largest = int(_MIN(sizes)), int(_MAX(sizes))   # more than SMALL_BATCH: not empty
-            intervals, sized = index.intervals, smallest >= 0
-            si, di = intervals.find(src, sizes, sized=sized), intervals.find(dst, sizes, sized=sized)
-            plan = CopyPlan(src, dst, sizes, index.spans, si, di, intervals.starts, index.grids, index.data,
-                            index.views)
-            plan.bound(smallest, largest)
+            n, words = src.size, np.concatenate((src, dst, sizes))   # the snapshot, in one array
+            src, dst, sizes = words[:n], words[n:2 * n], words[2 * n:]
+            smallest, largest = sizes.item(sizes.argmin()), sizes.item(sizes.argmax())   # more than SMALL_BATCH
+            sized = sized_plan(words, smallest, largest, index.by_count)   # one size, few per pair: one pass
+            if sized is not None:
+                plan = sized
+            else:
+                intervals, nonnegative = index.intervals, smallest >= 0
+                si = intervals.find(src, sizes, sized=nonnegative)
+                di = intervals.find(dst, sizes, sized=nonnegative)
+                plan = CopyPlan(src, dst, sizes, index.spans, si, di, intervals.starts, index.grids, index.data,
+                                index.views)
+                plan.bound(smallest, largest)
         slow = self._slow if self._slow is not None else self._slow_spans()
         slow_bytes = 0
         if self._any_slow:   # else every host side lies in a span one pinned range holds whole
@@ -287,8 +295,13 @@ class Memory:
         if self._span_index is None:
             spans = sorted(self._spans.values(), key=lambda s: s.start)
             data = [s.data for s in spans]
-            self._span_index = _SpanIndex(Intervals((s.start, s.end) for s in spans), spans, data, byte_views(data),
-                                          {})
+            views = byte_views(data)
+            intervals = Intervals((s.start, s.end) for s in spans)
+            by_count = ByCount(intervals.starts, np.array([0, *intervals.firsts], dtype=np.int64),
+                               np.array([0, *(s.end - s.start for s in spans)], dtype=np.int64),
+                               np.array([len(spans), 1], dtype=np.int64), spans, [memoryview(b""), *views],
+                               [np.empty(0, dtype=np.uint8), *data])
+            self._span_index = _SpanIndex(intervals, spans, data, views, {}, by_count)
         return self._span_index
 
     def _slow_spans(self) -> npt.NDArray[np.bool_]:

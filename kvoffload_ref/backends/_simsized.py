@@ -1,0 +1,143 @@
+"""The simulated device's copies of many descriptors of one size over few descriptors per span pair: resolved in
+one pass when the copy starts (:func:`sized_plan`), moved descriptor by descriptor (:class:`SizedPlan`).
+
+Theory of operation
+-------------------
+A worker's one-block job over many layers is a copy of tens to hundreds of descriptors of one size, one per
+(source span, destination span) pair -- more than :data:`SMALL_BATCH`, so its descriptors are resolved
+vectorized, and too few per pair for the grouped path to pay (:data:`EACH_MAX_PER_PAIR`). For such a copy the
+start does, in one pass over both sides laid end to end (one ``searchsorted``), everything its move needs: each
+side's candidate span and offset into it, whether every descriptor lies inside its span (then none is bad), the
+group order test and the count of pair changes that chooses the path. The move then only turns the two columns
+into lists (in group order: a stable ``argsort`` of the pair keys when out of it) and copies them one slice
+assignment each, exactly as :meth:`CopyPlan.execute` moves such a copy: the same bytes in the same order.
+
+Any other copy -- sizes that differ, an empty, negative or outside descriptor, many descriptors per pair -- gets
+None here and a :class:`CopyPlan` from ``_simmem.Memory.plan``: this is a fast path of the same result, held to
+that plan by ``tests/test_backends_sim_copy.py``. Like :class:`SmallPlan`, the arrays the cost model, the trace
+and a pending copy's overlap check read (``src``, ``dst``, ``sizes``, ``si``, ``di``) are views made when asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload_ref.backends._simcopy import EACH_MAX_PER_PAIR, SMALL_BATCH, CopyPlan, SmallPlan, Span, move_sized
+
+__all__ = ["ByCount", "Plan", "SizedPlan", "sized_plan"]
+
+I64 = npt.NDArray[np.int64]
+Bytes = npt.NDArray[np.uint8]
+Counts = npt.NDArray[np.intp]
+
+
+class ByCount(NamedTuple):
+    """A span snapshot indexed by how many spans start at or before an address (``c``: span ``c - 1`` may hold
+    it; 0 is a placeholder): what :func:`sized_plan` reads, so that its columns need no shift by one."""
+
+    # Invariant: starts[c] is the start of span c - 1 (starts[0] == 0); sizes[c] its size in bytes (sizes[0] ==
+    # 0); firsts the span starts alone (sorted), what the counts are searched in.
+    firsts: I64
+    starts: I64
+    sizes: I64
+    # Invariant: [number of spans, 1] (a pair key is this row times a (2, n) column of counts).
+    weights: I64
+    spans: Sequence[Span]
+    # Invariant: views[c] is a byte memoryview of span c - 1's data, data[c] that data ([0]: empty placeholders).
+    views: Sequence[memoryview]
+    data: Sequence[Bytes]
+
+
+class SizedPlan:
+    """A copy resolved by :func:`sized_plan` (read its docstring). Never changed after it is made."""
+
+    __slots__ = ("_count", "_key", "_offsets", "_ordered", "_snapshot", "_words", "size")
+
+    def __init__(self, words: I64, count: Counts, offsets: I64, key: I64, ordered: bool, size: int,
+                 snapshot: ByCount) -> None:
+        # Invariant: the descriptors as read when the copy started: words[:n] the sources, [n:2n] the
+        # destinations, [2n:] the sizes, every one ``size`` (> 0).
+        self._words, self.size = words, size
+        # Invariant: count[k] (k < n: source k, else destination k - n) is how many spans of ``snapshot`` start at
+        # or before it, >= 1: span count - 1 holds it whole; offsets[k] is its offset into that span.
+        self._count, self._offsets, self._snapshot = count, offsets, snapshot
+        # Invariant: key[k] is descriptor k's (source span, destination span) pair as one int that sorts in group
+        # order; ordered: the key never decreases (the descriptors are in group order already).
+        self._key, self._ordered = key, ordered
+
+    @property
+    def spans(self) -> Sequence[Span]:
+        return self._snapshot.spans
+
+    @property
+    def src(self) -> I64:
+        return self._words[:self._key.size]
+
+    @property
+    def dst(self) -> I64:
+        n = self._key.size
+        return self._words[n:2 * n]
+
+    @property
+    def sizes(self) -> I64:
+        return self._words[2 * self._key.size:]
+
+    @property
+    def si(self) -> Counts:
+        return self._count[:self._key.size] - 1
+
+    @property
+    def di(self) -> Counts:
+        return self._count[self._key.size:] - 1
+
+    def live_bytes(self) -> int:
+        """How many bytes the descriptors copy (none is empty)."""
+        return self.size * int(self._key.size)
+
+    def first_bad(self) -> None:
+        """None: every descriptor lies inside a live span (else the copy is a :class:`CopyPlan`)."""
+        return None
+
+    def execute(self) -> None:
+        """Move the bytes as :meth:`CopyPlan.execute` moves a copy of one size descriptor by descriptor: in group
+        order (descriptor order within a group), every source read before any destination is written."""
+        n, count, offsets = self._key.size, self._count.reshape(2, -1), self._offsets.reshape(2, -1)
+        if not self._ordered:   # the columns permuted by a stable argsort, in C
+            order = self._key.argsort(kind="stable")   # stable: descriptor order within a group
+            count, offsets = count[:, order], offsets[:, order]
+        sources, destinations = count.tolist()
+        from_, to = offsets.tolist()
+        snapshot = self._snapshot
+        assert len(sources) == n   # Invariant: two rows of n
+        move_sized(snapshot.views, zip(sources, destinations, from_, to, strict=True), self.size,
+                   set(sources).isdisjoint(destinations), snapshot.data)
+
+
+#: What a copy resolved when it started.
+Plan = CopyPlan | SmallPlan | SizedPlan
+
+
+def sized_plan(words: I64, smallest: int, largest: int, snapshot: ByCount) -> SizedPlan | None:
+    """The copy of descriptors ``words`` (sources, destinations, sizes laid end to end: a snapshot the plan keeps)
+    as a :class:`SizedPlan`, if it is one: more than SMALL_BATCH descriptors, all of one size > 0 (``smallest``
+    and ``largest`` are the sizes' minimum and maximum), each side inside one span of ``snapshot``, and at most
+    EACH_MAX_PER_PAIR descriptors per (source span, destination span) pair on average (CopyPlan's choice of its
+    per-descriptor path). Else None: the copy is a :class:`CopyPlan`."""
+    n = words.size // 3
+    if n <= SMALL_BATCH or smallest != largest or smallest <= 0:
+        return None
+    ends = words[:2 * n]
+    count = snapshot.firsts.searchsorted(ends, side="right")   # both sides in one search
+    offsets = ends - snapshot.starts.take(count)
+    room = snapshot.sizes.take(count) - offsets   # no overflow where count >= 1 (offsets >= 0 there)
+    if count[count.argmin()] < 1 or room[room.argmin()] < smallest:   # some side outside every span
+        return None
+    key = snapshot.weights @ count.reshape(2, n)   # as CopyPlan's si * spans + di, plus a constant
+    steps = key[1:] - key[:-1]
+    if n > EACH_MAX_PER_PAIR * (1 + np.count_nonzero(steps)):   # many per pair: the grouped path
+        return None
+    return SizedPlan(words, count, offsets, key, bool(steps[steps.argmin()] >= 0), smallest, snapshot)
