@@ -37,7 +37,7 @@ from kvoffload_ref.backends._simcopy import (
     Span,
     byte_views,
 )
-from kvoffload_ref.backends._simsized import ByCount, Plan, SizedPlan, sized_plan
+from kvoffload_ref.backends._simsized import ByCount, Plan, SizedPlan, by_count, sized_plan
 from kvoffload_ref.backends.copy_paths import registration_seams
 from kvoffload_ref.errors import InvalidTransferError
 
@@ -261,13 +261,14 @@ class Memory:
             values = src.tolist(), dst.tolist(), sizes.tolist()
             plan = SmallPlan(values, index.intervals.moves(*values), index.spans, index.data, index.views)
         else:
-            n, words = src.size, np.concatenate((src, dst, sizes))   # the snapshot, in one array
-            src, dst, sizes = words[:n], words[n:2 * n], words[2 * n:]
-            smallest, largest = sizes.item(sizes.argmin()), sizes.item(sizes.argmax())   # more than SMALL_BATCH
-            sized = sized_plan(words, smallest, largest, index.by_count)   # one size, few per pair: one pass
+            words = np.concatenate((src, dst, sizes))   # the snapshot, in one array
+            sized = sized_plan(words, index.by_count)   # one size, few per pair: resolved in one pass
             if sized is not None:
                 plan = sized
             else:
+                n = src.size
+                src, dst, sizes = words[:n], words[n:2 * n], words[2 * n:]
+                smallest, largest = sizes.item(sizes.argmin()), sizes.item(sizes.argmax())   # n > SMALL_BATCH
                 intervals, nonnegative = index.intervals, smallest >= 0
                 si = intervals.find(src, sizes, sized=nonnegative)
                 di = intervals.find(dst, sizes, sized=nonnegative)
@@ -297,11 +298,7 @@ class Memory:
             data = [s.data for s in spans]
             views = byte_views(data)
             intervals = Intervals((s.start, s.end) for s in spans)
-            by_count = ByCount(intervals.starts, np.array([0, *intervals.firsts], dtype=np.int64),
-                               np.array([0, *(s.end - s.start for s in spans)], dtype=np.int64),
-                               np.array([len(spans), 1], dtype=np.int64), spans, [memoryview(b""), *views],
-                               [np.empty(0, dtype=np.uint8), *data])
-            self._span_index = _SpanIndex(intervals, spans, data, views, {}, by_count)
+            self._span_index = _SpanIndex(intervals, spans, data, views, {}, by_count(spans, views, data))
         return self._span_index
 
     def _slow_spans(self) -> npt.NDArray[np.bool_]:

@@ -98,12 +98,16 @@ class Access:
     observes them complete, and their arrays are only needed when another op is checked against them.
     """
 
-    __slots__ = ("_name", "_sorted", "count", "packed", "seq", "split", "tag")
+    __slots__ = ("_descriptors", "_name", "_sorted", "count", "packed", "seq", "split", "tag")
 
-    def __init__(self, ranges: I64, split: int) -> None:
+    def __init__(self, ranges: I64, split: int, *, descriptors: bool = False) -> None:
+        """``ranges``: a (2, n) array (see ``packed``), or with ``descriptors`` the words of ``split`` copy
+        descriptors of sizes > 0 (sources, destinations, sizes laid end to end: the ranges are made only when
+        asked for, :func:`copy_access`)."""
         # Invariant: the words of a (2, n) int64 array, row 0 the starts and row 1 the ends of n ranges (every
-        # end > start); columns [:split] are read, [split:] written.
-        self.packed, self.split = ranges.tobytes(), split
+        # end > start); columns [:split] are read, [split:] written. With _descriptors: the words of ``split``
+        # descriptors (sources, destinations, sizes > 0), whose ranges are the sources' then the destinations'.
+        self.packed, self.split, self._descriptors = ranges.tobytes(), split, descriptors
         # Invariant: None until a view is asked for; then per kind ("r", "w", "rw"): (lo sorted, running max of
         # hi in that order, hi in that order).
         self._sorted: dict[str, tuple[I64, I64, I64]] | None = None
@@ -125,8 +129,13 @@ class Access:
 
     @property
     def ranges(self) -> I64:
-        """The (2, n) ranges (a new read-only array over the packed words)."""
-        return np.frombuffer(self.packed, dtype=np.int64).reshape(2, -1)
+        """The (2, n) ranges (a new read-only array over the packed words, or made from the descriptors)."""
+        words = np.frombuffer(self.packed, dtype=np.int64)
+        if self._descriptors:
+            n = self.split
+            starts, sizes = words[:2 * n], words[2 * n:]
+            return np.concatenate((starts, starts[:n] + sizes, starts[n:] + sizes)).reshape(2, -1)
+        return words.reshape(2, -1)
 
     @property
     def reads(self) -> tuple[I64, I64]:
@@ -360,11 +369,10 @@ class RaceDetector:
 def copy_access(buf: DescriptorBuffer, count: int) -> Access:
     """The ranges the first ``count`` descriptors of ``buf`` read (sources) and write (destinations) now."""
     sizes = buf.sizes[:count]
-    if not count or np.minimum.reduce(sizes) > 0:   # every descriptor touches memory (one reduction, no mask)
-        src, dst = buf.src[:count], buf.dst[:count]
-    else:
-        live = sizes > 0
-        src, dst, sizes = buf.src[:count][live], buf.dst[:count][live], sizes[live]
+    if count and sizes.item(sizes.argmin()) > 0:   # every descriptor touches memory: its words, read now
+        return Access(np.concatenate((buf.src[:count], buf.dst[:count], sizes)), count, descriptors=True)
+    live = sizes > 0
+    src, dst, sizes = buf.src[:count][live], buf.dst[:count][live], sizes[live]
     # The words of the (2, 2n) array Access packs: the starts (sources, then destinations), then the ends.
     ranges: I64 = np.concatenate((src, dst, src + sizes, dst + sizes))
     return Access(ranges, int(sizes.shape[0]))

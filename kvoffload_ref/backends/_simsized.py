@@ -21,35 +21,64 @@ and a pending copy's overlap check read (``src``, ``dst``, ``sizes``, ``si``, ``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends._simcopy import EACH_MAX_PER_PAIR, SMALL_BATCH, CopyPlan, SmallPlan, Span, move_sized
 
-__all__ = ["ByCount", "Plan", "SizedPlan", "sized_plan"]
+__all__ = ["FIRST", "ByCount", "Plan", "SizedPlan", "by_count", "sized_plan"]
 
 I64 = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
 Counts = npt.NDArray[np.intp]
 
+INT64_MIN: Final = -(2**63)
+
+
+#: The count (how many ranges of :attr:`ByCount.firsts` start at or before an address) of the first span: counts
+#: 1 and 2 are the two sentinel ranges before every span (0 is never seen).
+FIRST: Final = 3
+
 
 class ByCount(NamedTuple):
-    """A span snapshot indexed by how many spans start at or before an address (``c``: span ``c - 1`` may hold
-    it; 0 is a placeholder): what :func:`sized_plan` reads, so that its columns need no shift by one."""
+    """A span snapshot indexed by how many ranges start at or before an address (its *count* ``c``: span ``c -
+    FIRST`` may hold it): what :func:`sized_plan` reads, so that its columns need no shift.
 
-    # Invariant: starts[c] is the start of span c - 1 (starts[0] == 0); sizes[c] its size in bytes (sizes[0] ==
-    # 0); firsts the span starts alone (sorted), what the counts are searched in.
+    Two sentinel ranges come before every span: [INT64_MIN, 0) and [0, first span), whose room is below 1 from
+    every address in them (no overflow: see :func:`by_count`), so one comparison of the room with the size tells
+    whether a side lies inside a span, and no address has count 0.
+    """
+
+    # Invariant: firsts[c - 1] is where count c begins (sorted); starts[c] is what a side of count c is offset
+    # from, sizes[c] the room from there; [0] placeholders.
     firsts: I64
     starts: I64
     sizes: I64
-    # Invariant: [number of spans, 1] (a pair key is this row times a (2, n) column of counts).
+    # Invariant: [number of counts, 1] (a pair key is this row times a (2, n) column of counts).
     weights: I64
     spans: Sequence[Span]
-    # Invariant: views[c] is a byte memoryview of span c - 1's data, data[c] that data ([0]: empty placeholders).
+    # Invariant: views[c] is a byte memoryview of span c - FIRST's data, data[c] that data (placeholders below
+    # FIRST).
     views: Sequence[memoryview]
     data: Sequence[Bytes]
+
+
+def by_count(spans: Sequence[Span], views: Sequence[memoryview], data: Sequence[Bytes]) -> ByCount:
+    """The :class:`ByCount` of ``spans`` (sorted by address, starting above 0 as real memory does; ``views`` and
+    ``data``: their byte memoryviews and data).
+
+    The sentinels, offset from 0: [INT64_MIN, 0) has room INT64_MIN - a, in [INT64_MIN + 1, 0] for its
+    addresses; [0, first span) has room -1 - a, in [-first, -1]."""
+    assert not spans or spans[0].start > 0   # Invariant: the second sentinel is not empty
+    count = len(spans) + FIRST
+    firsts = np.array([INT64_MIN, 0, *(s.start for s in spans)], dtype=np.int64)
+    starts = np.array([0, 0, 0, *(s.start for s in spans)], dtype=np.int64)
+    sizes = np.array([0, INT64_MIN, -1, *(s.end - s.start for s in spans)], dtype=np.int64)
+    none, empty = memoryview(b""), np.empty(0, dtype=np.uint8)
+    return ByCount(firsts, starts, sizes, np.array([count, 1], dtype=np.int64), spans,
+                   [none] * FIRST + list(views), [empty] * FIRST + list(data))
 
 
 class SizedPlan:
@@ -62,8 +91,8 @@ class SizedPlan:
         # Invariant: the descriptors as read when the copy started: words[:n] the sources, [n:2n] the
         # destinations, [2n:] the sizes, every one ``size`` (> 0).
         self._words, self.size = words, size
-        # Invariant: count[k] (k < n: source k, else destination k - n) is how many spans of ``snapshot`` start at
-        # or before it, >= 1: span count - 1 holds it whole; offsets[k] is its offset into that span.
+        # Invariant: count[k] (k < n: source k, else destination k - n) is its count in ``snapshot`` (>= FIRST: span
+        # count - FIRST holds it whole); offsets[k] is its offset into that span.
         self._count, self._offsets, self._snapshot = count, offsets, snapshot
         # Invariant: key[k] is descriptor k's (source span, destination span) pair as one int that sorts in group
         # order; ordered: the key never decreases (the descriptors are in group order already).
@@ -88,11 +117,11 @@ class SizedPlan:
 
     @property
     def si(self) -> Counts:
-        return self._count[:self._key.size] - 1
+        return self._count[:self._key.size] - FIRST
 
     @property
     def di(self) -> Counts:
-        return self._count[self._key.size:] - 1
+        return self._count[self._key.size:] - FIRST
 
     def live_bytes(self) -> int:
         """How many bytes the descriptors copy (none is empty)."""
@@ -121,23 +150,26 @@ class SizedPlan:
 Plan = CopyPlan | SmallPlan | SizedPlan
 
 
-def sized_plan(words: I64, smallest: int, largest: int, snapshot: ByCount) -> SizedPlan | None:
+def sized_plan(words: I64, snapshot: ByCount) -> SizedPlan | None:
     """The copy of descriptors ``words`` (sources, destinations, sizes laid end to end: a snapshot the plan keeps)
-    as a :class:`SizedPlan`, if it is one: more than SMALL_BATCH descriptors, all of one size > 0 (``smallest``
-    and ``largest`` are the sizes' minimum and maximum), each side inside one span of ``snapshot``, and at most
-    EACH_MAX_PER_PAIR descriptors per (source span, destination span) pair on average (CopyPlan's choice of its
-    per-descriptor path). Else None: the copy is a :class:`CopyPlan`."""
+    as a :class:`SizedPlan`, if it is one: more than SMALL_BATCH descriptors, all of one size > 0, each side inside
+    one span of ``snapshot``, and at most EACH_MAX_PER_PAIR descriptors per (source span, destination span) pair
+    on average (CopyPlan's choice of its per-descriptor path). Else None: the copy is a :class:`CopyPlan`."""
     n = words.size // 3
-    if n <= SMALL_BATCH or smallest != largest or smallest <= 0:
+    if n <= SMALL_BATCH:
         return None
-    ends = words[:2 * n]
-    count = snapshot.firsts.searchsorted(ends, side="right")   # both sides in one search
-    offsets = ends - snapshot.starts.take(count)
-    room = snapshot.sizes.take(count) - offsets   # no overflow where count >= 1 (offsets >= 0 there)
-    if count[count.argmin()] < 1 or room[room.argmin()] < smallest:   # some side outside every span
+    sizes = words[2 * n:]
+    size = sizes.item(sizes.argmin())
+    if size <= 0 or sizes.item(sizes.argmax()) != size:   # not one size > 0
+        return None
+    sides = words[:2 * n]
+    count = snapshot.firsts.searchsorted(sides, side="right")   # both sides in one search, each count >= 1
+    offsets = sides - snapshot.starts.take(count)
+    room = snapshot.sizes.take(count) - offsets   # no overflow (ByCount's sentinels)
+    if room[room.argmin()] < size:   # a side outside every span
         return None
     key = snapshot.weights @ count.reshape(2, n)   # as CopyPlan's si * spans + di, plus a constant
     steps = key[1:] - key[:-1]
     if n > EACH_MAX_PER_PAIR * (1 + np.count_nonzero(steps)):   # many per pair: the grouped path
         return None
-    return SizedPlan(words, count, offsets, key, bool(steps[steps.argmin()] >= 0), smallest, snapshot)
+    return SizedPlan(words, count, offsets, key, bool(steps[steps.argmin()] >= 0), size, snapshot)
