@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvoffload_ref.backends import _simcopy
+from kvoffload_ref.backends import _simcopy, _simsized
 from kvoffload_ref.backends._simcopy import _MAX_GRIDS
 from kvoffload_ref.backends._simmem import EACH_MAX_PER_PAIR, SMALL_BATCH, CopyPlan, Intervals, SizedPlan
 from kvoffload_ref.backends.sim import SimBackend
@@ -405,3 +405,41 @@ def pieces(be: SimBackend, src: list[int], dst: list[int]) -> int:
     """How many runs of one (source span, destination span) pair the descriptors come in."""
     keys = [(span_start(be, s), span_start(be, d)) for s, d in zip(src, dst, strict=True)]
     return 1 + sum(a != b for a, b in itertools.pairwise(keys))
+
+
+def test_sim_sized_disjointness_matches_the_set_test_on_group_ordered_spans() -> None:
+    """Whether a copy must stage its reads (a span both read and written): one bisection when the copy reads one
+    span or writes one, else a set test -- the same answer as the set test for every group-ordered copy."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        n = int(rng.integers(1, 12))
+        shape = int(rng.integers(0, 3))   # one source span, one destination span, or any
+        sources = [int(rng.integers(0, 5))] * n if shape == 0 else rng.integers(0, 5, n).tolist()
+        destinations = [int(rng.integers(0, 5))] * n if shape == 1 else rng.integers(0, 5, n).tolist()
+        pairs = sorted(zip(sources, destinations, strict=True))   # group order
+        src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
+        assert _simsized._disjoint(src, dst) == set(src).isdisjoint(dst), (src, dst)
+
+
+@pytest.mark.parametrize("one", ["source", "destination"])
+def test_sim_sized_copies_from_or_to_one_span_read_every_source_first(one: str) -> None:
+    """A copy of one size from one span (or to one span) that also writes (reads) that span: every source is read
+    before any destination is written, as the reference does, whichever side is the single span."""
+    be, size, count = SimBackend(), 64, SMALL_BATCH + 8
+    spans = random_spans(be, np.random.default_rng(9), [(64, size), (64, size), (64, size)], [])
+    base = [int(s.ctypes.data) for s in spans]
+    rows = [(k * 7) % 64 for k in range(count)]
+    if one == "source":   # reads rows of span 0; writes span 0 first (group order), then rows the others read
+        src = [base[0] + r * size for r in rows]
+        dst = [base[k % 3] + rows[(k + 1) % count] * size for k in range(count)]
+    else:   # writes rows of span 0 that later descriptors of its first group read
+        src = [base[k % 3] + rows[k] * size for k in range(count)]
+        dst = [base[0] + rows[(k + 3) % count] * size for k in range(count)]
+    expected = {b: s.copy() for b, s in zip(base, spans, strict=True)}
+    reference_copy(expected, src, dst, [size] * count)
+    plan, _ = be._memory.plan(*(np.array(v, dtype=np.int64) for v in (src, dst, [size] * count)))
+    assert isinstance(plan, SizedPlan)
+    timed_copy(be, src, dst, [size] * count)
+    assert not be.violations
+    for b, span in zip(base, spans, strict=True):
+        np.testing.assert_array_equal(span, expected[b])

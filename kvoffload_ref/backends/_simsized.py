@@ -20,6 +20,7 @@ and a pending copy's overlap check read (``src``, ``dst``, ``sizes``, ``si``, ``
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Final, NamedTuple
 
@@ -143,7 +144,22 @@ class SizedPlan:
         snapshot = self._snapshot
         assert len(sources) == n   # Invariant: two rows of n
         move_sized(snapshot.views, zip(sources, destinations, from_, to, strict=True), self.size,
-                   set(sources).isdisjoint(destinations), snapshot.data)
+                   _disjoint(sources, destinations), snapshot.data)
+
+
+def _disjoint(sources: list[int], destinations: list[int]) -> bool:
+    """Whether no span is among both ``sources`` and ``destinations`` (the spans of a copy's descriptors, in group
+    order: the sources never decrease, nor the destinations of one source). A copy from one span, or to one span,
+    (a worker's load, a store) is answered by one bisection of the other side's sorted list."""
+    first = sources[0]
+    if first == sources[-1]:   # one source span: the destinations are sorted
+        at = bisect.bisect_left(destinations, first)
+        return at == len(destinations) or destinations[at] != first
+    target = destinations[0]
+    if destinations.count(target) == len(destinations):   # one destination span (the sources are sorted)
+        at = bisect.bisect_left(sources, target)
+        return at == len(sources) or sources[at] != target
+    return set(sources).isdisjoint(destinations)
 
 
 #: What a copy resolved when it started.
@@ -168,8 +184,10 @@ def sized_plan(words: I64, snapshot: ByCount) -> SizedPlan | None:
     room = snapshot.sizes.take(count) - offsets   # no overflow (ByCount's sentinels)
     if room[room.argmin()] < size:   # a side outside every span
         return None
-    key = snapshot.weights @ count.reshape(2, n)   # as CopyPlan's si * spans + di, plus a constant
+    key = snapshot.weights.dot(count.reshape(2, n))   # as CopyPlan's si * spans + di, plus a constant
     steps = key[1:] - key[:-1]
-    if n > EACH_MAX_PER_PAIR * (1 + np.count_nonzero(steps)):   # many per pair: the grouped path
+    least = steps[steps.argmin()]
+    # Every step up: one descriptor per pair, in group order. Else CopyPlan's choice, by its pair changes.
+    if least <= 0 and n > EACH_MAX_PER_PAIR * (1 + np.count_nonzero(steps)):   # many per pair: the grouped path
         return None
-    return SizedPlan(words, count, offsets, key, bool(steps[steps.argmin()] >= 0), size, snapshot)
+    return SizedPlan(words, count, offsets, key, bool(least >= 0), size, snapshot)
