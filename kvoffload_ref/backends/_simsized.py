@@ -92,8 +92,8 @@ class SizedPlan:
         # Invariant: the descriptors as read when the copy started: words[:n] the sources, [n:2n] the
         # destinations, [2n:] the sizes, every one ``size`` (> 0).
         self._words, self.size = words, size
-        # Invariant: count[k] (k < n: source k, else destination k - n) is its count in ``snapshot`` (>= FIRST: span
-        # count - FIRST holds it whole); offsets[k] is its offset into that span.
+        # Invariant: count[0, k] (count[1, k]) is the count of descriptor k's source (destination) in ``snapshot``
+        # (>= FIRST: span count - FIRST holds it whole); offsets[0, k] (offsets[1, k]) its offset into that span.
         self._count, self._offsets, self._snapshot = count, offsets, snapshot
         # Invariant: key[k] is descriptor k's (source span, destination span) pair as one int that sorts in group
         # order; ordered: the key never decreases (the descriptors are in group order already).
@@ -118,11 +118,13 @@ class SizedPlan:
 
     @property
     def si(self) -> Counts:
-        return self._count[:self._key.size] - FIRST
+        spans: Counts = self._count[0] - FIRST
+        return spans
 
     @property
     def di(self) -> Counts:
-        return self._count[self._key.size:] - FIRST
+        spans: Counts = self._count[1] - FIRST
+        return spans
 
     def live_bytes(self) -> int:
         """How many bytes the descriptors copy (none is empty)."""
@@ -135,7 +137,7 @@ class SizedPlan:
     def execute(self) -> None:
         """Move the bytes as :meth:`CopyPlan.execute` moves a copy of one size descriptor by descriptor: in group
         order (descriptor order within a group), every source read before any destination is written."""
-        n, count, offsets = self._key.size, self._count.reshape(2, -1), self._offsets.reshape(2, -1)
+        n, count, offsets = self._key.size, self._count, self._offsets
         if not self._ordered:   # the columns permuted by a stable argsort, in C
             order = self._key.argsort(kind="stable")   # stable: descriptor order within a group
             count, offsets = count[:, order], offsets[:, order]
@@ -174,17 +176,18 @@ def sized_plan(words: I64, snapshot: ByCount) -> SizedPlan | None:
     n = words.size // 3
     if n <= SMALL_BATCH:
         return None
-    sizes = words[2 * n:]
+    rows = words.reshape(3, n)
+    sizes = rows[2]
     size = sizes.item(sizes.argmin())
     if size <= 0 or sizes.item(sizes.argmax()) != size:   # not one size > 0
         return None
-    sides = words[:2 * n]
+    sides = rows[:2]
     count = snapshot.firsts.searchsorted(sides, side="right")   # both sides in one search, each count >= 1
     offsets = sides - snapshot.starts.take(count)
     room = snapshot.sizes.take(count) - offsets   # no overflow (ByCount's sentinels)
-    if room[room.argmin()] < size:   # a side outside every span
+    if room.item(room.argmin()) < size:   # a side outside every span
         return None
-    key = snapshot.weights.dot(count.reshape(2, n))   # as CopyPlan's si * spans + di, plus a constant
+    key = snapshot.weights.dot(count)   # as CopyPlan's si * spans + di, plus a constant
     steps = key[1:] - key[:-1]
     least = steps[steps.argmin()]
     # Every step up: one descriptor per pair, in group order. Else CopyPlan's choice, by its pair changes.
