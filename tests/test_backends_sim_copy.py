@@ -104,6 +104,12 @@ def test_sim_sized_plans_resolve_as_the_vectorized_lookup_at_every_edge(seed: in
         assert plan.first_bad() == (bad[0] if bad else None)
         assert plan.live_bytes() == size * count
         assert slow == size * (si + di).count(host)   # the host span is tracked, never pinned
+    pairs = sorted((bounds[k % 2][0] + size * (k // 2 % 4), bounds[-1][0] + size * (k % 16)) for k in range(count))
+    half = count // 4
+    for order in (pairs, pairs[half:] + pairs[:half]):   # many per span pair, in group order or not: grouped
+        arrays = [np.array(v, dtype=np.int64) for v in ([p[0] for p in order], [p[1] for p in order], sizes)]
+        grouped = be._memory.plan(*arrays)[0]
+        assert isinstance(grouped, CopyPlan) and grouped.first_bad() is None
 
 
 # -- slow bytes --------------------------------------------------------------------------------------------------
