@@ -10,7 +10,8 @@ slow (host mappings that no one pinned range holds whole) is cached too: when th
 no descriptor's pinning.
 
 *Copies.* The copy engine that moves a plan's bytes -- every source read before any destination is written -- is
-``_simcopy.py`` (:class:`CopyPlan`, :class:`SmallPlan`).
+``_simcopy.py`` (:class:`CopyPlan`, :class:`SmallPlan`), and ``_simsized.py`` for a copy of many descriptors of
+one size, few per span pair (:class:`SizedPlan`: a one-block job over many layers), resolved in one pass.
 
 *Descriptor words.* Descriptor buffers are host memory outside the address map: :class:`DescriptorWords` carves
 small buffers' three rows out of shared zeroed blocks, so that a buffer is three views and nothing more.
@@ -251,9 +252,10 @@ class Memory:
         descriptor buffer's rows).
 
         Returns:
-            The plan (a :class:`SmallPlan` for at most SMALL_BATCH descriptors), and how many of its bytes are
-            slow: a host side not inside one pinned range (a copy between two unpinned host ranges counts its
-            bytes twice).
+            The plan (a :class:`SmallPlan` for at most SMALL_BATCH descriptors; for more, a :class:`SizedPlan` when
+            ``_simsized.sized_plan`` makes one, else a :class:`CopyPlan`), and how many of its bytes are slow: a
+            host side not inside one pinned range (a copy between two unpinned host ranges counts its bytes
+            twice).
         """
         index = self._index()
         plan: Plan

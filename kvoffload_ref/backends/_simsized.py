@@ -189,8 +189,8 @@ def sized_plan(words: I64, snapshot: ByCount) -> SizedPlan | None:
         return None
     key = snapshot.weights.dot(count)   # as CopyPlan's si * spans + di, plus a constant
     steps = key[1:] - key[:-1]
-    least = steps[steps.argmin()]
+    least = steps.item(steps.argmin())
     # Every step up: one descriptor per pair, in group order. Else CopyPlan's choice, by its pair changes.
     if least <= 0 and n > EACH_MAX_PER_PAIR * (1 + np.count_nonzero(steps)):   # many per pair: the grouped path
         return None
-    return SizedPlan(words, count, offsets, key, bool(least >= 0), size, snapshot)
+    return SizedPlan(words, count, offsets, key, least >= 0, size, snapshot)
