@@ -219,7 +219,7 @@ class CopyPlan:
                 si, di, so, do = si.take(order), di.take(order), so.take(order), do.take(order)
             sources, destinations = si.tolist(), di.tolist()
             move_sized(views, zip(sources, destinations, so.tolist(), do.tolist(), strict=True), int(sizes[0]),
-                        set(sources).isdisjoint(destinations), data)
+                       set(sources).isdisjoint(destinations), data)
             return
         sources, destinations = si.tolist(), di.tolist()
         moves = sorted(zip(sources, destinations, sizes.tolist(), so.tolist(), do.tolist(), strict=True),
@@ -311,7 +311,7 @@ def _move_each(data: Sequence[Bytes], views: Sequence[memoryview], moves: Iterab
 
 
 def move_sized(views: Sequence[memoryview], moves: Iterable[tuple[int, int, int, int]], n: int, disjoint: bool,
-                data: Sequence[Bytes]) -> None:
+               data: Sequence[Bytes]) -> None:
     """:func:`_move_each` of moves that all copy ``n`` bytes, given as (source span, destination span, source
     offset, destination offset): the same writes in the same order, with no size per move."""
     if disjoint:

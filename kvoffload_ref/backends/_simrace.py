@@ -137,17 +137,10 @@ class Access:
             return np.concatenate((starts, starts[:n] + sizes, starts[n:] + sizes)).reshape(2, -1)
         return words.reshape(2, -1)
 
-    @property
-    def reads(self) -> tuple[I64, I64]:
-        """(starts, ends) of the ranges read."""
-        ranges = self.ranges
-        return ranges[0, :self.split], ranges[1, :self.split]
-
-    @property
-    def writes(self) -> tuple[I64, I64]:
-        """(starts, ends) of the ranges written."""
-        ranges = self.ranges
-        return ranges[0, self.split:], ranges[1, self.split:]
+    def sides(self) -> tuple[tuple[I64, I64], tuple[I64, I64]]:
+        """(starts, ends) of the ranges read, and of those written (the ranges made once for both)."""
+        ranges, split = self.ranges, self.split
+        return (ranges[0, :split], ranges[1, :split]), (ranges[0, split:], ranges[1, split:])
 
     @property
     def touches(self) -> bool:
@@ -298,7 +291,7 @@ class RaceDetector:
             sides: tuple[tuple[I64, I64], tuple[I64, I64]] | None = None  # built for the first unordered op
             for other in self._unordered(clock, lane_id):
                 if sides is None:
-                    sides = access.reads, access.writes
+                    sides = access.sides()
                 found = self._conflict(other, op, *sides)
                 if found is not None:
                     races.append(found)
