@@ -52,7 +52,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends._simmem import address
+from kvoffload_ref.backends._simmem import address, descriptor_rows
 from kvoffload_ref.backends._simsched import Clock, Record, SimStream
 from kvoffload_ref.backends.base import DescriptorBuffer, Tag
 
@@ -361,11 +361,11 @@ class RaceDetector:
 
 def copy_access(buf: DescriptorBuffer, count: int) -> Access:
     """The ranges the first ``count`` descriptors of ``buf`` read (sources) and write (destinations) now."""
-    sizes = buf.sizes[:count]
+    src, dst, sizes = descriptor_rows(buf, count)
     if count and sizes.item(sizes.argmin()) > 0:   # every descriptor touches memory: its words, read now
-        return Access(np.concatenate((buf.src[:count], buf.dst[:count], sizes)), count, descriptors=True)
+        return Access(np.concatenate((src, dst, sizes)), count, descriptors=True)
     live = sizes > 0
-    src, dst, sizes = buf.src[:count][live], buf.dst[:count][live], sizes[live]
+    src, dst, sizes = src[live], dst[live], sizes[live]
     # The words of the (2, 2n) array Access packs: the starts (sources, then destinations), then the ends.
     ranges: I64 = np.concatenate((src, dst, src + sizes, dst + sizes))
     return Access(ranges, int(sizes.shape[0]))
