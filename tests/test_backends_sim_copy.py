@@ -10,9 +10,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvoffload_ref.backends import _simcopy
+from kvoffload_ref.backends import _simcopy, _simsized
 from kvoffload_ref.backends._simcopy import _MAX_GRIDS
-from kvoffload_ref.backends._simmem import EACH_MAX_PER_PAIR, SMALL_BATCH, Intervals
+from kvoffload_ref.backends._simmem import EACH_MAX_PER_PAIR, SMALL_BATCH, CopyPlan, Intervals, SizedPlan
 from kvoffload_ref.backends.sim import SimBackend
 from kvoffload_ref.errors import DeviceError
 
@@ -63,6 +63,53 @@ def test_intervals_find_matches_a_scalar_reference_at_every_edge(seed: int) -> N
     assert all(m[3] == (a - firsts[m[0]] if m[0] >= 0 else -1) for m, a in zip(moves, addr, strict=True))
     assert all(m[4] == (a - firsts[m[1]] if m[1] >= 0 else -1) for m, a in zip(moves, addr[::-1], strict=True))
     assert Intervals([]).moves(addr, addr, size).si == [-1] * len(addr)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sim_sized_plans_resolve_as_the_vectorized_lookup_at_every_edge(seed: int) -> None:
+    """A copy of more than SMALL_BATCH descriptors of one size, few per span pair, is resolved in one pass over
+    both sides (a ``SizedPlan``) only when every side lies inside a span: then it reads what the general plan
+    reads (a snapshot of the descriptors, each side's span, its live bytes, no bad descriptor). One side outside
+    -- before every span, at a negative or extreme address, in a gap, one byte past a span's end -- and the copy
+    is the general plan, which names the first bad descriptor."""
+    rng = np.random.default_rng(300 + seed)
+    be, size = SimBackend(), 256
+    spans = random_spans(be, rng, [(4, 512), (2, 1024), (3, 256)], [4096])
+    count = int(rng.integers(SMALL_BATCH + 1, 40))
+    bounds = [(int(s.ctypes.data), int(s.ctypes.data) + s.size) for s in spans]
+    edges = [a for lo, hi in bounds for a in (lo, lo + 1, hi - size)]   # first and last ranges a span holds
+    src = [int(rng.choice(edges)) for _ in range(count)]
+    dst = [int(rng.choice(edges)) for _ in range(count)]
+    lowest, highest = min(lo for lo, _ in bounds), max(hi for _, hi in bounds)
+    outside = [lowest - 1, lowest - size, 0, -1, -size, INT64_MIN, INT64_MIN + 1, INT64_MAX - size + 1,
+               highest - size + 1, *(hi - size + 1 for _, hi in bounds)]
+    cases: list[tuple[list[int], list[int]]] = [(src, dst)]
+    for bad in outside:
+        k, column = int(rng.integers(0, count)), int(rng.integers(0, 2))
+        changed = [list(src), list(dst)]
+        changed[column][k] = bad
+        cases.append((changed[0], changed[1]))
+    sizes, host = [size] * count, sorted(bounds).index(bounds[-1])
+    for case_src, case_dst in cases:
+        arrays = [np.array(v, dtype=np.int64) for v in (case_src, case_dst, sizes)]
+        plan, slow = be._memory.plan(*arrays)
+        si, di = find_reference(bounds, case_src, sizes), find_reference(bounds, case_dst, sizes)
+        bad = [k for k in range(count) if min(si[k], di[k]) < 0]
+        assert isinstance(plan, SizedPlan) == (not bad)
+        assert isinstance(plan, CopyPlan) == bool(bad)
+        for array in arrays:
+            array[...] = 1   # the plan keeps what it read
+        assert (plan.src.tolist(), plan.dst.tolist(), plan.sizes.tolist()) == (case_src, case_dst, sizes)
+        assert (plan.si.tolist(), plan.di.tolist()) == (si, di)
+        assert plan.first_bad() == (bad[0] if bad else None)
+        assert plan.live_bytes() == size * count
+        assert slow == size * (si + di).count(host)   # the host span is tracked, never pinned
+    pairs = sorted((bounds[k % 2][0] + size * (k // 2 % 4), bounds[-1][0] + size * (k % 16)) for k in range(count))
+    half = count // 4
+    for order in (pairs, pairs[half:] + pairs[:half]):   # many per span pair, in group order or not: grouped
+        arrays = [np.array(v, dtype=np.int64) for v in ([p[0] for p in order], [p[1] for p in order], sizes)]
+        grouped = be._memory.plan(*arrays)[0]
+        assert isinstance(grouped, CopyPlan) and grouped.first_bad() is None
 
 
 # -- slow bytes --------------------------------------------------------------------------------------------------
@@ -314,7 +361,7 @@ def test_sim_copies_of_few_descriptors_per_span_pair_go_descriptor_by_descriptor
     yet write in its order -- by (source span, destination span, size), descriptor order within -- so where
     destinations of different pairs overlap, the bytes are still the reference's. Empty descriptors outside
     every span, spans read and written, sizes mixed; or (``one_size``) more than SMALL_BATCH descriptors of one
-    size, out of group order, which move by their offsets alone (``_move_sized``)."""
+    size, out of group order, which are a ``SizedPlan`` and move by their offsets alone (``move_sized``)."""
     rng = np.random.default_rng(100 + seed)
     be = SimBackend()
     spans = random_spans(be, rng, [(8, 256 + 64 * k) for k in range(6)], [8192 + 512 * k for k in range(3)])
@@ -340,10 +387,11 @@ def test_sim_copies_of_few_descriptors_per_span_pair_go_descriptor_by_descriptor
     def grouped(*args: object, **kwargs: object) -> None:
         raise AssertionError("the grouped path ran for a copy of few descriptors per span pair")
 
-    if one_size:   # out of group order, and the sized moves must carry the copy
+    if one_size:   # out of group order, and the sized plan (resolved in one pass) must carry the copy
         keys = [(span_start(be, a), span_start(be, b)) for a, b in zip(src, dst, strict=True)]
         assert keys != sorted(keys)
         monkeypatch.setattr(_simcopy, "_move_each", grouped)
+        monkeypatch.setattr(_simcopy.CopyPlan, "execute", grouped)
 
     assert len(src) <= SMALL_BATCH or pieces(be, src, dst) * EACH_MAX_PER_PAIR >= len(src)
     monkeypatch.setattr(_simcopy, "_Batch", grouped)
@@ -363,3 +411,64 @@ def pieces(be: SimBackend, src: list[int], dst: list[int]) -> int:
     """How many runs of one (source span, destination span) pair the descriptors come in."""
     keys = [(span_start(be, s), span_start(be, d)) for s, d in zip(src, dst, strict=True)]
     return 1 + sum(a != b for a, b in itertools.pairwise(keys))
+
+
+def test_sim_sized_disjointness_matches_the_set_test_on_group_ordered_spans() -> None:
+    """Whether a copy must stage its reads (a span both read and written): one bisection when the copy reads one
+    span or writes one, else a set test -- the same answer as the set test for every group-ordered copy."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        n = int(rng.integers(1, 12))
+        shape = int(rng.integers(0, 3))   # one source span, one destination span, or any
+        sources = [int(rng.integers(0, 5))] * n if shape == 0 else rng.integers(0, 5, n).tolist()
+        destinations = [int(rng.integers(0, 5))] * n if shape == 1 else rng.integers(0, 5, n).tolist()
+        pairs = sorted(zip(sources, destinations, strict=True))   # group order
+        src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
+        assert _simsized._disjoint(src, dst) == set(src).isdisjoint(dst), (src, dst)
+
+
+@pytest.mark.parametrize("one", ["source", "destination"])
+def test_sim_sized_copies_from_or_to_one_span_read_every_source_first(one: str) -> None:
+    """A copy of one size from one span (or to one span) that also writes (reads) that span: every source is read
+    before any destination is written, as the reference does, whichever side is the single span."""
+    be, size, count = SimBackend(), 64, SMALL_BATCH + 8
+    spans = random_spans(be, np.random.default_rng(9), [(64, size), (64, size), (64, size)], [])
+    base = [int(s.ctypes.data) for s in spans]
+    rows = [(k * 7) % 64 for k in range(count)]
+    if one == "source":   # reads rows of span 0; writes span 0 first (group order), then rows the others read
+        src = [base[0] + r * size for r in rows]
+        dst = [base[k % 3] + rows[(k + 1) % count] * size for k in range(count)]
+    else:   # writes rows of span 0 that later descriptors of its first group read
+        src = [base[k % 3] + rows[k] * size for k in range(count)]
+        dst = [base[0] + rows[(k + 3) % count] * size for k in range(count)]
+    expected = {b: s.copy() for b, s in zip(base, spans, strict=True)}
+    reference_copy(expected, src, dst, [size] * count)
+    plan, _ = be._memory.plan(*(np.array(v, dtype=np.int64) for v in (src, dst, [size] * count)))
+    assert isinstance(plan, SizedPlan)
+    timed_copy(be, src, dst, [size] * count)
+    assert not be.violations
+    for b, span in zip(base, spans, strict=True):
+        np.testing.assert_array_equal(span, expected[b])
+
+
+@pytest.mark.parametrize("count", [SMALL_BATCH - 4, SMALL_BATCH + 8, 40])
+def test_sim_copy_reads_only_its_count_of_a_larger_buffer(count: int) -> None:
+    """A copy of the first ``count`` descriptors of a buffer that holds more (valid ones after them) moves those
+    only, and the race detector sees only their ranges: another stream's write of the bytes the later
+    descriptors would touch is no race (every path: per descriptor, sized, grouped)."""
+    be, size, capacity = SimBackend(), 64, 48
+    source, target = (np.asarray(be.empty_device((capacity, size))) for _ in range(2))
+    source[:] = np.arange(capacity, dtype=np.uint8)[:, None] + 1
+    base_src, base_dst = int(source.ctypes.data), int(target.ctypes.data)
+    buf = be.alloc_descriptors(capacity)
+    rows = np.arange(capacity, dtype=np.int64)
+    buf.fill(base_src + rows * size, base_dst + rows * size, np.full(capacity, size, dtype=np.int64))
+    stream, end = be.create_stream(), be.create_event()
+    be.copy_batch(stream, buf, count)
+    be.enqueue_compute_write(target[count:], list(range(capacity - count)), 7, delay=0.0)   # unordered with it
+    be.record(end, stream)
+    be.synchronize(end)
+    be.sleep(1.0)
+    assert not be.violations
+    np.testing.assert_array_equal(target[:count], source[:count])
+    assert (target[count:] == 7).all()

@@ -238,10 +238,13 @@ def schedules(draw: st.DrawFn) -> list[tuple[Any, ...]]:
     for _ in range(draw(st.integers(1, 14))):
         kind = draw(st.sampled_from(["copy", "copy", "compute", "record", "wait", "observe"]))
         stream = draw(st.integers(0, _STREAMS - 1))
-        if kind == "copy":
-            src, dst = draw(st.integers(0, _CELLS - 1)), draw(st.integers(0, _CELLS - 1))
-            width = draw(st.integers(1, 2))
-            steps.append(("copy", stream, min(src, _CELLS - width), min(dst, _CELLS - width), width))
+        if kind == "copy":   # one or two descriptors, some empty (they touch nothing)
+            descriptors = []
+            for _ in range(draw(st.integers(1, 2))):
+                src, dst = draw(st.integers(0, _CELLS - 1)), draw(st.integers(0, _CELLS - 1))
+                width = draw(st.sampled_from([0, 1, 1, 2]))
+                descriptors.append((min(src, _CELLS - width), min(dst, _CELLS - width), width))
+            steps.append(("copy", stream, tuple(descriptors)))
         elif kind == "compute":
             steps.append(("compute", draw(st.integers(0, _CELLS - 1))))
         elif kind == "record":
@@ -261,10 +264,11 @@ def _run_detector(steps: list[tuple[Any, ...]]) -> set[tuple[int, int]]:
     events = [be.create_event() for _ in range(3)]
     for step in steps:
         if step[0] == "copy":
-            _, s, src, dst, width = step
-            buf = be.alloc_descriptors(1)
-            buf.fill(np.array([base + src]), np.array([base + dst]), np.array([width]))
-            be.copy_batch(streams[s], buf, 1)
+            _, s, descriptors = step
+            buf = be.alloc_descriptors(len(descriptors))
+            src, dst, width = (np.array(column) for column in zip(*descriptors, strict=True))
+            buf.fill(base + src, base + dst, width)
+            be.copy_batch(streams[s], buf, len(descriptors))
         elif step[0] == "compute":
             be.enqueue_compute_write(dev, [step[1]], 1, delay=0.0)
         elif step[0] == "record":
@@ -293,8 +297,8 @@ def _run_model(steps: list[tuple[Any, ...]]) -> set[tuple[int, int]]:
         if step[0] in ("copy", "compute"):
             stream = step[1] if step[0] == "copy" else compute
             if step[0] == "copy":
-                _, _, src, dst, width = step
-                access = (set(range(src, src + width)), set(range(dst, dst + width)))
+                access = (set().union(*(range(src, src + width) for src, _, width in step[2])),
+                          set().union(*(range(dst, dst + width) for _, dst, width in step[2])))
             else:
                 access = (set(), {step[1]})
             before = last_on[stream] | host

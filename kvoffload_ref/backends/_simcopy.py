@@ -46,8 +46,8 @@ import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
 __all__ = [
-    "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "Grids", "Move", "Moves", "Plan", "SmallPlan", "Span",
-    "byte_views",
+    "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "Grids", "Move", "Moves", "SmallPlan", "Span", "byte_views",
+    "move_sized",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -218,8 +218,8 @@ class CopyPlan:
                 order = key.argsort(kind="stable")   # stable: descriptor order within a group
                 si, di, so, do = si.take(order), di.take(order), so.take(order), do.take(order)
             sources, destinations = si.tolist(), di.tolist()
-            _move_sized(views, zip(sources, destinations, so.tolist(), do.tolist(), strict=True), int(sizes[0]),
-                        set(sources).isdisjoint(destinations), data)
+            move_sized(views, zip(sources, destinations, so.tolist(), do.tolist(), strict=True), int(sizes[0]),
+                       set(sources).isdisjoint(destinations), data)
             return
         sources, destinations = si.tolist(), di.tolist()
         moves = sorted(zip(sources, destinations, sizes.tolist(), so.tolist(), do.tolist(), strict=True),
@@ -290,10 +290,6 @@ class SmallPlan:
         _move_each(self.data, self.views, moves, {m[0] for m in moves}.isdisjoint([m[1] for m in moves]))
 
 
-#: What a copy resolved when it started.
-Plan = CopyPlan | SmallPlan
-
-
 def byte_views(data: Sequence[Bytes]) -> list[memoryview]:
     """A byte memoryview of each span's data (what :func:`_move_each` slices: a memoryview slice and its
     assignment cost about half a numpy one's, for the same bytes)."""
@@ -314,8 +310,8 @@ def _move_each(data: Sequence[Bytes], views: Sequence[memoryview], moves: Iterab
         data[j][dst:dst + n] = read
 
 
-def _move_sized(views: Sequence[memoryview], moves: Iterable[tuple[int, int, int, int]], n: int, disjoint: bool,
-                data: Sequence[Bytes]) -> None:
+def move_sized(views: Sequence[memoryview], moves: Iterable[tuple[int, int, int, int]], n: int, disjoint: bool,
+               data: Sequence[Bytes]) -> None:
     """:func:`_move_each` of moves that all copy ``n`` bytes, given as (source span, destination span, source
     offset, destination offset): the same writes in the same order, with no size per move."""
     if disjoint:

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends._simcost import CostModel, CostProfile, LinkModel
-from kvoffload_ref.backends._simmem import DescriptorWords, Memory, Span, address
+from kvoffload_ref.backends._simmem import DescriptorWords, Memory, Span, address, descriptor_rows
 from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, ViolationKind, transfer_name
 from kvoffload_ref.backends._simsched import (
     ComputeOp,
@@ -431,8 +431,8 @@ class SimCore:
             if isinstance(op, ComputeOp):
                 return op.delay if self._cost is None else op.delay * self._cost.compute_factor()
             return 0.0
-        n, buf = op.count, op.buf   # a CopyOp (its class, as tested)
-        op.plan, slow = self._memory.plan(buf.src[:n], buf.dst[:n], buf.sizes[:n])   # read there: a snapshot
+        # A CopyOp (its class, as tested): its descriptors are read there, a snapshot.
+        op.plan, slow = self._memory.plan(*descriptor_rows(op.buf, op.count))
         if self._cost is not None:
             return self._cost.price(op, op.plan, slow, self.copy_path, self._memory.seams())
         total = op.plan.live_bytes()

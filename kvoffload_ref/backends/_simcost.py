@@ -46,9 +46,9 @@ from typing import Final, Literal
 
 import numpy as np
 
-from kvoffload_ref.backends._simcopy import Plan
 from kvoffload_ref.backends._simengine import FifoEngines
 from kvoffload_ref.backends._simsched import CopyOp, Op
+from kvoffload_ref.backends._simsized import Plan
 from kvoffload_ref.backends.copy_paths import (
     DEFAULT_KERNEL_MAX_MEAN_BYTES,
     DEFAULT_KERNEL_MIN_COUNT,

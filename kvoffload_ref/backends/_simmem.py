@@ -10,7 +10,8 @@ slow (host mappings that no one pinned range holds whole) is cached too: when th
 no descriptor's pinning.
 
 *Copies.* The copy engine that moves a plan's bytes -- every source read before any destination is written -- is
-``_simcopy.py`` (:class:`CopyPlan`, :class:`SmallPlan`).
+``_simcopy.py`` (:class:`CopyPlan`, :class:`SmallPlan`), and ``_simsized.py`` for a copy of many descriptors of
+one size, few per span pair (:class:`SizedPlan`: a one-block job over many layers), resolved in one pass.
 
 *Descriptor words.* Descriptor buffers are host memory outside the address map: :class:`DescriptorWords` carves
 small buffers' three rows out of shared zeroed blocks, so that a buffer is three views and nothing more.
@@ -33,17 +34,18 @@ from kvoffload_ref.backends._simcopy import (
     Grids,
     Move,
     Moves,
-    Plan,
     SmallPlan,
     Span,
     byte_views,
 )
+from kvoffload_ref.backends._simsized import ByCount, Plan, SizedPlan, by_count, sized_plan
+from kvoffload_ref.backends.base import DescriptorBuffer
 from kvoffload_ref.backends.copy_paths import registration_seams
 from kvoffload_ref.errors import InvalidTransferError
 
 __all__ = [
-    "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Plan", "SmallPlan",
-    "Span", "address", "host_view",
+    "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Plan", "SizedPlan",
+    "SmallPlan", "Span", "address", "descriptor_rows", "host_view",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -136,6 +138,8 @@ class _SpanIndex(NamedTuple):
     views: list[memoryview]
     # Invariant: the grid views the copies over these spans made of their data (CopyPlan.grids).
     grids: Grids
+    # Invariant: the same spans indexed by how many start at or before an address (what sized_plan reads).
+    by_count: ByCount
 
 
 class Memory:
@@ -249,9 +253,10 @@ class Memory:
         descriptor buffer's rows).
 
         Returns:
-            The plan (a :class:`SmallPlan` for at most SMALL_BATCH descriptors), and how many of its bytes are
-            slow: a host side not inside one pinned range (a copy between two unpinned host ranges counts its
-            bytes twice).
+            The plan (a :class:`SmallPlan` for at most SMALL_BATCH descriptors; for more, a :class:`SizedPlan` when
+            ``_simsized.sized_plan`` makes one, else a :class:`CopyPlan`), and how many of its bytes are slow: a
+            host side not inside one pinned range (a copy between two unpinned host ranges counts its bytes
+            twice).
         """
         index = self._index()
         plan: Plan
@@ -259,13 +264,20 @@ class Memory:
             values = src.tolist(), dst.tolist(), sizes.tolist()
             plan = SmallPlan(values, index.intervals.moves(*values), index.spans, index.data, index.views)
         else:
-            src, dst, sizes = src.copy(), dst.copy(), sizes.copy()
-            smallest, largest = int(_MIN(sizes)), int(_MAX(sizes))   # more than SMALL_BATCH: not empty
-            intervals, sized = index.intervals, smallest >= 0
-            si, di = intervals.find(src, sizes, sized=sized), intervals.find(dst, sizes, sized=sized)
-            plan = CopyPlan(src, dst, sizes, index.spans, si, di, intervals.starts, index.grids, index.data,
-                            index.views)
-            plan.bound(smallest, largest)
+            words = np.concatenate((src, dst, sizes))   # the snapshot, in one array
+            sized = sized_plan(words, index.by_count)   # one size, few per pair: resolved in one pass
+            if sized is not None:
+                plan = sized
+            else:
+                n = src.size
+                src, dst, sizes = words[:n], words[n:2 * n], words[2 * n:]
+                smallest, largest = sizes.item(sizes.argmin()), sizes.item(sizes.argmax())   # n > SMALL_BATCH
+                intervals, nonnegative = index.intervals, smallest >= 0
+                si = intervals.find(src, sizes, sized=nonnegative)
+                di = intervals.find(dst, sizes, sized=nonnegative)
+                plan = CopyPlan(src, dst, sizes, index.spans, si, di, intervals.starts, index.grids, index.data,
+                                index.views)
+                plan.bound(smallest, largest)
         slow = self._slow if self._slow is not None else self._slow_spans()
         slow_bytes = 0
         if self._any_slow:   # else every host side lies in a span one pinned range holds whole
@@ -287,8 +299,9 @@ class Memory:
         if self._span_index is None:
             spans = sorted(self._spans.values(), key=lambda s: s.start)
             data = [s.data for s in spans]
-            self._span_index = _SpanIndex(Intervals((s.start, s.end) for s in spans), spans, data, byte_views(data),
-                                          {})
+            views = byte_views(data)
+            intervals = Intervals((s.start, s.end) for s in spans)
+            self._span_index = _SpanIndex(intervals, spans, data, views, {}, by_count(spans, views, data))
         return self._span_index
 
     def _slow_spans(self) -> npt.NDArray[np.bool_]:
@@ -302,6 +315,14 @@ class Memory:
         if self._pin_index is None:
             self._pin_index = Intervals(self.pinned.items())
         return self._pin_index
+
+
+def descriptor_rows(buf: DescriptorBuffer, count: int) -> tuple[I64, I64, I64]:
+    """The first ``count`` descriptors of ``buf``: views of its (src, dst, sizes) rows, the rows themselves when it
+    holds exactly ``count`` (no slicing)."""
+    if count == buf.capacity:
+        return buf.src, buf.dst, buf.sizes
+    return buf.src[:count], buf.dst[:count], buf.sizes[:count]
 
 
 def host_view(ptr: int, nbytes: int) -> Bytes:

@@ -52,7 +52,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends._simmem import address
+from kvoffload_ref.backends._simmem import address, descriptor_rows
 from kvoffload_ref.backends._simsched import Clock, Record, SimStream
 from kvoffload_ref.backends.base import DescriptorBuffer, Tag
 
@@ -98,12 +98,16 @@ class Access:
     observes them complete, and their arrays are only needed when another op is checked against them.
     """
 
-    __slots__ = ("_name", "_sorted", "count", "packed", "seq", "split", "tag")
+    __slots__ = ("_descriptors", "_name", "_sorted", "count", "packed", "seq", "split", "tag")
 
-    def __init__(self, ranges: I64, split: int) -> None:
+    def __init__(self, ranges: I64, split: int, *, descriptors: bool = False) -> None:
+        """``ranges``: a (2, n) array (see ``packed``), or with ``descriptors`` the words of ``split`` copy
+        descriptors of sizes > 0 (sources, destinations, sizes laid end to end: the ranges are made only when
+        asked for, :func:`copy_access`)."""
         # Invariant: the words of a (2, n) int64 array, row 0 the starts and row 1 the ends of n ranges (every
-        # end > start); columns [:split] are read, [split:] written.
-        self.packed, self.split = ranges.tobytes(), split
+        # end > start); columns [:split] are read, [split:] written. With _descriptors: the words of ``split``
+        # descriptors (sources, destinations, sizes > 0), whose ranges are the sources' then the destinations'.
+        self.packed, self.split, self._descriptors = ranges.tobytes(), split, descriptors
         # Invariant: None until a view is asked for; then per kind ("r", "w", "rw"): (lo sorted, running max of
         # hi in that order, hi in that order).
         self._sorted: dict[str, tuple[I64, I64, I64]] | None = None
@@ -125,20 +129,18 @@ class Access:
 
     @property
     def ranges(self) -> I64:
-        """The (2, n) ranges (a new read-only array over the packed words)."""
-        return np.frombuffer(self.packed, dtype=np.int64).reshape(2, -1)
+        """The (2, n) ranges (a new read-only array over the packed words, or made from the descriptors)."""
+        words = np.frombuffer(self.packed, dtype=np.int64)
+        if self._descriptors:
+            n = self.split
+            starts, sizes = words[:2 * n], words[2 * n:]
+            return np.concatenate((starts, starts[:n] + sizes, starts[n:] + sizes)).reshape(2, -1)
+        return words.reshape(2, -1)
 
-    @property
-    def reads(self) -> tuple[I64, I64]:
-        """(starts, ends) of the ranges read."""
-        ranges = self.ranges
-        return ranges[0, :self.split], ranges[1, :self.split]
-
-    @property
-    def writes(self) -> tuple[I64, I64]:
-        """(starts, ends) of the ranges written."""
-        ranges = self.ranges
-        return ranges[0, self.split:], ranges[1, self.split:]
+    def sides(self) -> tuple[tuple[I64, I64], tuple[I64, I64]]:
+        """(starts, ends) of the ranges read, and of those written (the ranges made once for both)."""
+        ranges, split = self.ranges, self.split
+        return (ranges[0, :split], ranges[1, :split]), (ranges[0, split:], ranges[1, split:])
 
     @property
     def touches(self) -> bool:
@@ -289,7 +291,7 @@ class RaceDetector:
             sides: tuple[tuple[I64, I64], tuple[I64, I64]] | None = None  # built for the first unordered op
             for other in self._unordered(clock, lane_id):
                 if sides is None:
-                    sides = access.reads, access.writes
+                    sides = access.sides()
                 found = self._conflict(other, op, *sides)
                 if found is not None:
                     races.append(found)
@@ -359,12 +361,11 @@ class RaceDetector:
 
 def copy_access(buf: DescriptorBuffer, count: int) -> Access:
     """The ranges the first ``count`` descriptors of ``buf`` read (sources) and write (destinations) now."""
-    sizes = buf.sizes[:count]
-    if not count or np.minimum.reduce(sizes) > 0:   # every descriptor touches memory (one reduction, no mask)
-        src, dst = buf.src[:count], buf.dst[:count]
-    else:
-        live = sizes > 0
-        src, dst, sizes = buf.src[:count][live], buf.dst[:count][live], sizes[live]
+    src, dst, sizes = descriptor_rows(buf, count)
+    if count and sizes.item(sizes.argmin()) > 0:   # every descriptor touches memory: its words, read now
+        return Access(np.concatenate((src, dst, sizes)), count, descriptors=True)
+    live = sizes > 0
+    src, dst, sizes = src[live], dst[live], sizes[live]
     # The words of the (2, 2n) array Access packs: the starts (sources, then destinations), then the ends.
     ranges: I64 = np.concatenate((src, dst, src + sizes, dst + sizes))
     return Access(ranges, int(sizes.shape[0]))

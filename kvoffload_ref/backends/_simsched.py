@@ -35,7 +35,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends._simcopy import Plan
+from kvoffload_ref.backends._simsized import Plan
 from kvoffload_ref.backends.base import DescriptorBuffer, Tag
 
 __all__ = [
