@@ -55,6 +55,7 @@ import numpy.typing as npt
 from kvoffload_ref.canonical_plan import CanonicalLayout, check_canonical, cpu_pages, writer_mask
 from kvoffload_ref.destinations import GroupSpan, RepeatTest, cpu_duplicate, gpu_duplicate
 from kvoffload_ref.errors import InvalidTransferError
+from kvoffload_ref.planner_fill import fill_cpu, fill_gpu, fill_one
 from kvoffload_ref.specs import (
     CPULoadStoreSpec,
     Direction,
@@ -227,58 +228,6 @@ def _check_ids_in_range(side: _Side, ids: Int64Array, offset: int, least_rows: i
         f"{side.label}[{tensor}] (group {group}): expected 0 <= id < {int(side.rows[tensor])}")
 
 
-def _fill_gpu(out: Int64Array, ptr: Int64Array, stride: Int64Array, ids: Int64Array) -> None:
-    """Write ``ptr[r] + ids * stride[r]`` into ``out`` (shape: refs x blocks): one block per row."""
-    np.multiply(stride, ids[None, :], out=out)
-    out += ptr
-
-
-def _fill_one(out: Int64Array, first: Int64Array, stride: Int64Array, row: int) -> None:
-    """Write ``first + row * stride`` into the 1-D ``out`` (one block or chunk ``row`` per ref)."""
-    np.multiply(stride, row, out=out)
-    out += first
-
-
-def _add_outer(out: Int64Array, rows: Int64Array, subs: Int64Array) -> None:
-    """``out[r, c, j] = rows[r, c] + subs[r, j]``, looping over the shorter of the two last axes.
-
-    numpy runs its inner loop over the last axis; a short one (a few sub-blocks per chunk) makes that loop
-    several times slower, so with fewer sub-blocks than chunks each sub-block position is one long strided add.
-    """
-    if subs.shape[1] <= rows.shape[1]:
-        for j in range(subs.shape[1]):
-            np.add(rows, subs[:, j:j + 1], out=out[:, :, j])
-    else:
-        np.add(rows[:, :, None], subs[:, None, :], out=out)
-
-
-def _fill_cpu(out: Int64Array, cols: _GroupColumns, chunks: Int64Array, skip: int, bpc: int) -> None:
-    """Write the group's CPU sub-block addresses into ``out`` (shape: refs x blocks).
-
-    The sub-blocks of the chunks in order (``ptr[t] + chunk * stride[t] + j * sub[t]``), the first ``skip``
-    dropped, the next ``out.shape[1]`` kept (reference §2.3): a partial first chunk (``head``), whole chunks
-    written as a refs x chunks x bpc view of ``out``, and a partial last chunk (``tail``).
-    """
-    if bpc == 1:
-        _fill_gpu(out, cols.cpu_ptr, cols.cpu_stride, chunks)
-        return
-    rows = cols.cpu_stride * chunks[None, :] + cols.cpu_ptr  # refs x chunks
-    subs = cols.cpu_subs  # refs x bpc
-    size = out.shape[1]
-    head = min(size, (bpc - skip) % bpc)
-    first = 1 if skip else 0
-    whole = (size - head) // bpc
-    tail = size - head - whole * bpc
-    if head:
-        np.add(rows[:, :1], subs[:, skip:skip + head], out=out[:, :head])
-    if whole:
-        # Splitting the contiguous last axis never copies, so this reshape is a view that writes into ``out``.
-        middle = out[:, head:head + whole * bpc].reshape(out.shape[0], whole, bpc)
-        _add_outer(middle, rows[:, first:first + whole], subs)
-    if tail:
-        np.add(rows[:, first + whole:first + whole + 1], subs[:, :tail], out=out[:, size - tail:])
-
-
 class PreparedPlan:
     """One transfer, validated (R7) but not yet written out: how many descriptors and bytes it has, and
     :meth:`write` to lay them out into caller-provided arrays (or :meth:`to_plan` into new ones).
@@ -354,15 +303,17 @@ class PreparedPlan:
             refs = len(cols.refs.tensors)
             end = pos + s.size * refs
             if s.size == 1:   # one block (a small job): per ref, one GPU page and one CPU sub-block, flat
-                _fill_one(gpu_out[pos:end], cols.gpu_ptr1, cols.gpu_stride1, int(self._gpu_ids[s.gpu_off]))
-                _fill_one(cpu_out[pos:end], cols.cpu_firsts[s.skip], cols.cpu_stride1, int(self._cpu_ids[s.cpu_off]))
+                fill_one(gpu_out[pos:end], cols.gpu_ptr1, cols.gpu_stride1, int(self._gpu_ids[s.gpu_off]))
+                fill_one(cpu_out[pos:end], cols.cpu_firsts[s.skip], cols.cpu_stride1,
+                         int(self._cpu_ids[s.cpu_off]))
                 sizes[pos:end] = cols.refs.page_sizes
                 pos = end
                 continue
             shape = (refs, s.size)
-            _fill_gpu(gpu_out[pos:end].reshape(shape), cols.gpu_ptr, cols.gpu_stride,
+            fill_gpu(gpu_out[pos:end].reshape(shape), cols.gpu_ptr, cols.gpu_stride,
                       self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
-            _fill_cpu(cpu_out[pos:end].reshape(shape), cols, self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count],
+            fill_cpu(cpu_out[pos:end].reshape(shape), cols.cpu_ptr, cols.cpu_stride, cols.cpu_subs,
+                     self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count],
                       s.skip, bpc)
             sizes[pos:end].reshape(shape)[...] = cols.page_sizes
             pos = end
@@ -422,8 +373,9 @@ class CanonicalPlan(PreparedPlan):
             cols = planner._columns[s.group]
             shape = (len(cols.refs.tensors), s.size)
             gpu_base, cpu_base = np.empty(shape, dtype=np.int64), np.empty(shape, dtype=np.int64)
-            _fill_gpu(gpu_base, cols.gpu_ptr, cols.gpu_stride, self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
-            _fill_cpu(cpu_base, cols, self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.skip, bpc)
+            fill_gpu(gpu_base, cols.gpu_ptr, cols.gpu_stride, self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
+            fill_cpu(cpu_base, cols.cpu_ptr, cols.cpu_stride, cols.cpu_subs,
+                     self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.skip, bpc)
             tables = planner._fragments[s.group]
             if tables is not None and all(mask is keep[0] for mask in keep):  # one op per column for all refs
                 mask = keep[0]
