@@ -143,12 +143,11 @@ class SimClockCalls(SimCore):
 
 def _tail_of(watched: set[Record]) -> Callable[[Op], bool]:
     """``Scheduler.run``'s ``until`` for a drain's pause: the op that just finished completed the last record queued
-    on a watched record's stream (no record left in its queue; the record ops ahead of it are near its front)."""
+    on a watched record's stream (no record left in its queue: it is the stream's ``last_record``)."""
     streams = {r.stream for r in watched}
 
     def until(op: Op) -> bool:
-        return (isinstance(op, RecordOp) and op.stream in streams
-                and not any(isinstance(queued, RecordOp) for queued in op.stream.queue))
+        return op.stream.last_record is op and op.stream in streams
     return until
 
 
