@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload_ref.backends._simcost import CostModel, CostProfile, LinkModel
-from kvoffload_ref.backends._simmem import DescriptorWords, Memory, Span, address, descriptor_rows
+from kvoffload_ref.backends._simmem import DescriptorWords, Memory, Span, address
 from kvoffload_ref.backends._simrace import Access, RaceDetector, Violation, ViolationKind, transfer_name
 from kvoffload_ref.backends._simsched import (
     ComputeOp,
@@ -35,6 +35,7 @@ from kvoffload_ref.backends._simsched import (
     SimEvent,
     SimStream,
     SlowOp,
+    descriptor_rows,
 )
 from kvoffload_ref.backends._simtrace import SimTrace
 from kvoffload_ref.backends.base import (
@@ -200,8 +201,8 @@ class SimCore:
         no descriptors, so each descriptor's span is checked as it is); the copy still runs."""
         if len(self._memory.pinned) <= 1:   # no two registrations to span (first_crossing's own first test)
             return
-        sizes = buf.sizes[:count]
-        for side, addrs in (("source", buf.src[:count]), ("destination", buf.dst[:count])):
+        src, dst, sizes = descriptor_rows(buf, count)
+        for side, addrs in (("source", src), ("destination", dst)):
             found = self._memory.first_crossing(addrs, sizes)
             if found is not None:
                 k, first, second = found
@@ -432,7 +433,7 @@ class SimCore:
                 return op.delay if self._cost is None else op.delay * self._cost.compute_factor()
             return 0.0
         # A CopyOp (its class, as tested): its descriptors are read there, a snapshot.
-        op.plan, slow = self._memory.plan(*descriptor_rows(op.buf, op.count))
+        op.plan, slow = self._memory.plan(*op.descriptors())   # the buffer's rows: not started yet
         if self._cost is not None:
             return self._cost.price(op, op.plan, slow, self.copy_path, self._memory.seams())
         total = op.plan.live_bytes()

@@ -39,20 +39,16 @@ from kvoffload_ref.backends._simcopy import (
     byte_views,
 )
 from kvoffload_ref.backends._simsized import ByCount, Plan, SizedPlan, by_count, sized_plan
-from kvoffload_ref.backends.base import DescriptorBuffer
 from kvoffload_ref.backends.copy_paths import registration_seams
 from kvoffload_ref.errors import InvalidTransferError
 
 __all__ = [
     "EACH_MAX_PER_PAIR", "SMALL_BATCH", "CopyPlan", "DescriptorWords", "Intervals", "Memory", "Plan", "SizedPlan",
-    "SmallPlan", "Span", "address", "descriptor_rows", "host_view",
+    "SmallPlan", "Span", "address", "host_view",
 ]
 
 I64 = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
-
-#: An array's min() and max() without their Python wrappers.
-_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 #: int64 words per shared block of descriptor words (4 KiB); buffers needing more than a quarter of one get
 #: their own array, so a block that one live buffer keeps alive wastes at most 4 KiB.
@@ -315,14 +311,6 @@ class Memory:
         if self._pin_index is None:
             self._pin_index = Intervals(self.pinned.items())
         return self._pin_index
-
-
-def descriptor_rows(buf: DescriptorBuffer, count: int) -> tuple[I64, I64, I64]:
-    """The first ``count`` descriptors of ``buf``: views of its (src, dst, sizes) rows, the rows themselves when it
-    holds exactly ``count`` (no slicing)."""
-    if count == buf.capacity:
-        return buf.src, buf.dst, buf.sizes
-    return buf.src[:count], buf.dst[:count], buf.sizes[:count]
 
 
 def host_view(ptr: int, nbytes: int) -> Bytes:

@@ -52,8 +52,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload_ref.backends._simmem import address, descriptor_rows
-from kvoffload_ref.backends._simsched import Clock, Record, SimStream
+from kvoffload_ref.backends._simmem import address
+from kvoffload_ref.backends._simsched import Clock, Record, SimStream, descriptor_rows
 from kvoffload_ref.backends.base import DescriptorBuffer, Tag
 
 __all__ = ["Access", "RaceDetector", "Violation", "ViolationKind", "copy_access", "rows_access", "transfer_name"]

@@ -40,7 +40,7 @@ from kvoffload_ref.backends.base import DescriptorBuffer, Tag
 
 __all__ = [
     "ComputeOp", "CopyOp", "HangOp", "Op", "Record", "RecordOp", "Scheduler", "SimEvent", "SimStream", "SlowOp",
-    "WaitOp",
+    "WaitOp", "descriptor_rows",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -207,8 +207,7 @@ class CopyOp(Op):
         """The (src, dst, sizes) this copy uses: the snapshot once started, else the buffer's current rows."""
         if self.plan is not None:
             return self.plan.src, self.plan.dst, self.plan.sizes
-        n = self.count
-        return self.buf.src[:n], self.buf.dst[:n], self.buf.sizes[:n]
+        return descriptor_rows(self.buf, self.count)
 
     def touches(self, lo: int, hi: int) -> bool:
         """Whether any descriptor's source or destination intersects [lo, hi)."""
@@ -216,6 +215,14 @@ class CopyOp(Op):
         live = sizes > 0
         return bool(np.any(live & (src < hi) & (src + sizes > lo)) or
                     np.any(live & (dst < hi) & (dst + sizes > lo)))
+
+
+def descriptor_rows(buf: DescriptorBuffer, count: int) -> tuple[I64, I64, I64]:
+    """The first ``count`` descriptors of ``buf``: views of its (src, dst, sizes) rows, the rows themselves when it
+    holds exactly ``count`` (no slicing)."""
+    if count == buf.capacity:
+        return buf.src, buf.dst, buf.sizes
+    return buf.src[:count], buf.dst[:count], buf.sizes[:count]
 
 
 class Scheduler:
