@@ -362,13 +362,11 @@ class RaceDetector:
 def copy_access(buf: DescriptorBuffer, count: int) -> Access:
     """The ranges the first ``count`` descriptors of ``buf`` read (sources) and write (destinations) now."""
     src, dst, sizes = descriptor_rows(buf, count)
-    if count and sizes.item(sizes.argmin()) > 0:   # every descriptor touches memory: its words, read now
-        return Access(np.concatenate((src, dst, sizes)), count, descriptors=True)
-    live = sizes > 0
-    src, dst, sizes = src[live], dst[live], sizes[live]
-    # The words of the (2, 2n) array Access packs: the starts (sources, then destinations), then the ends.
-    ranges: I64 = np.concatenate((src, dst, src + sizes, dst + sizes))
-    return Access(ranges, int(sizes.shape[0]))
+    if not count or sizes.item(sizes.argmin()) <= 0:   # some touch nothing: keep the others
+        live = sizes > 0
+        src, dst, sizes = src[live], dst[live], sizes[live]
+    # Their words, read now; the ranges are made from them only when another op is checked against this one.
+    return Access(np.concatenate((src, dst, sizes)), int(sizes.shape[0]), descriptors=True)
 
 
 def rows_access(target: npt.NDArray[np.uint8], rows: I64) -> Access:
