@@ -32,7 +32,7 @@ from kvoffload_ref.lifecycle import WorkerState
 from kvoffload_ref.region import HostRegion
 from kvoffload_ref.results import HeldBlocks, ReleasedHold, ShutdownPolicy, ShutdownReport, TransferResult, WorkerStats
 from kvoffload_ref.specs import CPULoadStoreSpec, Direction, GPULoadStoreSpec, KVCacheLayout
-from kvoffload_ref.validate import check_int, check_positive
+from kvoffload_ref.validate import check_int, check_positive, short_repr
 
 __all__ = ["CoreAPI", "Pinning", "WorkerFacade", "WorkerOptions", "build_with_region", "check_options"]
 
@@ -318,7 +318,8 @@ def check_options(blocks_per_chunk: object, policy: object, pin_chunk_bytes: obj
                                    f"{type(policy).__name__} {policy!r}")
     stall = None if stall_warning is None else check_positive("stall_warning", stall_warning, unit="seconds")
     if not isinstance(pinning, str) or pinning not in PINNINGS:
-        raise InvalidTransferError(f"pinning must be one of {', '.join(map(repr, PINNINGS))}, got {pinning!r}")
+        raise InvalidTransferError(f"pinning must be one of {', '.join(map(repr, PINNINGS))}, got "
+                                   f"{type(pinning).__name__} {short_repr(pinning)} (e.g. 'auto')")
     return WorkerOptions(bpc, policy or ShutdownPolicy(), pin_bytes, require_pinned, compute_stream,
                          as_canonical(canonical), stall, pinning)  # type: ignore[arg-type]  # checked: a Pinning
 

