@@ -190,18 +190,24 @@ def _positive_int(text: str) -> int:
 
 def _seconds_or_zero(text: str) -> float:
     """An option's number of seconds, 0 allowed (argparse names the option in its message)."""
-    return 0.0 if text.strip() in ("0", "0.0") else _positive_float(text)
+    return _seconds(text, allow_zero=True)
 
 
 def _positive_float(text: str) -> float:
     """An option's positive number of seconds (argparse names the option in its message)."""
+    return _seconds(text, allow_zero=False)
+
+
+def _seconds(text: str, *, allow_zero: bool) -> float:
+    """An option's number of seconds: > 0, or >= 0 with ``allow_zero`` (any spelling of zero: 0, 0.00, 0e0, -0)."""
+    wanted = "a number >= 0" if allow_zero else "a positive number"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number (e.g. 60), got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value} (e.g. 60)")
-    return value
+        raise argparse.ArgumentTypeError(f"expected {wanted} (e.g. 60), got {text!r}") from None
+    if not (value >= 0 if allow_zero else value > 0):
+        raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else 'positive'}, got {value} (e.g. 60)")
+    return value + 0.0  # -0.0 reads as 0.0
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -254,3 +254,16 @@ def test_cli_explore_reproduce_lines_run_as_printed_from_the_factory_directory(t
                            check=False, cwd=tmp_path, env=env)
     assert again.returncode == 1, again.stdout[-2000:] + again.stderr[-2000:]
     assert "reproduce: " + line in again.stdout
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("0", 0.0), ("0.00", 0.0), ("0e0", 0.0), ("-0", 0.0), ("2.5", 2.5)])
+def test_cli_fuzz_shrink_seconds_takes_zero_in_any_spelling(text: str, seconds: float) -> None:
+    assert cli._parser().parse_args(["fuzz", "--shrink-seconds", text]).shrink_seconds == seconds
+
+
+@pytest.mark.parametrize("text", ["-1", "soon", "nan"])
+def test_cli_fuzz_shrink_seconds_refuses_a_negative_or_non_number(text: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli._parser().parse_args(["fuzz", "--shrink-seconds", text])
+    assert exit_.value.code == 2 and "--shrink-seconds" in capsys.readouterr().err

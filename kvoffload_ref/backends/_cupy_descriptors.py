@@ -20,6 +20,7 @@ from kvoffload_ref.backends._cupy_copy import MIN_DESCRIPTOR_SLOTS
 from kvoffload_ref.backends._cupy_runtime import HOST_ALLOC_FLAGS, CudaCalls, host_words
 from kvoffload_ref.backends.base import DescriptorBuffer, Tag
 from kvoffload_ref.errors import DeviceError, InvalidTransferError, LifecycleError
+from kvoffload_ref.validate import short_repr
 
 __all__ = ["DescriptorBlock", "DescriptorPool"]
 
@@ -90,7 +91,7 @@ class DescriptorPool:
         """
         block = getattr(buf, "handle", None)
         if not isinstance(block, DescriptorBlock) or block.owner != id(self):
-            raise InvalidTransferError(f"buf: {type(buf).__name__} {repr(buf)[:80]} was not allocated by this "
+            raise InvalidTransferError(f"buf: {type(buf).__name__} {short_repr(buf)} was not allocated by this "
                                        "backend: expected one from its alloc_descriptors()")
         return block
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvoffload_ref.errors import InvalidTransferError
 from kvoffload_ref.specs import TensorGeometry
+from kvoffload_ref.validate import short_repr
 
 __all__ = [
     "ByteView",
@@ -279,5 +280,5 @@ def check_shape(shape: object) -> tuple[int, int]:
     if (not isinstance(shape, tuple) or len(shape) != 2
             or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in shape)):
         raise InvalidTransferError(f"shape must be a tuple of two non-negative ints (e.g. (4, 64)), got "
-                                   f"{type(shape).__name__} {repr(shape)[:80]}")
+                                   f"{type(shape).__name__} {short_repr(shape)}")
     return int(shape[0]), int(shape[1])

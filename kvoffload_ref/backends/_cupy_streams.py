@@ -22,6 +22,7 @@ from kvoffload_ref.errors import (
     DeviceError,
     InvalidTransferError,
 )
+from kvoffload_ref.validate import short_repr
 
 __all__ = ["StreamsMixin"]
 
@@ -206,7 +207,7 @@ class StreamsMixin:
 
     def _stream(self, stream: Stream, *, allow_destroyed: bool = False) -> CupyStream:
         if not isinstance(stream, CupyStream):
-            raise InvalidTransferError(f"stream: {type(stream).__name__} {repr(stream)[:80]} is not a stream of the "
+            raise InvalidTransferError(f"stream: {type(stream).__name__} {short_repr(stream)} is not a stream of the "
                                        "CuPy backend: expected one from its create_stream() or compute_stream()")
         if stream.destroyed and not allow_destroyed:
             raise DeviceError(f"stream {stream.ptr:#x} was destroyed", CUDA_ERROR_INVALID_RESOURCE_HANDLE)
@@ -214,7 +215,7 @@ class StreamsMixin:
 
     def _event(self, event: Event, *, allow_destroyed: bool = False) -> CupyEvent:
         if not isinstance(event, CupyEvent):
-            raise InvalidTransferError(f"event: {type(event).__name__} {repr(event)[:80]} is not an event of the "
+            raise InvalidTransferError(f"event: {type(event).__name__} {short_repr(event)} is not an event of the "
                                        "CuPy backend: expected one from its create_event()")
         if event.destroyed and not allow_destroyed:
             raise DeviceError(f"event {event.ptr:#x} was destroyed", CUDA_ERROR_INVALID_RESOURCE_HANDLE)

@@ -82,17 +82,45 @@ class SimClockCalls(SimCore):
         Raises:
             InvalidTransferError: what :meth:`sleep` raises for ``seconds``.
         """
+        self._pause(seconds, exact=True, to_tail=to_tail)
+
+    def _pause(self, seconds: float, *, exact: bool, to_tail: bool) -> None:
+        """``sleep`` and ``poll_sleep`` (both the ``on_call`` point ``"sleep"``): the thread's clock moves, so what its
+        queries watched is dropped -- a poll pause (``exact``) stops at the first of them to complete."""
         if self.on_call is not None:
             self.on_call("sleep", None)
         seconds = check_seconds("seconds", seconds)
         with self._lock:
             watched = self._watched.pop(threading.get_ident(), None)
-            self._advance(seconds, watched or None, to_tail)
+            self._advance(seconds, (watched or None) if exact else None, to_tail)
+
+    def sleep(self, seconds: float) -> None:
+        """Advance the virtual clock by ``seconds``, running the work due by then. Never raises a DeviceError.
+
+        A duration too short to move the clock (below its resolution at the current time) moves it by one step.
+
+        Args:
+            seconds: a finite number of seconds >= 0 (an int or a float).
+
+        Raises:
+            InvalidTransferError: a negative duration, NaN, an infinity, a bool, a non-number, an int too large for
+                a float, or a duration that would move the clock past the largest float (R7; the clock is left
+                as it was). It is a ValueError.
+        """
+        self._pause(seconds, exact=False, to_tail=False)
+
+    def clock_advance(self, seconds: float) -> None:
+        """Test helper: the same as :meth:`sleep`.
+
+        Raises:
+            InvalidTransferError: what :meth:`sleep` raises.
+        """
+        self.sleep(seconds)
 
     def _advance(self, seconds: float, watched: set[Record] | None, to_tail: bool = False) -> None:
         """Move the clock by ``seconds`` (``sleep``), or to the first completion of a ``watched`` record if sooner
-        (none already complete: then it does not move; ``to_tail``: to the completion of the last record queued on
-        a watched record's stream). Under the lock."""
+        (if one completed already it does not move: the next poll sees it at once; ``to_tail``: to the completion
+        of the last record queued on a watched record's stream). Under the lock."""
         sched = self._sched
         now = sched.now
         target = now + seconds

@@ -42,7 +42,6 @@ raises.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -425,34 +424,6 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
             self.on_call("monotonic", None)
         with self._lock:
             return self._sched.now
-
-    def sleep(self, seconds: float) -> None:
-        """Advance the virtual clock by ``seconds``, running the work due by then. Never raises a DeviceError.
-
-        A duration too short to move the clock (below its resolution at the current time) moves it by one step.
-
-        Args:
-            seconds: a finite number of seconds >= 0 (an int or a float).
-
-        Raises:
-            InvalidTransferError: a negative duration, NaN, an infinity, a bool, a non-number, an int too large for
-                a float, or a duration that would move the clock past the largest float (R7; the clock is left
-                as it was). It is a ValueError.
-        """
-        if self.on_call is not None:
-            self.on_call("sleep", None)
-        seconds = check_seconds("seconds", seconds)
-        with self._lock:
-            self._watched.pop(threading.get_ident(), None)  # the thread's clock moved: a new poll watches anew
-            self._advance(seconds, None)
-
-    def clock_advance(self, seconds: float) -> None:
-        """Test helper: the same as :meth:`sleep`.
-
-        Raises:
-            InvalidTransferError: what :meth:`sleep` raises.
-        """
-        self.sleep(seconds)
 
     def prove_idle(self, streams: Sequence[Stream], deadline: float) -> bool:
         """The device-level proof (R13): fresh events on each of ``streams`` (only those), polled until
