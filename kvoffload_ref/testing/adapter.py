@@ -391,8 +391,10 @@ class SimDevice:
             self._ever_observed.add(label)
 
     def observed(self) -> frozenset[tuple[str, int]]:
-        """Every completion the host observed so far (an event query that returned True, or a sync), as its
-        transfer's tag (``("store", job)``): what a reproduction asserts R5/R20/R27 over."""
+        """Every completion the host observed *directly* so far (an event query of that transfer's event that
+        returned True, or a sync), as its transfer's tag (``("store", job)``): what a reproduction asserts R5/R20
+        over. Stricter than the kit's own check, which also counts an observation implied by a later one on the same
+        stream (``RaceModel.is_observed``): a reproduction of that check may still fail after a fix the kit accepts."""
         return frozenset(self._ever_observed)
 
     def take_observations(self, before: int | None = None) -> list[tuple[str, int] | None]:

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from kvoffload_ref.testing.adapter import HeldLike, ReleasedLike
 from kvoffload_ref.testing.model import Model, ModelTransfer
+from kvoffload_ref.testing.reproduction import set_literal
 
 __all__ = ["HeldSets", "conflict", "held_problems", "held_sets", "release_problems"]
 
@@ -41,8 +42,8 @@ HeldSets = dict[str, tuple[frozenset[int], frozenset[int]]]
 
 def held_sets(held: HeldLike) -> HeldSets:
     """``held()`` as sets per side."""
-    return {"gpu": (frozenset(map(int, held.gpu_blocks)), frozenset(map(int, held.gpu_blocks_writes_only))),
-            "cpu": (frozenset(map(int, held.cpu_chunks)), frozenset(map(int, held.cpu_chunks_writes_only)))}
+    return {side: (frozenset(map(int, getattr(held, every))), frozenset(map(int, getattr(held, writes))))
+            for side, (every, writes) in _FIELDS.items()}
 
 
 def _access(direction: str, gpu_ids: Iterable[int], cpu_ids: Iterable[int]) -> tuple[tuple[str, set[int]],
@@ -71,9 +72,6 @@ def _held(side: str, writes_only: bool = False) -> str:
     return f"set(map(int, w.held().{_FIELDS[side][writes_only]}))"
 
 
-def _ids(ids: Iterable[int]) -> str:
-    """A set of ids as a Python literal."""
-    return "{" + ", ".join(map(str, sorted(ids))) + "}" if ids else "set()"
 
 
 def _touched(transfers: Iterable[ModelTransfer]) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
@@ -101,18 +99,18 @@ def held_problems(held: HeldSets, model: Model) -> Iterator[Problem]:
         if not must[side] <= every:
             yield "R27", (f"{side} ids {sorted(must[side] - every)} are not held although a late copy (a job "
                           f"reported failed, its hold not released) may still touch them: {_jobs(model.holding())}"
-                          ), f"{_ids(must[side])} <= {_held(side)}"
+                          ), f"{set_literal(must[side])} <= {_held(side)}"
         if not must_any[side] <= held_any:
             yield "R27", (f"{side} ids {sorted(must_any[side] - held_any)} are held for writes only although a late "
                           f"copy may still write them: {_jobs(model.holding())}"
-                          ), f"{_ids(must_any[side])} <= {_held(side)} - {_held(side, True)}"
+                          ), f"{set_literal(must_any[side])} <= {_held(side)} - {_held(side, True)}"
         if not every <= may[side]:
             yield "R27", (f"{side} ids {sorted(every - may[side])} are held although no late (or possibly late) "
-                          "copy touches them"), f"{_held(side)} <= {_ids(may[side])}"
+                          "copy touches them"), f"{_held(side)} <= {set_literal(may[side])}"
         if not held_any <= may_any[side]:
             yield "R27", (f"{side} ids {sorted(held_any - may_any[side])} are held for any access although no late "
                           "(or possibly late) copy writes them: they need only be held against writes"
-                          ), f"{_held(side)} - {_held(side, True)} <= {_ids(may_any[side])}"
+                          ), f"{_held(side)} - {_held(side, True)} <= {set_literal(may_any[side])}"
 
 
 def release_problems(record: ReleasedLike, model: Model, observed: bool) -> Iterator[Problem]:

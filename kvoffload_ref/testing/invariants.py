@@ -27,7 +27,8 @@ from kvoffload_ref.testing.expiry import failure_problems
 from kvoffload_ref.testing.holds import held_problems, held_sets, release_problems
 from kvoffload_ref.testing.machine_base import MachineBase
 from kvoffload_ref.testing.model import ModelTransfer
-from kvoffload_ref.testing.outcomes import accounting_problems, attribution_problems, outcome_problems
+from kvoffload_ref.testing.outcomes import LISTED, accounting_problems, attribution_problems, outcome_problems
+from kvoffload_ref.testing.reproduction import set_literal
 from kvoffload_ref.testing.shutdown import (
     Expectations,
     report_problems,
@@ -88,9 +89,11 @@ class Checks(MachineBase):
         if self.capabilities.attribution:
             self._problems(attribution_problems(result, transfer, f"{transfer.direction} job {transfer.job_id}"))
 
-    def _check_success(self, transfer: ModelTransfer, result: ResultLike) -> None:
+    def _check_success(self, transfer: ModelTransfer, result: ResultLike, results: str = "results") -> None:
+        """R5/R20/R27: a job reported successful may be (``results``: the script's expression of the list it was
+        reported in -- the last get_finished(), or a shutdown report's unreported jobs)."""
         job = transfer.job_id
-        failed = f"all(not r.success for r in results if r.job_id == {job})"  # the script's assertion
+        failed = f"all(not r.success for r in {results} if r.job_id == {job})"  # the script's assertion
         self._check(not transfer.hung, "R5", f"job {job} reported success although a hang selected it: its "
                                              "completion can never be proven", failed)
         self._check(not transfer.blocked, "R4/R5", f"job {job} reported success although it is queued behind a "
@@ -104,7 +107,8 @@ class Checks(MachineBase):
                     "of its end event returned True)", f"{failed} or {(transfer.direction, job)!r} in dev.observed()")
         self._check(result.transfer_size == transfer.nbytes, "R5",
                     f"job {job} reported {result.transfer_size} bytes, expected {transfer.nbytes}",
-                    f"all(not r.success or r.transfer_size == {transfer.nbytes} for r in results if r.job_id == {job})")
+                    f"all(not r.success or r.transfer_size == {transfer.nbytes} for r in {results} "
+                    f"if r.job_id == {job})")
 
     def _check_memory(self) -> None:
         """R4/R5: every settled byte (GPU, and the CPU region) holds what the model says it holds."""
@@ -183,7 +187,7 @@ class Checks(MachineBase):
         for outcome in report.unreported:
             transfer = model.transfers[outcome.result.job_id]
             if outcome.result.success:
-                self._check_success(transfer, outcome.result)
+                self._check_success(transfer, outcome.result, LISTED)
         type(self).counters.outcomes_checked += len(report.unreported)
 
 
@@ -218,7 +222,7 @@ class Checks(MachineBase):
         self._check(False, "R4/R20", f"dma_race pairs differ from the model: flagged but ordered by the rules "
                                      f"{extra}; unordered by the rules but not flagged {missed} "
                                      f"(details: {self.dev.race_details()}){waits}",
-                    "dev.races() == " + ("{" + ", ".join(map(repr, sorted(predicted))) + "}" if predicted else "set()"))
+                    f"dev.races() == {set_literal(predicted)}")
 
     def _hazard_accepted(self) -> bool:
         if self.current_setup.policy.on_unproven != "release" or self.phase not in ("closed", "dropped"):

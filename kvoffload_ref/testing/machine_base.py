@@ -294,11 +294,10 @@ class MachineBase(RuleBasedStateMachine):
             self._fail(rules, message, asserts() if callable(asserts) else asserts)
             raise ConformanceError(f"{rules}: {message}")
 
-    def _problems(self, problems: Iterable[tuple[str, ...]]) -> None:
-        """Fail the run at the first problem: (rules, message) or (rules, message, the check in the script's
-        terms)."""
-        for rules, message, *asserts in problems:
-            self._check(False, rules, message, asserts[0] if asserts else None)
+    def _problems(self, problems: Iterable[tuple[str, str, str]]) -> None:
+        """Fail the run at the first problem: (rules, message, the check in the script's terms)."""
+        for rules, message, asserts in problems:
+            self._check(False, rules, message, asserts)
 
     def _fresh_job(self) -> int:
         job, self.next_job = self.next_job, self.next_job + 1

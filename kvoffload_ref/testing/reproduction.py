@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final, TextIO
 
 __all__ = ["NO_SCRIPT_FORM", "REPRODUCTION_HEADING", "as_test", "report_once"]
@@ -26,6 +26,12 @@ _HEADER_START: Final = "import "
 REPRODUCTION_HEADING: Final = "# Reproduction (runnable Python, a test):"
 #: The start of Hypothesis's own replay line (``print_blob``): kept beside the reproduction.
 _BLOB_START: Final = "You can reproduce this test case by temporarily adding @reproduce_failure"
+
+
+def set_literal(values: Iterable[object]) -> str:
+    """A set as a Python literal for a reproduction's assertion (sorted; ``set()`` when empty)."""
+    items = sorted(values)  # type: ignore[type-var]  # ids, labels, pairs: sortable
+    return "{" + ", ".join(map(repr, items)) + "}" if items else "set()"
 
 
 def as_test(lines: Sequence[str], rules: str, message: str, asserts: str | None) -> str:

@@ -174,8 +174,7 @@ class TransferRules(MachineBase):
             # R28: the fresh stream a direction goes on after a retirement is its own (made at its next submission,
             # kept for the one after a failed one), not the failed submission's
             fresh = {"stream": 1} if self.running else {}
-            bound = {str(kind): n + fresh.get(kind, 0) for kind, n in live.items()}
-            bound.update({kind: n for kind, n in fresh.items() if kind not in bound})
+            bound: dict[str, int] = {**fresh, **{kind: n + fresh.get(kind, 0) for kind, n in live.items()}}
             self._check(all(n <= bound.get(kind, 0) for kind, n in after.items()), "R16",
                         f"a failed submission left resources live: {live} -> {after}",
                         f"all(n <= {bound!r}.get(kind, 0) for kind, n in dev.ledger.live().items())")

@@ -12,6 +12,7 @@ from typing import Final
 from kvoffload_ref.faults import FaultPoint
 from kvoffload_ref.testing.adapter import ReportLike, SimDevice
 from kvoffload_ref.testing.model import Model
+from kvoffload_ref.testing.reproduction import set_literal
 from kvoffload_ref.worker import ShutdownPolicy
 
 __all__ = ["MARGIN", "REGION_MEMORY", "SLACK", "Expectations", "Problem", "expectations", "interrupted_problems",
@@ -188,4 +189,5 @@ def _ledger(report: ReportLike, device: SimDevice) -> Iterator[Problem]:
                       "dev.ledger.leaked() == dict(report.leaked)")
     if (report.region == "quarantined") != region_kept(report.quarantined):
         yield ("R12", f"region {report.region} but quarantined {dict(report.quarantined)}",
-                      "(report.region == 'quarantined') == bool({'mapping', 'pinned_alloc'} & set(report.quarantined))")
+                      f"(report.region == 'quarantined') == "
+                      f"bool({set_literal(REGION_MEMORY)} & set(report.quarantined))")

@@ -19,7 +19,9 @@ from kvoffload_ref.testing.adapter import (
 )
 from kvoffload_ref.testing.machine_base import ConformanceError, MachineBase
 from kvoffload_ref.testing.outcomes import settled_jobs
+from kvoffload_ref.testing.reproduction import set_literal
 from kvoffload_ref.testing.shutdown import (
+    REGION_MEMORY,
     SLACK,
     Expectations,
     expectations,
@@ -204,8 +206,8 @@ class ShutdownRules(MachineBase):
             kept = region_kept(ledger.quarantined())
             if self.current_setup.policy.on_unproven == "quarantine" and expect.must_quarantine and stuck_touches:
                 self._check(kept, "R12/R15", "the finalizer released a region a hung transfer may touch",
-                            "bool({'mapping', 'pinned_alloc'} & set(dev.ledger.quarantined()))")
+                            f"bool({set_literal(REGION_MEMORY)} & set(dev.ledger.quarantined()))")
             if expect.must_release:
                 self._check(not kept, "R12/R15", "the finalizer quarantined a region that could be proven idle",
-                            "not {'mapping', 'pinned_alloc'} & set(dev.ledger.quarantined())")
+                            f"not {set_literal(REGION_MEMORY)} & set(dev.ledger.quarantined())")
 
