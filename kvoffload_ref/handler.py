@@ -46,7 +46,7 @@ from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream
 from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.errors import DeviceError, detached
 from kvoffload_ref.handler_drain import DrainHalf
-from kvoffload_ref.handler_pools import DESCRIPTORS, END, EVENTS, JOB_ID, NBYTES, Taken, Transfer
+from kvoffload_ref.handler_pools import DESCRIPTORS, Taken, Transfer
 from kvoffload_ref.lifecycle import Action, HandlerInput, HandlerState
 from kvoffload_ref.planner import Planner, PreparedPlan
 from kvoffload_ref.results import (
@@ -339,7 +339,7 @@ class DirectionHandler(DrainHalf):
         if self._broken:
             window = itertools.takewhile(lambda t: t.broken is None, window)
         if mark is None:
-            ends = list(map(END, window))
+            ends = [t.end for t in window]  # a comprehension: on CPython 3.11 it beats map over an attrgetter
         else:
             ends = []
             for transfer in window:
@@ -387,13 +387,16 @@ class DirectionHandler(DrainHalf):
         if action is _REPORT:
             kind = self._kind
             self._resolved += [proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag) for h in run]
-        self._events += itertools.chain.from_iterable(map(EVENTS, run))
+        events = self._events.append  # two appends a transfer: no (start, end) tuple per transfer
+        for transfer in run:
+            events(transfer.start)
+            events(transfer.end)
         self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
         # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its
         # outcome is built when a report is read, so a teardown of thousands allocates nothing per job.
         if action is _COUNT_DRAINED:
-            self._drained_ids.extend(map(JOB_ID, run))
-            self._drained_bytes.extend(map(NBYTES, run))
+            self._drained_ids += [t.job_id for t in run]
+            self._drained_bytes.fromlist([t.nbytes for t in run])  # one resize (extend grows item by item)
             if self._tagged:  # an untagged handler keeps no tags (nothing per job)
                 self._drained_tags += [t.user_tag for t in run]
             self._counts["drained"] += len(run)

@@ -27,7 +27,7 @@ from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import Direction
 from kvoffload_ref.validate import Int64Array
 
-__all__ = ["DESCRIPTORS", "END", "EVENTS", "JOB_ID", "NBYTES", "Taken", "Transfer", "release_pools"]
+__all__ = ["DESCRIPTORS", "EVENTS", "Taken", "Transfer", "release_pools"]
 
 _T = TypeVar("_T")
 
@@ -97,10 +97,7 @@ class Transfer:
 
 
 EVENTS = operator.attrgetter("start", "end")
-JOB_ID = operator.attrgetter("job_id")
-NBYTES = operator.attrgetter("nbytes")
 DESCRIPTORS = operator.attrgetter("descriptors")
-END = operator.attrgetter("end")
 
 
 def release_pools(backend: Backend, direction: Direction, leaks: Leaks, stream: Stream | None, events: list[Event],
