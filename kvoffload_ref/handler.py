@@ -46,7 +46,7 @@ from kvoffload_ref.backends.base import Backend, DescriptorBuffer, Event, Stream
 from kvoffload_ref.canonical_plan import CanonicalLayout
 from kvoffload_ref.errors import DeviceError, detached
 from kvoffload_ref.handler_drain import DrainHalf
-from kvoffload_ref.handler_pools import DESCRIPTORS, Taken, Transfer
+from kvoffload_ref.handler_pools import Taken, Transfer
 from kvoffload_ref.lifecycle import Action, HandlerInput, HandlerState
 from kvoffload_ref.planner import Planner, PreparedPlan
 from kvoffload_ref.results import (
@@ -387,11 +387,12 @@ class DirectionHandler(DrainHalf):
         if action is _REPORT:
             kind = self._kind
             self._resolved += [proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag) for h in run]
-        events = self._events.append  # two appends a transfer: no (start, end) tuple per transfer
-        for transfer in run:
+        events, descriptors = self._events.append, self._descriptors.append
+        for transfer in run:  # one pass, no (start, end) tuple per transfer
             events(transfer.start)
             events(transfer.end)
-        self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
+            if transfer.descriptors is not None:  # None: no copy
+                descriptors(transfer.descriptors)
         # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its
         # outcome is built when a report is read, so a teardown of thousands allocates nothing per job.
         if action is _COUNT_DRAINED:

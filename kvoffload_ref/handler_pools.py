@@ -27,7 +27,7 @@ from kvoffload_ref.shield import Leaks, Shield, each, finish_all
 from kvoffload_ref.specs import Direction
 from kvoffload_ref.validate import Int64Array
 
-__all__ = ["DESCRIPTORS", "EVENTS", "Taken", "Transfer", "release_pools"]
+__all__ = ["EVENTS", "Taken", "Transfer", "release_pools"]
 
 _T = TypeVar("_T")
 
@@ -97,7 +97,6 @@ class Transfer:
 
 
 EVENTS = operator.attrgetter("start", "end")
-DESCRIPTORS = operator.attrgetter("descriptors")
 
 
 def release_pools(backend: Backend, direction: Direction, leaks: Leaks, stream: Stream | None, events: list[Event],

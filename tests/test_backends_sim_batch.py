@@ -48,7 +48,8 @@ class _Rig:
 @pytest.mark.parametrize("at", [0, 1, 17, RUN - 2])
 def test_sim_query_prefix_of_a_done_run_stops_where_the_general_path_stops(intruder: str, at: int) -> None:
     """A long run whose last event is done (the drain's common case, answered without the general path's lists)
-    still stops before a pending, destroyed or foreign event (or a handle that is no event) wherever it sits, and counts a never-recorded one."""
+    still stops before a pending, destroyed or foreign event (or a handle that is no event) wherever it sits, and
+    counts a never-recorded one."""
     rig = _Rig()
     be = rig.be
     fast = be.create_stream()

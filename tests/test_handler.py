@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+import kvoffload_ref as kv
 from kvoffload_ref.handler import PREFIX_WINDOW
-from tests._support import CPU_CHUNKS, GPU_BLOCKS, cspec, gspec, make_worker
+from tests._support import CPU_CHUNKS, GPU_BLOCKS, PAGE, cspec, gspec, make_worker
 
 
 def _submit(w: Any, count: int) -> None:
@@ -51,3 +52,20 @@ def test_handler_proven_heads_return_their_events_to_the_pool_start_then_end_in_
     assert len(w.get_finished()) == 3
     assert handler._events == [*before, *(e for pair in queued for e in pair)]
     w.shutdown()
+
+
+@pytest.mark.rule("R10")
+def test_handler_a_proven_zero_op_transfer_pools_no_descriptor_buffer() -> None:
+    """A transfer with nothing to copy holds no descriptor buffer: reported or drained, it returns its events to
+    the pool and nothing else (the release then frees only real buffers: no failed release step)."""
+    layout = kv.KVCacheLayout(tensor_page_bytes=(PAGE,), groups=((kv.LayerRef(0, PAGE),), (kv.LayerRef(0, PAGE),)))
+    be, w, _ = make_worker(layout=layout)
+    empty = kv.GPULoadStoreSpec([], group_sizes=(0, 0), block_indices=(0, 0))
+    w.submit_store(7, empty, cspec([]))
+    w.wait({7})
+    assert [r.job_id for r in w.get_finished()] == [7]  # reported: booked by the REPORT branch
+    w.submit_store(8, empty, cspec([]))
+    be.sleep(1.0)
+    report = w.shutdown()
+    assert report.store.drained == 1  # drained: booked by the COUNT_DRAINED branch
+    assert (report.errors, dict(report.leaked)) == ((), {}) and not be.violations and not be.ledger.live()
