@@ -73,10 +73,14 @@ class SimBatchCalls(SimCore):
 
     def _pop_live(self, live: dict[int, Any], keys: list[int], handles: Sequence[object], call: str,
                   what: str) -> list[int]:
-        """Remove ``handles`` (keys ``keys``) from the ``live`` table; returns the keys removed. A handle that is
-        not live there (or named twice) is recorded as ``invalid_release`` and left as it was."""
+        """Remove ``handles`` (keys ``keys``: each one's ``id()``) from the ``live`` table (each live handle held
+        under its own ``id()``); returns the keys removed. A handle that is not live there (or named twice) is
+        recorded as ``invalid_release`` and left as it was."""
         popped = list(map(live.pop, keys, itertools.repeat(None)))
-        if all(map(operator.is_, popped, handles)):
+        # Two live objects never share an id(): whatever a handle's id() finds in the table is that handle, so all
+        # found (none None: one C pass over truth values, no call per handle) is all live. The sim's handles define
+        # neither __bool__ nor __len__; a false one would only take the checked path below.
+        if all(popped):
             return keys
         removed = []  # misuse: put back what was popped by mistake, record each handle that was not live
         for key, handle, found in zip(keys, handles, popped, strict=True):
