@@ -72,6 +72,9 @@ logger = logging.getLogger("kvoffload_ref.handler")
 # ~65 ns a read against ~6 ns for a bound name, on CPython 3.11.7).
 _SUBMIT, _HEAD_PROVEN = HandlerInput.SUBMIT, HandlerInput.HEAD_PROVEN
 _ENQUEUE, _REPORT, _COUNT_DRAINED = Action.ENQUEUE, Action.REPORT, Action.COUNT_DRAINED
+#: The handler table's legal steps, read once (``_step``: one dict read a step; a refused pair goes to
+#: ``tables.step``, which raises).
+_HANDLER_MOVES = tables.moves(lifecycle.HANDLER_TABLE, HandlerState)
 
 #: The most end events one ``query_prefix`` call is asked about: few enough that a window's transfers, events and
 #: records are still in cache when the proven heads are booked (a drain of thousands runs window by window).
@@ -502,5 +505,8 @@ class DirectionHandler(DrainHalf):
             int(self._stream is not None), len(self._events), len(self._descriptors), *health)
 
     def _step(self, event: HandlerInput) -> Action:
-        self.state, action = tables.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)
+        move = _HANDLER_MOVES.get((self.state, event))
+        if move is None:  # a refused pair: step raises its error
+            move = tables.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)
+        self.state, action = move
         return action
