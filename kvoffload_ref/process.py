@@ -71,7 +71,7 @@ _PID = os.getpid()
 
 def _refresh_pid() -> None:
     """``os.register_at_fork(after_in_child=...)``: the new child's pid, before anything else of the package runs."""
-    global _PID
+    global _PID  # noqa: PLW0603  # one pid for the process
     _PID = os.getpid()
 
 
@@ -90,7 +90,7 @@ class ProcessOwner:
 
     def inherited(self) -> bool:
         """Whether this is a forked child's copy (the calling process is not the owner)."""
-        return _PID != self.pid
+        return self.pid != _PID
 
     def check(self, what: str) -> None:
         """Refuse a call on an inherited copy.
@@ -101,7 +101,7 @@ class ProcessOwner:
         Raises:
             WorkerClosedError: the calling process is not the owner (a forked child).
         """
-        if _PID != self.pid:
+        if self.pid != _PID:
             raise WorkerClosedError(
                 f"{what} belongs to process {self.pid}; this process ({os.getpid()}) is a forked child, which must "
                 "not use it (R21): build its own worker and region instead")
@@ -134,7 +134,7 @@ class CallGuard:
 
     def __enter__(self) -> None:
         worker = self._worker
-        if _PID != self._owner:  # R21 (the owner's check, inline: every public call comes here)
+        if self._owner != _PID:  # R21 (the owner's check, inline: every public call comes here)
             worker.owner.check("this worker")
         lock = worker.lock  # read each time: the conformance kit may wrap a worker's lock
         if lock._is_owned():
