@@ -217,8 +217,7 @@ class DirectionHandler(DrainHalf):
         if plan.num_ops:
             descriptors = self._take_descriptors(plan.num_ops, tag, taken)
             plan.write(descriptors.src, descriptors.dst, descriptors.sizes)
-        events, create = self._events, functools.partial(backend.create_event, tag=tag)
-        marker, start, end = taken.take(events, create), taken.take(events, create), taken.take(events, create)
+        marker, start, end = taken.take_three(self._events, backend.create_event, tag)
         backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
         backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
@@ -250,7 +249,7 @@ class DirectionHandler(DrainHalf):
         while self._descriptors and self._descriptors[-1].capacity < count:
             self.leaks.release(self._backend.free_descriptors, "descriptor", self._descriptors.pop(),  # idle but too
                                f"free a {self.direction} descriptor buffer too small to reuse")  # small, as upstream
-        return taken.take(self._descriptors, lambda: self._backend.alloc_descriptors(count, tag=tag))
+        return taken.take(self._descriptors, self._backend.alloc_descriptors, count, tag=tag)
 
     # -- completion -----------------------------------------------------------------------------------------------
     def knows(self, job_id: int) -> bool:
