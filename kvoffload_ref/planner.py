@@ -277,10 +277,10 @@ class PreparedPlan:
                     or array.ndim != 1 or array.shape[0] < n or not array.flags.writeable:
                 raise ValueError(f"PreparedPlan.write: {name} must be a writeable 1-D int64 array of at least "
                                  f"{n} entries")
-        targets = (src[:n], dst[:n], sizes[:n])
         if src.strides[0] == dst.strides[0] == sizes.strides[0] == 8:   # 1-D int64 with 8-byte steps: contiguous
-            self._write(*targets)
+            self._write(src, dst, sizes)   # it writes the first n entries alone (no slices of n made first)
         else:   # the reshapes below must be views: fill contiguous arrays, then copy them over
+            targets = (src[:n], dst[:n], sizes[:n])
             staged = [np.empty(n, dtype=np.int64) for _ in targets]
             self._write(*staged)
             for target, values in zip(targets, staged, strict=True):
@@ -294,7 +294,8 @@ class PreparedPlan:
         return CopyPlan(readonly(src), readonly(dst), readonly(sizes), self.num_ops, self.nbytes)
 
     def _write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> None:
-        """Lay the descriptors out group-major, then ref, then block, into C-contiguous arrays of num_ops."""
+        """Lay the descriptors out group-major, then ref, then block, into the first num_ops entries of C-contiguous
+        arrays (the entries after those are left alone)."""
         gpu_out, cpu_out = (src, dst) if self._store else (dst, src)
         columns, bpc = self._planner._columns, self._planner.blocks_per_chunk
         pos = 0
@@ -363,7 +364,7 @@ class CanonicalPlan(PreparedPlan):
             self._keep.append(keep)
 
     def _write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> None:
-        """Group-major, then ref, then block, then fragment."""
+        """Group-major, then ref, then block, then fragment (the first num_ops entries alone)."""
         gpu_out, cpu_out = (src, dst) if self._store else (dst, src)
         planner = self._planner
         canonical, bpc = planner.canonical, planner.blocks_per_chunk
@@ -489,6 +490,9 @@ class Planner:
         gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids
         for s in slices:
             cols = self._columns[s.group]
+            if s.size == 1 == s.cpu_count and gpu_ids.item(s.gpu_off) < cols.gpu_rows \
+                    and cpu_ids.item(s.cpu_off) < cols.cpu_rows:
+                continue   # one id per side, in range (a one-block job): no slices of the ids made
             _check_ids_in_range(self._gpu, gpu_ids[s.gpu_off:s.gpu_off + s.size], s.gpu_off, cols.gpu_rows,
                                 cols.refs, s.group)
             _check_ids_in_range(self._cpu, cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.cpu_off, cols.cpu_rows,
