@@ -136,11 +136,12 @@ class _GroupColumns:
     cpu_rows: int  # Invariant: the same for the CPU views.
     cpu_subs: Int64Array  # Invariant: cpu_subs[r, j] = j * tensor_page_bytes[tensor of ref r].
     page_sizes: Int64Array
-    # Invariant: the same factors flat, per ref, for a slice of one block (a small job's): gpu_ptr, gpu_stride and
-    # cpu_stride as 1-D arrays, cpu_firsts[j] = cpu_ptr + cpu_subs[:, j] (the sub-block j of chunk 0, per ref).
+    # Invariant: the same factors flat, per ref, for a slice of one block (a small job's): gpu_ptr as a 1-D array,
+    # gpu_stride and cpu_stride as 1-D arrays or, where every ref's is the same (as usual), that one stride as an
+    # int (``fill_one``); cpu_firsts[j] = cpu_ptr + cpu_subs[:, j] (the sub-block j of chunk 0, per ref).
     gpu_ptr1: Int64Array
-    gpu_stride1: Int64Array
-    cpu_stride1: Int64Array
+    gpu_stride1: Int64Array | int
+    cpu_stride1: Int64Array | int
     cpu_firsts: tuple[Int64Array, ...]
 
     @classmethod
@@ -150,8 +151,13 @@ class _GroupColumns:
         firsts = tuple(readonly(cpu.ptr[t] + subs[:, j]) for j in range(bpc))
         return cls(refs, gpu.ptr[t][:, None], gpu.stride[t][:, None], int(gpu.rows[t].min()),
                    cpu.ptr[t][:, None], cpu.stride[t][:, None], int(cpu.rows[t].min()), subs,
-                   refs.page_sizes[:, None], readonly(gpu.ptr[t]), readonly(gpu.stride[t]), readonly(cpu.stride[t]),
-                   firsts)
+                   refs.page_sizes[:, None], readonly(gpu.ptr[t]), _one_or_each(gpu.stride[t]),
+                   _one_or_each(cpu.stride[t]), firsts)
+
+
+def _one_or_each(strides: Int64Array) -> Int64Array | int:
+    """The one stride all of a group's refs share (an int), or each ref's (a read-only 1-D array)."""
+    return int(strides[0]) if len(strides) and (strides == strides[0]).all() else readonly(strides)
 
 
 class _Slice(NamedTuple):
@@ -304,9 +310,9 @@ class PreparedPlan:
             refs = len(cols.refs.tensors)
             end = pos + s.size * refs
             if s.size == 1:   # one block (a small job): per ref, one GPU page and one CPU sub-block, flat
-                fill_one(gpu_out[pos:end], cols.gpu_ptr1, cols.gpu_stride1, int(self._gpu_ids[s.gpu_off]))
+                fill_one(gpu_out[pos:end], cols.gpu_ptr1, cols.gpu_stride1, self._gpu_ids.item(s.gpu_off))
                 fill_one(cpu_out[pos:end], cols.cpu_firsts[s.skip], cols.cpu_stride1,
-                         int(self._cpu_ids[s.cpu_off]))
+                         self._cpu_ids.item(s.cpu_off))
                 sizes[pos:end] = cols.refs.page_sizes
                 pos = end
                 continue
