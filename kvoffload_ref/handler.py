@@ -183,7 +183,8 @@ class DirectionHandler(DrainHalf):
         if self._step(_SUBMIT) is not _ENQUEUE:  # every other pair is refused
             return
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
-        gpu_ids, cpu_ids = self._running.holds.admit(self.direction, job_id, src, dst)  # R27: nothing done if refused
+        gpu_ids, cpu_ids = plan.gpu_ids, plan.cpu_ids  # the checked specs' ids
+        self._running.holds.check(self.direction, job_id, gpu_ids, cpu_ids)  # R27: nothing done if refused
         if self._stream is None:  # R28: the last stream was retired: new work goes to a fresh one
             self._stream = self._backend.create_stream()
         taken, shield = Taken(), Shield()
@@ -276,7 +277,7 @@ class DirectionHandler(DrainHalf):
         """Hand over the waiting results; no backend call, so no interrupt at a call splits it (R14)."""
         results, self._resolved = self._resolved, []
         if results:
-            self._jobs.difference_update([r.job_id for r in results])
+            self._jobs.difference_update(map(JOB_ID, results))
         return results
 
     def last_of(self, job_ids: set[int]) -> Transfer | Mark[Transfer] | None:
@@ -297,11 +298,11 @@ class DirectionHandler(DrainHalf):
 
     def settle(self, mark: object) -> bool:
         """Observe the queue's heads without blocking, up to ``mark``; whether ``mark`` is resolved now."""
-        if isinstance(mark, Mark):
-            self._reap()
+        if type(mark) is Transfer:  # a wait's own job here (what last_of returns without retired streams)
+            self._reap(mark)
             return mark.resolved
-        assert isinstance(mark, Transfer)  # Invariant: the worker passes what last_of returned
-        self._reap(mark)
+        assert isinstance(mark, Mark)  # Invariant: the worker passes what last_of returned
+        self._reap()
         return mark.resolved
 
     def _reap(self, mark: Transfer | None = None) -> None:

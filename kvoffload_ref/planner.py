@@ -244,15 +244,16 @@ class PreparedPlan:
     Attributes:
         num_ops: number of copies.
         nbytes: total bytes copied.
+        gpu_ids, cpu_ids: the checked specs' block ids (read-only 1-D int64 arrays): the GPU spec's, the CPU spec's.
     """
 
-    __slots__ = ("_cpu_ids", "_gpu_ids", "_planner", "_slices", "_store", "nbytes", "num_ops")
+    __slots__ = ("_planner", "_slices", "_store", "cpu_ids", "gpu_ids", "nbytes", "num_ops")
 
     def __init__(self, planner: Planner, gpu_ids: Int64Array, cpu_ids: Int64Array, slices: list[_Slice],
                  store: bool) -> None:
         self._planner = planner
         # Invariant: the specs' read-only id arrays (specs are immutable), validated against the geometry.
-        self._gpu_ids, self._cpu_ids = gpu_ids, cpu_ids
+        self.gpu_ids, self.cpu_ids = gpu_ids, cpu_ids
         self._slices = slices
         self._store = store
         groups, num_ops, nbytes = planner._columns, 0, 0
@@ -310,17 +311,17 @@ class PreparedPlan:
             refs = len(cols.refs.tensors)
             end = pos + s.size * refs
             if s.size == 1:   # one block (a small job): per ref, one GPU page and one CPU sub-block, flat
-                fill_one(gpu_out[pos:end], cols.gpu_ptr1, cols.gpu_stride1, self._gpu_ids.item(s.gpu_off))
+                fill_one(gpu_out[pos:end], cols.gpu_ptr1, cols.gpu_stride1, self.gpu_ids.item(s.gpu_off))
                 fill_one(cpu_out[pos:end], cols.cpu_firsts[s.skip], cols.cpu_stride1,
-                         self._cpu_ids.item(s.cpu_off))
+                         self.cpu_ids.item(s.cpu_off))
                 sizes[pos:end] = cols.refs.page_sizes
                 pos = end
                 continue
             shape = (refs, s.size)
             fill_gpu(gpu_out[pos:end].reshape(shape), cols.gpu_ptr, cols.gpu_stride,
-                      self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
+                      self.gpu_ids[s.gpu_off:s.gpu_off + s.size])
             fill_cpu(cpu_out[pos:end].reshape(shape), cols.cpu_ptr, cols.cpu_stride, cols.cpu_subs,
-                     self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count],
+                     self.cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count],
                       s.skip, bpc)
             sizes[pos:end].reshape(shape)[...] = cols.page_sizes
             pos = end
@@ -380,9 +381,9 @@ class CanonicalPlan(PreparedPlan):
             cols = planner._columns[s.group]
             shape = (len(cols.refs.tensors), s.size)
             gpu_base, cpu_base = np.empty(shape, dtype=np.int64), np.empty(shape, dtype=np.int64)
-            fill_gpu(gpu_base, cols.gpu_ptr, cols.gpu_stride, self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
+            fill_gpu(gpu_base, cols.gpu_ptr, cols.gpu_stride, self.gpu_ids[s.gpu_off:s.gpu_off + s.size])
             fill_cpu(cpu_base, cols.cpu_ptr, cols.cpu_stride, cols.cpu_subs,
-                     self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.skip, bpc)
+                     self.cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.skip, bpc)
             tables = planner._fragments[s.group]
             if tables is not None and all(mask is keep[0] for mask in keep):  # one op per column for all refs
                 mask = keep[0]
