@@ -269,10 +269,6 @@ class DirectionHandler(DrainHalf):
         self.reap()
         return self.take_results()
 
-    def reap(self) -> None:
-        """Observe the heads without blocking; what is proven or failed waits in the results (R5)."""
-        self._reap()
-
     def take_results(self) -> list[TransferResult]:
         """Hand over the waiting results; no backend call, so no interrupt at a call splits it (R14)."""
         results, self._resolved = self._resolved, []
@@ -299,17 +295,18 @@ class DirectionHandler(DrainHalf):
     def settle(self, mark: object) -> bool:
         """Observe the queue's heads without blocking, up to ``mark``; whether ``mark`` is resolved now."""
         if type(mark) is Transfer:  # a wait's own job here (what last_of returns without retired streams)
-            self._reap(mark)
+            self.reap(mark)
             return mark.resolved
         assert isinstance(mark, Mark)  # Invariant: the worker passes what last_of returned
-        self._reap()
+        self.reap()
         return mark.resolved
 
-    def _reap(self, mark: Transfer | None = None) -> None:
-        """Observe heads without blocking (up to ``mark``, if given) until one is still pending: runs of completed
-        heads with one prefix query, and ``mark`` itself, once it is the head, with one ``query`` (a prefix query
-        of one event would say no more, and a pending head would then be queried twice). Retired streams first
-        (R28); a pending head past its deadline expires (R26)."""
+    def reap(self, mark: Transfer | None = None) -> None:
+        """Observe the heads without blocking (up to ``mark``, if given) until one is still pending; what is proven
+        or failed waits in the results (R5). Runs of completed heads are proven with one prefix query, and ``mark``
+        itself, once it is the head, with one ``query`` (a prefix query of one event would say no more, and a
+        pending head would then be queried twice). Retired streams first (R28); a pending head past its deadline
+        expires (R26)."""
         if self._retired.lanes:  # the common case (none) tested without a call
             self._retired.poll(self._backend.query, self._proven_retired, self._failed_retired, self._free_late,
                                self._backend.monotonic(), self._expired)
@@ -388,8 +385,9 @@ class DirectionHandler(DrainHalf):
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
         if action is _REPORT:
-            kind = self._kind
-            self._resolved += [proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag) for h in run]
+            kind, resolved = self._kind, self._resolved
+            for h in run:  # a loop, not a comprehension: no frame of its own (a wait proves one head)
+                resolved.append(proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag))
         self._events += itertools.chain.from_iterable(map(EVENTS, run))
         self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
         # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its
@@ -484,7 +482,7 @@ class DirectionHandler(DrainHalf):
     def cancel(self, job_ids: set[int]) -> None:
         """R26: query first (never wait): a done job is reported as done; then every listed job still queued, and
         the jobs behind it on its stream, are late ("cancel"/"behind"); unknown or reported ids are ignored."""
-        self._reap()
+        self.reap()
         if self._retired:  # live jobs on retired streams
             self._retired.cancel(job_ids, self._backend.monotonic(), self._expired)
         index = next((i for i, t in enumerate(self._queue) if t.job_id in job_ids), None)

@@ -207,8 +207,11 @@ class Core:
         with self.call:
             if self.transition(_WAIT) is _RETURN_EMPTY:
                 return
-            # R6: FIFO: in each direction the last listed job queued settles them all
-            awaited = [(h, m) for h in (self.store, self.load) if (m := h.last_of(ids)) is not None]
+            awaited: list[tuple[DirectionHandlerAPI, object]] = []
+            for handler in (self.store, self.load):
+                mark = handler.last_of(ids)  # R6: FIFO: in each direction the last listed job queued settles them all
+                if mark is not None:
+                    awaited.append((handler, mark))
             # R19: the first awaited direction's first poll is one more non-blocking step of this hold, on the clock
             # reading just made; every later poll is a step of its own (a later direction's first on a new reading).
             polled = bool(awaited) and not awaited[0][0].settle(awaited[0][1])
