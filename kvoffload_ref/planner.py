@@ -493,8 +493,8 @@ class Planner:
         return self.prepare(direction, src_spec, dst_spec).to_plan()
 
     def _prepare(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, store: bool) -> PreparedPlan:
-        slices = self._slices(gpu_spec, cpu_spec)
         gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids
+        slices = self._slices(gpu_spec, cpu_spec, len(cpu_ids))
         for s in slices:
             cols = self._columns[s.group]
             if s.size == 1 == s.cpu_count and gpu_ids.item(s.gpu_off) < cols.gpu_rows \
@@ -504,18 +504,20 @@ class Planner:
                                 cols.refs, s.group)
             _check_ids_in_range(self._cpu, cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.cpu_off, cols.cpu_rows,
                                 cols.refs, s.group)
-        if store:
-            self._check_cpu_destinations(slices, cpu_ids)
-        else:
-            self._check_gpu_destinations(slices, gpu_ids)
+        if len(cpu_ids if store else gpu_ids) > 1:  # R7 (one destination id, a one-block job's, cannot repeat)
+            if store:
+                self._check_cpu_destinations(slices, cpu_ids)
+            else:
+                self._check_gpu_destinations(slices, gpu_ids)
         if self.canonical is not None:
             return CanonicalPlan(self, gpu_ids, cpu_ids, slices, store, self.canonical)
         return PreparedPlan(self, gpu_ids, cpu_ids, slices, store)
 
-    def _slices(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec) -> list[_Slice]:
-        """:func:`_slice_groups` of the specs, remembered per shape (a server's jobs come in a few shapes: one
-        block at each block index, a prompt's chunk...); the slices are never changed by their users."""
-        key = (gpu_spec.group_sizes, gpu_spec.block_indices, len(cpu_spec.block_ids))
+    def _slices(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, cpu_count: int) -> list[_Slice]:
+        """:func:`_slice_groups` of the specs (``cpu_count``: the CPU spec's id count), remembered per shape (a
+        server's jobs come in a few shapes: one block at each block index, a prompt's chunk...); the slices are never
+        changed by their users."""
+        key = (gpu_spec.group_sizes, gpu_spec.block_indices, cpu_count)
         found = self._shapes.get(key)
         if found is None:
             found = _slice_groups(self.layout, gpu_spec, cpu_spec, self.blocks_per_chunk)  # raises: not kept
