@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import array
 import collections
-import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -237,7 +236,7 @@ class DirectionHandler(DrainHalf):
         """Record the end event of a transfer whose copy the device already took, retried through interrupts;
         if it cannot be recorded, the transfer can never be proven by it and fails at the head (R5)."""
         try:
-            shield.run(functools.partial(self._backend.record, transfer.end, self._stream, tag=transfer.tag))
+            shield.run(self._backend.record, transfer.end, self._stream, tag=transfer.tag)
         except Exception as exc:
             transfer.broken = detached(DeviceError(f"recording the end event of {self.direction} job "
                                                     f"{transfer.job_id} failed: {exc!r}"))
