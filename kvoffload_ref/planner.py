@@ -186,9 +186,13 @@ def _specs_for(direction: object, src_spec: object,
                dst_spec: object) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
     """Return (gpu_spec, cpu_spec) for ``direction``; src is checked before dst."""
     if direction == "store":
+        if isinstance(src_spec, GPULoadStoreSpec) and isinstance(dst_spec, CPULoadStoreSpec):
+            return src_spec, dst_spec  # the common case, with no call per spec
         gpu_spec = _expect(src_spec, GPULoadStoreSpec, "src_spec", direction)
         return gpu_spec, _expect(dst_spec, CPULoadStoreSpec, "dst_spec", direction)
     if direction == "load":
+        if isinstance(src_spec, CPULoadStoreSpec) and isinstance(dst_spec, GPULoadStoreSpec):
+            return dst_spec, src_spec
         cpu_spec = _expect(src_spec, CPULoadStoreSpec, "src_spec", direction)
         return _expect(dst_spec, GPULoadStoreSpec, "dst_spec", direction), cpu_spec
     raise InvalidTransferError(f"direction must be 'store' or 'load', got {direction!r}")
