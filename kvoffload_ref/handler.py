@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import array
 import collections
-import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -72,6 +71,9 @@ logger = logging.getLogger("kvoffload_ref.handler")
 # ~65 ns a read against ~6 ns for a bound name, on CPython 3.11.7).
 _SUBMIT, _HEAD_PROVEN = HandlerInput.SUBMIT, HandlerInput.HEAD_PROVEN
 _ENQUEUE, _REPORT, _COUNT_DRAINED = Action.ENQUEUE, Action.REPORT, Action.COUNT_DRAINED
+#: The handler table's legal steps, read once (``_step``: one dict read a step; a refused pair goes to
+#: ``tables.step``, which raises).
+_HANDLER_MOVES = tables.moves(lifecycle.HANDLER_TABLE, HandlerState)
 
 #: The most end events one ``query_prefix`` call is asked about: few enough that a window's transfers, events and
 #: records are still in cache when the proven heads are booked (a drain of thousands runs window by window).
@@ -180,7 +182,8 @@ class DirectionHandler(DrainHalf):
         if self._step(_SUBMIT) is not _ENQUEUE:  # every other pair is refused
             return
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
-        gpu_ids, cpu_ids = self._running.holds.admit(self.direction, job_id, src, dst)  # R27: nothing done if refused
+        gpu_ids, cpu_ids = plan.gpu_ids, plan.cpu_ids  # the checked specs' ids
+        self._running.holds.check(self.direction, job_id, gpu_ids, cpu_ids)  # R27: nothing done if refused
         if self._stream is None:  # R28: the last stream was retired: new work goes to a fresh one
             self._stream = self._backend.create_stream()
         taken, shield = Taken(), Shield()
@@ -214,8 +217,7 @@ class DirectionHandler(DrainHalf):
         if plan.num_ops:
             descriptors = self._take_descriptors(plan.num_ops, tag, taken)
             plan.write(descriptors.src, descriptors.dst, descriptors.sizes)
-        events, create = self._events, functools.partial(backend.create_event, tag=tag)
-        marker, start, end = taken.take(events, create), taken.take(events, create), taken.take(events, create)
+        marker, start, end = taken.take_three(self._events, backend.create_event, tag)
         backend.record(marker, self._compute, tag=tag)
         backend.wait_event(stream, marker)  # R4: after the compute work queued so far
         backend.record(start, stream, tag=tag)  # R4: after this handler's previous transfer (stream order)
@@ -234,7 +236,7 @@ class DirectionHandler(DrainHalf):
         """Record the end event of a transfer whose copy the device already took, retried through interrupts;
         if it cannot be recorded, the transfer can never be proven by it and fails at the head (R5)."""
         try:
-            shield.run(functools.partial(self._backend.record, transfer.end, self._stream, tag=transfer.tag))
+            shield.run(self._backend.record, transfer.end, self._stream, tag=transfer.tag)
         except Exception as exc:
             transfer.broken = detached(DeviceError(f"recording the end event of {self.direction} job "
                                                     f"{transfer.job_id} failed: {exc!r}"))
@@ -247,7 +249,7 @@ class DirectionHandler(DrainHalf):
         while self._descriptors and self._descriptors[-1].capacity < count:
             self.leaks.release(self._backend.free_descriptors, "descriptor", self._descriptors.pop(),  # idle but too
                                f"free a {self.direction} descriptor buffer too small to reuse")  # small, as upstream
-        return taken.take(self._descriptors, lambda: self._backend.alloc_descriptors(count, tag=tag))
+        return taken.take(self._descriptors, self._backend.alloc_descriptors, count, tag=tag)
 
     # -- completion -----------------------------------------------------------------------------------------------
     def knows(self, job_id: int) -> bool:
@@ -265,10 +267,6 @@ class DirectionHandler(DrainHalf):
         """Reap what is proven (or failed) without blocking; report each job once, in submission order (R5)."""
         self.reap()
         return self.take_results()
-
-    def reap(self) -> None:
-        """Observe the heads without blocking; what is proven or failed waits in the results (R5)."""
-        self._reap()
 
     def take_results(self) -> list[TransferResult]:
         """Hand over the waiting results; no backend call, so no interrupt at a call splits it (R14)."""
@@ -295,18 +293,19 @@ class DirectionHandler(DrainHalf):
 
     def settle(self, mark: object) -> bool:
         """Observe the queue's heads without blocking, up to ``mark``; whether ``mark`` is resolved now."""
-        if isinstance(mark, Mark):
-            self._reap()
+        if type(mark) is Transfer:  # a wait's own job here (what last_of returns without retired streams)
+            self.reap(mark)
             return mark.resolved
-        assert isinstance(mark, Transfer)  # Invariant: the worker passes what last_of returned
-        self._reap(mark)
+        assert isinstance(mark, Mark)  # Invariant: the worker passes what last_of returned
+        self.reap()
         return mark.resolved
 
-    def _reap(self, mark: Transfer | None = None) -> None:
-        """Observe heads without blocking (up to ``mark``, if given) until one is still pending: runs of completed
-        heads with one prefix query, and ``mark`` itself, once it is the head, with one ``query`` (a prefix query
-        of one event would say no more, and a pending head would then be queried twice). Retired streams first
-        (R28); a pending head past its deadline expires (R26)."""
+    def reap(self, mark: Transfer | None = None) -> None:
+        """Observe the heads without blocking (up to ``mark``, if given) until one is still pending; what is proven
+        or failed waits in the results (R5). Runs of completed heads are proven with one prefix query, and ``mark``
+        itself, once it is the head, with one ``query`` (a prefix query of one event would say no more, and a
+        pending head would then be queried twice). Retired streams first (R28); a pending head past its deadline
+        expires (R26)."""
         if self._retired.lanes:  # the common case (none) tested without a call
             self._retired.poll(self._backend.query, self._proven_retired, self._failed_retired, self._free_late,
                                self._backend.monotonic(), self._expired)
@@ -385,8 +384,9 @@ class DirectionHandler(DrainHalf):
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
         if action is _REPORT:
-            kind = self._kind
-            self._resolved += [proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag) for h in run]
+            kind, resolved = self._kind, self._resolved
+            for h in run:  # a loop, not a comprehension: no frame of its own (a wait proves one head)
+                resolved.append(proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag))
         events, descriptors = self._events.append, self._descriptors.append
         for transfer in run:  # one pass, no (start, end) tuple per transfer
             events(transfer.start)
@@ -485,7 +485,7 @@ class DirectionHandler(DrainHalf):
     def cancel(self, job_ids: set[int]) -> None:
         """R26: query first (never wait): a done job is reported as done; then every listed job still queued, and
         the jobs behind it on its stream, are late ("cancel"/"behind"); unknown or reported ids are ignored."""
-        self._reap()
+        self.reap()
         if self._retired:  # live jobs on retired streams
             self._retired.cancel(job_ids, self._backend.monotonic(), self._expired)
         index = next((i for i, t in enumerate(self._queue) if t.job_id in job_ids), None)
@@ -506,5 +506,8 @@ class DirectionHandler(DrainHalf):
             int(self._stream is not None), len(self._events), len(self._descriptors), *health)
 
     def _step(self, event: HandlerInput) -> Action:
-        self.state, action = tables.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)
+        move = _HANDLER_MOVES.get((self.state, event))
+        if move is None:  # a refused pair: step raises its error
+            move = tables.step(lifecycle.HANDLER_TABLE, self._machine, self.state, event)
+        self.state, action = move
         return action

@@ -48,11 +48,20 @@ class Taken:
         # Invariant: True from just before the copy is queued (its end event is recorded after it).
         self.end_pending = False
 
-    def take(self, pool: list[_T], create: Callable[[], _T]) -> _T:
-        """Pop an idle item from the pool, or create one."""
-        item, created = (pool.pop(), False) if pool else (create(), True)
+    def take(self, pool: list[_T], create: Callable[..., _T], *args: object, tag: Tag) -> _T:
+        """Pop an idle item from the pool, or create one: ``create(*args, tag=tag)``."""
+        item, created = (pool.pop(), False) if pool else (create(*args, tag=tag), True)
         self.items.append((pool, item, created))
         return item
+
+    def take_three(self, pool: list[_T], create: Callable[..., _T], tag: Tag) -> tuple[_T, _T, _T]:
+        """Three items (a transfer's marker, start and end events), as three :meth:`take` calls in a row take them:
+        popped while the pool has some, then each created with ``create(tag=tag)``."""
+        if len(pool) < 3:
+            return self.take(pool, create, tag=tag), self.take(pool, create, tag=tag), self.take(pool, create, tag=tag)
+        first, second, third = pool.pop(), pool.pop(), pool.pop()  # the common case: the pool holds them
+        self.items += ((pool, first, False), (pool, second, False), (pool, third, False))
+        return first, second, third
 
     def undo(self, backend: Backend, events: list[Event], leaks: Leaks, direction: Direction) -> None:
         """Give back what a submission took before its copy was queued (newest first): a pooled item to its pool

@@ -136,11 +136,12 @@ class _GroupColumns:
     cpu_rows: int  # Invariant: the same for the CPU views.
     cpu_subs: Int64Array  # Invariant: cpu_subs[r, j] = j * tensor_page_bytes[tensor of ref r].
     page_sizes: Int64Array
-    # Invariant: the same factors flat, per ref, for a slice of one block (a small job's): gpu_ptr, gpu_stride and
-    # cpu_stride as 1-D arrays, cpu_firsts[j] = cpu_ptr + cpu_subs[:, j] (the sub-block j of chunk 0, per ref).
+    # Invariant: the same factors flat, per ref, for a slice of one block (a small job's): gpu_ptr as a 1-D array,
+    # gpu_stride and cpu_stride as 1-D arrays or, where every ref's is the same (as usual), that one stride as an
+    # int (``fill_one``); cpu_firsts[j] = cpu_ptr + cpu_subs[:, j] (the sub-block j of chunk 0, per ref).
     gpu_ptr1: Int64Array
-    gpu_stride1: Int64Array
-    cpu_stride1: Int64Array
+    gpu_stride1: Int64Array | int
+    cpu_stride1: Int64Array | int
     cpu_firsts: tuple[Int64Array, ...]
 
     @classmethod
@@ -150,8 +151,13 @@ class _GroupColumns:
         firsts = tuple(readonly(cpu.ptr[t] + subs[:, j]) for j in range(bpc))
         return cls(refs, gpu.ptr[t][:, None], gpu.stride[t][:, None], int(gpu.rows[t].min()),
                    cpu.ptr[t][:, None], cpu.stride[t][:, None], int(cpu.rows[t].min()), subs,
-                   refs.page_sizes[:, None], readonly(gpu.ptr[t]), readonly(gpu.stride[t]), readonly(cpu.stride[t]),
-                   firsts)
+                   refs.page_sizes[:, None], readonly(gpu.ptr[t]), _one_or_each(gpu.stride[t]),
+                   _one_or_each(cpu.stride[t]), firsts)
+
+
+def _one_or_each(strides: Int64Array) -> Int64Array | int:
+    """The one stride all of a group's refs share (an int), or each ref's (a read-only 1-D array)."""
+    return int(strides[0]) if len(strides) and (strides == strides[0]).all() else readonly(strides)
 
 
 class _Slice(NamedTuple):
@@ -180,9 +186,13 @@ def _specs_for(direction: object, src_spec: object,
                dst_spec: object) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
     """Return (gpu_spec, cpu_spec) for ``direction``; src is checked before dst."""
     if direction == "store":
+        if isinstance(src_spec, GPULoadStoreSpec) and isinstance(dst_spec, CPULoadStoreSpec):
+            return src_spec, dst_spec  # the common case, with no call per spec
         gpu_spec = _expect(src_spec, GPULoadStoreSpec, "src_spec", direction)
         return gpu_spec, _expect(dst_spec, CPULoadStoreSpec, "dst_spec", direction)
     if direction == "load":
+        if isinstance(src_spec, CPULoadStoreSpec) and isinstance(dst_spec, GPULoadStoreSpec):
+            return dst_spec, src_spec
         cpu_spec = _expect(src_spec, CPULoadStoreSpec, "src_spec", direction)
         return _expect(dst_spec, GPULoadStoreSpec, "dst_spec", direction), cpu_spec
     raise InvalidTransferError(f"direction must be 'store' or 'load', got {direction!r}")
@@ -238,15 +248,16 @@ class PreparedPlan:
     Attributes:
         num_ops: number of copies.
         nbytes: total bytes copied.
+        gpu_ids, cpu_ids: the checked specs' block ids (read-only 1-D int64 arrays): the GPU spec's, the CPU spec's.
     """
 
-    __slots__ = ("_cpu_ids", "_gpu_ids", "_planner", "_slices", "_store", "nbytes", "num_ops")
+    __slots__ = ("_planner", "_slices", "_store", "cpu_ids", "gpu_ids", "nbytes", "num_ops")
 
     def __init__(self, planner: Planner, gpu_ids: Int64Array, cpu_ids: Int64Array, slices: list[_Slice],
                  store: bool) -> None:
         self._planner = planner
         # Invariant: the specs' read-only id arrays (specs are immutable), validated against the geometry.
-        self._gpu_ids, self._cpu_ids = gpu_ids, cpu_ids
+        self.gpu_ids, self.cpu_ids = gpu_ids, cpu_ids
         self._slices = slices
         self._store = store
         groups, num_ops, nbytes = planner._columns, 0, 0
@@ -277,10 +288,10 @@ class PreparedPlan:
                     or array.ndim != 1 or array.shape[0] < n or not array.flags.writeable:
                 raise ValueError(f"PreparedPlan.write: {name} must be a writeable 1-D int64 array of at least "
                                  f"{n} entries")
-        targets = (src[:n], dst[:n], sizes[:n])
         if src.strides[0] == dst.strides[0] == sizes.strides[0] == 8:   # 1-D int64 with 8-byte steps: contiguous
-            self._write(*targets)
+            self._write(src, dst, sizes)   # it writes the first n entries alone (no slices of n made first)
         else:   # the reshapes below must be views: fill contiguous arrays, then copy them over
+            targets = (src[:n], dst[:n], sizes[:n])
             staged = [np.empty(n, dtype=np.int64) for _ in targets]
             self._write(*staged)
             for target, values in zip(targets, staged, strict=True):
@@ -294,7 +305,8 @@ class PreparedPlan:
         return CopyPlan(readonly(src), readonly(dst), readonly(sizes), self.num_ops, self.nbytes)
 
     def _write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> None:
-        """Lay the descriptors out group-major, then ref, then block, into C-contiguous arrays of num_ops."""
+        """Lay the descriptors out group-major, then ref, then block, into the first num_ops entries of C-contiguous
+        arrays (the entries after those are left alone)."""
         gpu_out, cpu_out = (src, dst) if self._store else (dst, src)
         columns, bpc = self._planner._columns, self._planner.blocks_per_chunk
         pos = 0
@@ -303,17 +315,17 @@ class PreparedPlan:
             refs = len(cols.refs.tensors)
             end = pos + s.size * refs
             if s.size == 1:   # one block (a small job): per ref, one GPU page and one CPU sub-block, flat
-                fill_one(gpu_out[pos:end], cols.gpu_ptr1, cols.gpu_stride1, int(self._gpu_ids[s.gpu_off]))
+                fill_one(gpu_out[pos:end], cols.gpu_ptr1, cols.gpu_stride1, self.gpu_ids.item(s.gpu_off))
                 fill_one(cpu_out[pos:end], cols.cpu_firsts[s.skip], cols.cpu_stride1,
-                         int(self._cpu_ids[s.cpu_off]))
+                         self.cpu_ids.item(s.cpu_off))
                 sizes[pos:end] = cols.refs.page_sizes
                 pos = end
                 continue
             shape = (refs, s.size)
             fill_gpu(gpu_out[pos:end].reshape(shape), cols.gpu_ptr, cols.gpu_stride,
-                      self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
+                      self.gpu_ids[s.gpu_off:s.gpu_off + s.size])
             fill_cpu(cpu_out[pos:end].reshape(shape), cols.cpu_ptr, cols.cpu_stride, cols.cpu_subs,
-                     self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count],
+                     self.cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count],
                       s.skip, bpc)
             sizes[pos:end].reshape(shape)[...] = cols.page_sizes
             pos = end
@@ -363,7 +375,7 @@ class CanonicalPlan(PreparedPlan):
             self._keep.append(keep)
 
     def _write(self, src: Int64Array, dst: Int64Array, sizes: Int64Array) -> None:
-        """Group-major, then ref, then block, then fragment."""
+        """Group-major, then ref, then block, then fragment (the first num_ops entries alone)."""
         gpu_out, cpu_out = (src, dst) if self._store else (dst, src)
         planner = self._planner
         canonical, bpc = planner.canonical, planner.blocks_per_chunk
@@ -373,9 +385,9 @@ class CanonicalPlan(PreparedPlan):
             cols = planner._columns[s.group]
             shape = (len(cols.refs.tensors), s.size)
             gpu_base, cpu_base = np.empty(shape, dtype=np.int64), np.empty(shape, dtype=np.int64)
-            fill_gpu(gpu_base, cols.gpu_ptr, cols.gpu_stride, self._gpu_ids[s.gpu_off:s.gpu_off + s.size])
+            fill_gpu(gpu_base, cols.gpu_ptr, cols.gpu_stride, self.gpu_ids[s.gpu_off:s.gpu_off + s.size])
             fill_cpu(cpu_base, cols.cpu_ptr, cols.cpu_stride, cols.cpu_subs,
-                     self._cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.skip, bpc)
+                     self.cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.skip, bpc)
             tables = planner._fragments[s.group]
             if tables is not None and all(mask is keep[0] for mask in keep):  # one op per column for all refs
                 mask = keep[0]
@@ -485,26 +497,31 @@ class Planner:
         return self.prepare(direction, src_spec, dst_spec).to_plan()
 
     def _prepare(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, store: bool) -> PreparedPlan:
-        slices = self._slices(gpu_spec, cpu_spec)
         gpu_ids, cpu_ids = gpu_spec.block_ids, cpu_spec.block_ids
+        slices = self._slices(gpu_spec, cpu_spec, len(cpu_ids))
         for s in slices:
             cols = self._columns[s.group]
+            if s.size == 1 == s.cpu_count and gpu_ids.item(s.gpu_off) < cols.gpu_rows \
+                    and cpu_ids.item(s.cpu_off) < cols.cpu_rows:
+                continue   # one id per side, in range (a one-block job): no slices of the ids made
             _check_ids_in_range(self._gpu, gpu_ids[s.gpu_off:s.gpu_off + s.size], s.gpu_off, cols.gpu_rows,
                                 cols.refs, s.group)
             _check_ids_in_range(self._cpu, cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.cpu_off, cols.cpu_rows,
                                 cols.refs, s.group)
-        if store:
-            self._check_cpu_destinations(slices, cpu_ids)
-        else:
-            self._check_gpu_destinations(slices, gpu_ids)
+        if len(cpu_ids if store else gpu_ids) > 1:  # R7 (one destination id, a one-block job's, cannot repeat)
+            if store:
+                self._check_cpu_destinations(slices, cpu_ids)
+            else:
+                self._check_gpu_destinations(slices, gpu_ids)
         if self.canonical is not None:
             return CanonicalPlan(self, gpu_ids, cpu_ids, slices, store, self.canonical)
         return PreparedPlan(self, gpu_ids, cpu_ids, slices, store)
 
-    def _slices(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec) -> list[_Slice]:
-        """:func:`_slice_groups` of the specs, remembered per shape (a server's jobs come in a few shapes: one
-        block at each block index, a prompt's chunk...); the slices are never changed by their users."""
-        key = (gpu_spec.group_sizes, gpu_spec.block_indices, len(cpu_spec.block_ids))
+    def _slices(self, gpu_spec: GPULoadStoreSpec, cpu_spec: CPULoadStoreSpec, cpu_count: int) -> list[_Slice]:
+        """:func:`_slice_groups` of the specs (``cpu_count``: the CPU spec's id count), remembered per shape (a
+        server's jobs come in a few shapes: one block at each block index, a prompt's chunk...); the slices are never
+        changed by their users."""
+        key = (gpu_spec.group_sizes, gpu_spec.block_indices, cpu_count)
         found = self._shapes.get(key)
         if found is None:
             found = _slice_groups(self.layout, gpu_spec, cpu_spec, self.blocks_per_chunk)  # raises: not kept

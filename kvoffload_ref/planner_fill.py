@@ -21,8 +21,12 @@ def fill_gpu(out: Int64Array, ptr: Int64Array, stride: Int64Array, ids: Int64Arr
     out += ptr
 
 
-def fill_one(out: Int64Array, first: Int64Array, stride: Int64Array, row: int) -> None:
-    """Write ``first + row * stride`` into the 1-D ``out`` (one block or chunk ``row`` per ref)."""
+def fill_one(out: Int64Array, first: Int64Array, stride: Int64Array | int, row: int) -> None:
+    """Write ``first + row * stride`` into the 1-D ``out`` (one block or chunk ``row`` per ref): one addition where
+    every ref has the same stride (an int: its product with ``row`` fits int64, as every validated address does)."""
+    if type(stride) is int:
+        np.add(first, row * stride, out=out)
+        return
     np.multiply(stride, row, out=out)
     out += first
 

@@ -62,6 +62,23 @@ __all__ = [
 logger = logging.getLogger("kvoffload_ref.process")
 
 
+#: Invariant: this process's pid -- read at import and again first thing in every child forked afterwards
+#: (``os.register_at_fork``: ``os.fork()`` and multiprocessing's ``fork``). R21's check compares it with an owner's
+#: pid on every public call without a ``getpid`` system call (~0.1 us each). A C-level ``fork()`` Python is not told
+#: of runs no hook and cannot run Python safely anyway (CPython's own state is not reset there either).
+_PID = os.getpid()
+
+
+def _refresh_pid() -> None:
+    """``os.register_at_fork(after_in_child=...)``: the new child's pid, before anything else of the package runs."""
+    global _PID  # noqa: PLW0603  # one pid for the process
+    _PID = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):  # without it there is no fork either: the pid never changes
+    os.register_at_fork(after_in_child=_refresh_pid)
+
+
 class ProcessOwner:
     """The process that built an object (R21)."""
 
@@ -73,7 +90,7 @@ class ProcessOwner:
 
     def inherited(self) -> bool:
         """Whether this is a forked child's copy (the calling process is not the owner)."""
-        return os.getpid() != self.pid
+        return self.pid != _PID
 
     def check(self, what: str) -> None:
         """Refuse a call on an inherited copy.
@@ -84,7 +101,7 @@ class ProcessOwner:
         Raises:
             WorkerClosedError: the calling process is not the owner (a forked child).
         """
-        if os.getpid() != self.pid:
+        if self.pid != _PID:
             raise WorkerClosedError(
                 f"{what} belongs to process {self.pid}; this process ({os.getpid()}) is a forked child, which must "
                 "not use it (R21): build its own worker and region instead")
@@ -109,21 +126,23 @@ class CallGuard:
     releases the lock and then carries out the shutdown such a handler asked for.
     """
 
-    __slots__ = ("_worker",)
+    __slots__ = ("_owner", "_worker")
 
     def __init__(self, worker: Deferring) -> None:
         self._worker = worker
+        self._owner = worker.owner.pid  # Invariant: the worker's owning process (fixed for its life)
 
     def __enter__(self) -> None:
         worker = self._worker
-        if os.getpid() != worker.owner.pid:  # R21 (the owner's check, inline: every public call comes here)
+        if self._owner != _PID:  # R21 (the owner's check, inline: every public call comes here)
             worker.owner.check("this worker")
-        if worker.lock._is_owned():
+        lock = worker.lock  # read each time: the conformance kit may wrap a worker's lock
+        if lock._is_owned():
             raise LifecycleError("a worker method was called from a signal handler on a thread that is inside "
                                  "another call of the same worker; only shutdown() may be called there (R19)")
-        worker.lock.acquire()
+        lock.acquire()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
         worker = self._worker
         worker.lock.release()
         if (worker.shutdown_requested or worker.deferred_cancel) and not worker.lock._is_owned():

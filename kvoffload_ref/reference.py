@@ -43,6 +43,9 @@ logger = logging.getLogger("kvoffload_ref.worker")
 # ~65 ns a read against ~6 ns for a bound name, on CPython 3.11.7).
 _SUBMIT, _WAIT, _GET_FINISHED = WorkerInput.SUBMIT, WorkerInput.WAIT, WorkerInput.GET_FINISHED
 _RETURN_EMPTY = Action.RETURN_EMPTY
+#: The worker table's legal steps, read once (``Core.transition``: one dict read a call; a refused pair goes to
+#: ``tables.step``, which raises).
+_WORKER_MOVES: Final = tables.moves(lifecycle.WORKER_TABLE, WorkerState)
 
 
 class ReferenceWorker(WorkerFacade):
@@ -149,7 +152,10 @@ class Core:
             lockcheck.bind(handler, self, handler_api.GUARDED)
 
     def transition(self, event: WorkerInput) -> Action:
-        self.state, action = tables.step(lifecycle.WORKER_TABLE, "worker", self.state, event)
+        move = _WORKER_MOVES.get((self.state, event))
+        if move is None:  # a refused pair: step raises its error
+            move = tables.step(lifecycle.WORKER_TABLE, "worker", self.state, event)
+        self.state, action = move
         return action
 
     # -- the calls (R4-R8, R19) -------------------------------------------------------------------------------------
@@ -201,13 +207,19 @@ class Core:
         with self.call:
             if self.transition(_WAIT) is _RETURN_EMPTY:
                 return
-            marks = [(h, h.last_of(ids)) for h in (self.store, self.load)]  # R6: FIFO: the last settles them all
-        now: float | None = started  # the first poll's reading (read before it); a later direction's reads anew
-        for handler, mark in marks:  # R19: the lock is held for each poll, never across a sleep
-            if mark is not None:
-                wait_polling(self.backend, functools.partial(self._settle, handler, mark), started, deadline,
-                             f"{handler.direction} job {getattr(mark, 'job_id', '?')}", now=now)
-                now = None
+            awaited: list[tuple[DirectionHandlerAPI, object]] = []
+            for handler in (self.store, self.load):
+                mark = handler.last_of(ids)  # R6: FIFO: in each direction the last listed job queued settles them all
+                if mark is not None:
+                    awaited.append((handler, mark))
+            # R19: the first awaited direction's first poll is one more non-blocking step of this hold, on the clock
+            # reading just made; every later poll is a step of its own (a later direction's first on a new reading).
+            polled = bool(awaited) and not awaited[0][0].settle(awaited[0][1])
+        for handler, mark in awaited[0 if polled else 1:]:  # R19: the lock is held for each poll, never across a sleep
+            wait_polling(self.backend, functools.partial(self._settle, handler, mark), started, deadline,
+                         f"{handler.direction} job {getattr(mark, 'job_id', '?')}", now=started if polled else None,
+                         polled=polled)
+            polled = False
 
     def _settle(self, handler: DirectionHandlerAPI, mark: object) -> bool:
         with self.call:  # True once ``mark`` resolved, or shutdown began in another thread (R19)

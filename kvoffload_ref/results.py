@@ -394,8 +394,10 @@ def proven(job_id: int, nbytes: int, seconds: float | None, kind: tuple[str, str
     builds its results -- the fast engine builds one per proven job, and the frozen dataclass's ``__init__`` costs
     a microsecond more. Equal to ``TransferResult(job_id, True, nbytes, seconds, transfer_type=kind, tag=tag)``."""
     result = _NEW(TransferResult)
-    result.__dict__.update(_PROVEN, job_id=job_id, transfer_size=nbytes, transfer_time=seconds, transfer_type=kind,
-                           tag=tag)
+    fields = result.__dict__
+    fields.update(_PROVEN)  # then each in place (no keyword dict to build and merge: ~0.3 us less)
+    fields["job_id"], fields["transfer_size"], fields["transfer_time"] = job_id, nbytes, seconds
+    fields["transfer_type"], fields["tag"] = kind, tag
     return result
 
 

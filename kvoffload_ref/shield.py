@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, ParamSpec, Protocol, TypeVar
 
 __all__ = ["ATTEMPTS", "Leaks", "Shield", "each", "finish_all"]
 
@@ -29,6 +29,7 @@ logger = logging.getLogger("kvoffload_ref.shield")
 ATTEMPTS: Final = 3
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class Shield:
@@ -40,8 +41,8 @@ class Shield:
         # Invariant: the first interrupting BaseException (not an Exception) seen by run(), or None.
         self.interrupt: BaseException | None = None
 
-    def run(self, step: Callable[[], T]) -> T:
-        """Run ``step()``; retry it when an interrupt cuts it short (up to ATTEMPTS tries).
+    def run(self, step: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run ``step(*args, **kwargs)``; retry it when an interrupt cuts it short (up to ATTEMPTS tries).
 
         Returns:
             What the step returned.
@@ -52,7 +53,7 @@ class Shield:
         """
         for attempt in range(ATTEMPTS):
             try:
-                return step()
+                return step(*args, **kwargs)
             except Exception:
                 raise
             except BaseException as exc:

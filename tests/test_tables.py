@@ -53,3 +53,22 @@ def test_tables_allows_is_false_for_a_pair_missing_from_the_table() -> None:
     assert not tables.allows(sparse, S.B, In.GO)  # missing: step would raise LifecycleError
     with pytest.raises(LifecycleError):
         tables.step(sparse, "sparse", S.B, In.GO)
+
+
+@pytest.mark.rule("R8")
+@pytest.mark.parametrize("name", sorted(MACHINES))
+def test_tables_moves_are_exactly_the_steps_step_takes(name: str) -> None:
+    """``moves`` (what the workers read on every call) holds each pair ``step`` takes, with the very pair it
+    returns, and no pair it refuses: a driver that finds no move calls ``step``, which raises."""
+    states, inputs, table = MACHINES[name]
+    found = tables.moves(table, states)
+    for state in states:
+        for event in inputs:
+            if tables.allows(table, state, event):
+                assert found[(state, event)] == tables.step(table, name, state, event), (name, state, event)
+            else:
+                assert (state, event) not in found, (name, state, event)
+    assert len(found) == sum(tables.allows(table, s, e) for s in states for e in inputs)
+    with pytest.raises(LifecycleError, match="not a"):
+        tables.moves(table, inputs)  # a table whose steps lead out of its states (a bug) is refused
+

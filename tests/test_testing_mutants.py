@@ -176,6 +176,7 @@ class _ShiftedPlan:
         self._inner, self._cpu_side, self._shifts = inner, cpu_side, shifts
         self.num_ops: int = inner.num_ops
         self.nbytes: int = inner.nbytes
+        self.gpu_ids, self.cpu_ids = inner.gpu_ids, inner.cpu_ids
 
     def write(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> int:  # type: ignore[type-arg]
         count = int(self._inner.write(src, dst, sizes))

@@ -3,6 +3,7 @@ re-exports themselves, and check_job_ids called directly (the worker tests reach
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,22 @@ def test_validate_check_job_ids_accepts_any_ints() -> None:
     assert result == {1, 2, big} and all(type(job) is int for job in result)
     assert validate.check_job_ids(job for job in range(3)) == {0, 1, 2}
     assert validate.check_job_ids(set()) == set()
+
+
+@pytest.mark.rule("R7")
+@pytest.mark.parametrize("kind", [list, tuple, set, frozenset])
+def test_validate_check_job_ids_plain_ints_in_a_known_container_are_checked_like_any(kind: Any) -> None:
+    """A list, tuple, set or frozenset of plain ints is taken whole (no check per element); anything else in it --
+    a bool, an int subclass, a numpy int -- is checked one by one: refused, or converted to a plain int."""
+    class Job(enum.IntEnum):
+        FIRST = 4
+
+    assert validate.check_job_ids(kind([3, 2**70])) == {3, 2**70}
+    assert validate.check_job_ids(range(2, 5)) == {2, 3, 4}
+    converted = validate.check_job_ids(kind([3, Job.FIRST, np.int64(5)]))
+    assert converted == {3, 4, 5} and all(type(job) is int for job in converted)
+    with pytest.raises(InvalidTransferError, match=r"^job_id must be an int, got bool True"):
+        validate.check_job_ids(kind([3, True]))
 
 
 @pytest.mark.parametrize("value", [8, "12", b"12", None, 1.5])

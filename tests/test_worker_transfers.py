@@ -312,6 +312,38 @@ def test_worker_stats_snapshot_counts_per_direction() -> None:
     w.shutdown()
 
 
+_POLL_CALLS = ("monotonic", "query", "query_prefix", "poll_sleep", "sleep", "elapsed", "check_unbounded_wait")
+
+
+def _record_polls(be: SimBackend, calls: list[str]) -> None:
+    """Log each clock, query, pause and timing call of ``be`` (its name) into ``calls``."""
+    for name in _POLL_CALLS:
+        method = getattr(be, name)
+        setattr(be, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
+
+
+@pytest.mark.rule("R6", "R19")
+@pytest.mark.parametrize("kind", WORKERS)
+def test_worker_wait_polls_once_per_pause_from_its_first_reading(kind: str) -> None:
+    """A wait's first poll is made under the same hold of the lock as its search for the awaited job, on the
+    clock reading made just before: one query, then the pause, a new reading and the query that proves the job --
+    no poll twice in a row, no reading skipped; a job already done is proven by that first poll alone."""
+    be, w, _ = make_worker(kind=kind)
+    w.submit_store(1, gspec([0]), cspec([0]))
+    calls: list[str] = []
+    _record_polls(be, calls)
+    w.wait([1])
+    assert calls == ["monotonic", "query", "check_unbounded_wait", "poll_sleep", "monotonic", "query", "elapsed"]
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
+    w.submit_load(2, cspec([0]), gspec([4]))
+    be.clock_advance(1.0)  # done before the wait begins
+    calls.clear()
+    w.wait([2], timeout=1.0)
+    assert calls == ["monotonic", "query", "elapsed"]
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(2, True)]
+    w.shutdown()
+
+
 @pytest.mark.rule("R6")
 @pytest.mark.parametrize("kind", WORKERS)
 def test_worker_wait_over_both_directions_never_sleeps_past_its_deadline(kind: str) -> None:

@@ -157,7 +157,7 @@ def poll_until(backend: Clock, done: Callable[[], bool], deadline: float | None,
 
 
 def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float, deadline: float | None,
-                 what: str, *, now: float | None = None) -> None:
+                 what: str, *, now: float | None = None, polled: bool = False) -> None:
     """Poll ``settled()`` until it returns True, sleeping between polls on the backend's clock (``wait``, R6).
 
     ``settled`` takes the worker's lock for one non-blocking poll; the sleeps run without it (R19). It is polled at
@@ -172,6 +172,8 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
         deadline: absolute backend time, or None for no bound. what: the awaited job, for messages.
         now: the clock as read just before this wait's first poll, by a caller that read it then (it is then not
             read again before that poll); None: read here.
+        polled: the caller made that first poll itself (``now`` is its reading) and it found the work pending:
+            the wait goes on from there (its deadline check), as if ``settled()`` had just returned False.
 
     Raises:
         DeadlineExceeded: the deadline passed first (R6).
@@ -186,8 +188,9 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
     while True:
         # R19: the clock is read before the poll, so time that passed after it (another thread's shutdown that
         # completed meanwhile) is never held against it: a wait gives up only after a poll begun past its deadline.
-        if settled():
+        if not polled and settled():
             return
+        polled = False
         if deadline is not None and now >= deadline:
             raise DeadlineExceeded(f"{what} not proven complete by the deadline")
         if horizon is not None:
