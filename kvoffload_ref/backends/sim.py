@@ -413,7 +413,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
                 self._check_race(target, None if tag is not None else transfer_name(tag, target), tag,
                                  copy_access(buf, count))  # a tagged copy is named only in a message
             self._pending[op] = None
-            self._buffer_users[id(buf)] += 1
+            users, key = self._buffer_users, id(buf)
+            users[key] = users.get(key, 0) + 1
             self._sched.submit(op)
 
     # -- clock and the device-level proof ----------------------------------------------------------------------
