@@ -85,8 +85,8 @@ class SimStream:
         # never mutated) and the lane that op continues (-1: none yet).
         self.clock: Clock = _EMPTY
         self.lane = -1
-        # Invariant: the tag of the transfer whose start was recorded here and whose end was not yet (its start
-        # was offered to hang selection), else None.
+        # Invariant: under a fault plan, the tag of the transfer whose start was recorded here and whose end was not
+        # yet (its start was offered to hang selection), else None (without a plan nothing is offered: always None).
         self.hang_tag: Tag | None = None
         # Invariant: ops not yet finished, in submission order; queue[0] is running or blocked (wait/hang).
         self.queue: collections.deque[Op] = collections.deque()

@@ -312,8 +312,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
                 self._check_alive()
             target, recorded = self._own_stream(stream), self._own_event(event)
             recorded.latest, recorded.tag = self._submit_record(target), tag
-            if tag is not None and not target.compute:  # else no stall can follow it (``_select_stall``)
-                self._queue_stall(target, tag)
+            if tag is not None and self._plan is not None and not target.compute:  # else no stall can follow it
+                self._queue_stall(target, tag)   # (``_select_stall``; without a fault plan nothing is selected)
 
     def query(self, event: Event) -> bool:
         """Whether the event's latest record completed (True if never recorded). Runs work due by now.
