@@ -301,9 +301,10 @@ class SimCore:
     def _watch(self, record: Record) -> None:
         """A query of the calling thread found ``record`` pending: its completion can change that poll's answer, so
         the thread's next poll pause ends there (``SimClockCalls.poll_sleep``)."""
-        watched = self._watched.get(threading.get_ident())
+        thread = threading.get_ident()
+        watched = self._watched.get(thread)
         if watched is None:
-            self._watched[threading.get_ident()] = {record}
+            self._watched[thread] = {record}
             return
         watched.add(record)
         size = len(watched)
@@ -442,10 +443,10 @@ class SimCore:
         return self._latency + (total - slow) / self._pinned_bw + slow / self._pageable_bw
 
     def _apply_op(self, op: Op, t: float) -> None:
-        if isinstance(op, ComputeOp):
-            op.target[op.rows] = op.value
-        elif isinstance(op, CopyOp):
+        if op.__class__ is CopyOp:   # the common op first (no subclass of any op class exists)
             self._execute_copy(op)
+        elif isinstance(op, ComputeOp):
+            op.target[op.rows] = op.value
         elif isinstance(op, HangOp):
             del self._hangs[op]   # an ended hang ran
 

@@ -288,7 +288,7 @@ class RaceDetector:
         op = access
         op.seq, op.count, op.tag, op._name = next(self._seq), lane.head, tag, name
         races: list[tuple[str, Tag | None, tuple[int, int]]] = []
-        if access.touches:
+        if access.packed:   # it touches some byte (``touches``, without the property call)
             sides: tuple[tuple[I64, I64], tuple[I64, I64]] | None = None  # built for the first unordered op
             for other in self._unordered(clock, lane_id):
                 if sides is None:
