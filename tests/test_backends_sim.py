@@ -624,10 +624,13 @@ def test_sim_nothing_runs_after_the_illegal_address_within_the_same_sleep(rig: R
     be = rig.be
     bad, good = be.create_stream(), be.create_stream()
     rig.copy(bad, [(rig.dev_addr(7), rig.host_addr(7) + 1)])   # one byte past the host mapping
-    rig.copy(good, [(rig.dev_addr(0), rig.host_addr(0)), (rig.dev_addr(1), rig.host_addr(1))])   # finishes later
+    buf = rig.copy(good, [(rig.dev_addr(0), rig.host_addr(0)), (rig.dev_addr(1), rig.host_addr(1))])   # later
     be.sleep(1.0)
     assert [v.kind for v in be.violations] == ["illegal_address"]
     assert not rig.host.any(), "the later copy never ran"
+    with pytest.raises(DeviceError) as info:   # and no copy is accepted any more (no fault plan needed)
+        be.copy_batch(good, buf, 1)
+    assert info.value.status == 700
 
 
 def test_sim_illegal_address_names_the_descriptor_as_read_when_the_copy_started(rig: Rig) -> None:
