@@ -351,9 +351,11 @@ class Scheduler:
         if kind is RecordOp:
             record: Record = op.record  # type: ignore[attr-defined]  # a RecordOp's record
             record.done_at, record.done = t, True
-            waiters, record.waiters = record.waiters, None
-            for waiter in waiters or ():
-                self._start_head(waiter, t)
+            waiters = record.waiters
+            if waiters is not None:   # (most records have none)
+                record.waiters = None
+                for waiter in waiters:
+                    self._start_head(waiter, t)
         elif kind is not WaitOp:
             if op.seq >= self.span_from:
                 self.span_done += 1
