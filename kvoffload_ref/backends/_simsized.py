@@ -140,7 +140,7 @@ class SizedPlan:
         n, count, offsets = self._key.size, self._count, self._offsets
         if not self._ordered:   # the columns permuted by a stable argsort, in C
             order = self._key.argsort(kind="stable")   # stable: descriptor order within a group
-            count, offsets = count[:, order], offsets[:, order]
+            count, offsets = count.take(order, axis=1), offsets.take(order, axis=1)   # (take: a third of [:, order])
         sources, destinations = count.tolist()
         from_, to = offsets.tolist()
         snapshot = self._snapshot
