@@ -618,6 +618,21 @@ def test_sim_copy_outside_every_live_span_is_an_illegal_address(rig: Rig) -> Non
     assert_sticky_illegal_address(be, stream)
 
 
+def test_sim_nothing_runs_after_the_illegal_address_within_the_same_sleep(rig: Rig) -> None:
+    """The copy that turns the device sticky halts it at once: work due later in the same clock step (a good copy
+    on another stream) never runs (the scheduler asks whether the device halted only once it can be)."""
+    be = rig.be
+    bad, good = be.create_stream(), be.create_stream()
+    rig.copy(bad, [(rig.dev_addr(7), rig.host_addr(7) + 1)])   # one byte past the host mapping
+    buf = rig.copy(good, [(rig.dev_addr(0), rig.host_addr(0)), (rig.dev_addr(1), rig.host_addr(1))])   # later
+    be.sleep(1.0)
+    assert [v.kind for v in be.violations] == ["illegal_address"]
+    assert not rig.host.any(), "the later copy never ran"
+    with pytest.raises(DeviceError) as info:   # and no copy is accepted any more (no fault plan needed)
+        be.copy_batch(good, buf, 1)
+    assert info.value.status == 700
+
+
 def test_sim_illegal_address_names_the_descriptor_as_read_when_the_copy_started(rig: Rig) -> None:
     """The violation names the bad descriptor's source and destination as the copy read them when it started,
     not what the buffer holds later (a small copy keeps its descriptors as Python ints and makes its arrays only

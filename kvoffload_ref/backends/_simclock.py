@@ -182,5 +182,5 @@ def _tail_of(watched: set[Record]) -> Callable[[Op], bool]:
 def _completes(watched: set[Record]) -> Callable[[Op], bool]:
     """``Scheduler.run``'s ``until``: the op that just finished completed a watched record."""
     def until(op: Op) -> bool:
-        return isinstance(op, RecordOp) and op.record in watched
+        return op.__class__ is RecordOp and op.record in watched
     return until

@@ -10,7 +10,6 @@ resolving handles and arrays, and naming memory in violations. It also implement
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import mmap
@@ -147,7 +146,8 @@ class SimCore:
         self.on_call: CallHook | None = None
         self._ledger = Ledger()
         self._memory = Memory()
-        self._sched = Scheduler(self._op_duration, self._apply_op, self._halted)
+        # (halted asked only where it can say True: a fault plan, or once the sticky error is set)
+        self._sched = Scheduler(self._op_duration, self._apply_op, self._halted if faults is not None else None)
         # Invariant: None under a profile without a shared link ("simple"); else prices copies and runs the link.
         self._cost = CostModel(self.profile, self._sched.push) if self.profile.shared_link else None
         if self._cost is not None:
@@ -169,8 +169,9 @@ class SimCore:
         self._buffers: dict[int, DescriptorBuffer] = {}
         # Invariant: where new descriptor buffers' rows come from (zeroed words, never handed out twice).
         self._descriptor_words = DescriptorWords()
-        # Invariant: id(buffer) -> number of pending copies reading it (no entry when zero).
-        self._buffer_users: collections.Counter[int] = collections.Counter()
+        # Invariant: id(buffer) -> number of pending copies reading it (no entry when zero; a plain dict: a Counter's
+        # missing key and deletion are Python calls, one each per copy).
+        self._buffer_users: dict[int, int] = {}
         # Invariant: the copies submitted and not yet executed, including those stuck behind a hang.
         self._pending: dict[CopyOp, None] = {}
         # Invariant: the hang ops queued and not yet finished (hung, or ended and not yet run), in submission
@@ -300,9 +301,10 @@ class SimCore:
     def _watch(self, record: Record) -> None:
         """A query of the calling thread found ``record`` pending: its completion can change that poll's answer, so
         the thread's next poll pause ends there (``SimClockCalls.poll_sleep``)."""
-        watched = self._watched.get(threading.get_ident())
+        thread = threading.get_ident()
+        watched = self._watched.get(thread)
         if watched is None:
-            self._watched[threading.get_ident()] = {record}
+            self._watched[thread] = {record}
             return
         watched.add(record)
         size = len(watched)
@@ -432,18 +434,19 @@ class SimCore:
             if isinstance(op, ComputeOp):
                 return op.delay if self._cost is None else op.delay * self._cost.compute_factor()
             return 0.0
-        # A CopyOp (its class, as tested): its descriptors are read there, a snapshot.
-        op.plan, slow = self._memory.plan(*op.descriptors())   # the buffer's rows: not started yet
+        # A CopyOp (its class, as tested): its descriptors are read there, a snapshot (not started yet: the buffer's
+        # rows, as CopyOp.descriptors reads them then).
+        op.plan, slow = self._memory.plan(*descriptor_rows(op.buf, op.count))
         if self._cost is not None:
             return self._cost.price(op, op.plan, slow, self.copy_path, self._memory.seams())
         total = op.plan.live_bytes()
         return self._latency + (total - slow) / self._pinned_bw + slow / self._pageable_bw
 
     def _apply_op(self, op: Op, t: float) -> None:
-        if isinstance(op, ComputeOp):
-            op.target[op.rows] = op.value
-        elif isinstance(op, CopyOp):
+        if op.__class__ is CopyOp:   # the common op first (no subclass of any op class exists)
             self._execute_copy(op)
+        elif isinstance(op, ComputeOp):
+            op.target[op.rows] = op.value
         elif isinstance(op, HangOp):
             del self._hangs[op]   # an ended hang ran
 
@@ -463,6 +466,7 @@ class SimCore:
         detail = op.poison or _outside_detail(op, bad)
         self._violate("illegal_address", f"copy {op.tag}: {detail}", op.tag)
         self._sticky = detail
+        self._sched.halted = self._halted   # from now on the device is halted (the scheduler asks)
 
     def _own_stream(self, stream: Stream) -> SimStream:
         if isinstance(stream, SimStream) and stream.owner is self and not stream.destroyed:

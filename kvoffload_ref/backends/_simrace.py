@@ -100,14 +100,15 @@ class Access:
 
     __slots__ = ("_descriptors", "_name", "_sorted", "count", "packed", "seq", "split", "tag")
 
-    def __init__(self, ranges: I64, split: int, *, descriptors: bool = False) -> None:
+    def __init__(self, ranges: I64 | bytes, split: int, *, descriptors: bool = False) -> None:
         """``ranges``: a (2, n) array (see ``packed``), or with ``descriptors`` the words of ``split`` copy
-        descriptors of sizes > 0 (sources, destinations, sizes laid end to end: the ranges are made only when
-        asked for, :func:`copy_access`)."""
+        descriptors of sizes > 0 (sources, destinations, sizes laid end to end, as an array or already packed: the
+        ranges are made only when asked for, :func:`copy_access`)."""
         # Invariant: the words of a (2, n) int64 array, row 0 the starts and row 1 the ends of n ranges (every
         # end > start); columns [:split] are read, [split:] written. With _descriptors: the words of ``split``
         # descriptors (sources, destinations, sizes > 0), whose ranges are the sources' then the destinations'.
-        self.packed, self.split, self._descriptors = ranges.tobytes(), split, descriptors
+        self.packed = ranges if isinstance(ranges, bytes) else ranges.tobytes()
+        self.split, self._descriptors = split, descriptors
         # Invariant: None until a view is asked for; then per kind ("r", "w", "rw"): (lo sorted, running max of
         # hi in that order, hi in that order).
         self._sorted: dict[str, tuple[I64, I64, I64]] | None = None
@@ -287,7 +288,7 @@ class RaceDetector:
         op = access
         op.seq, op.count, op.tag, op._name = next(self._seq), lane.head, tag, name
         races: list[tuple[str, Tag | None, tuple[int, int]]] = []
-        if access.touches:
+        if access.packed:   # it touches some byte (``touches``, without the property call)
             sides: tuple[tuple[I64, I64], tuple[I64, I64]] | None = None  # built for the first unordered op
             for other in self._unordered(clock, lane_id):
                 if sides is None:
@@ -365,8 +366,11 @@ def copy_access(buf: DescriptorBuffer, count: int) -> Access:
     if not count or sizes.item(sizes.argmin()) <= 0:   # some touch nothing: keep the others
         live = sizes > 0
         src, dst, sizes = src[live], dst[live], sizes[live]
-    # Their words, read now; the ranges are made from them only when another op is checked against this one.
-    return Access(np.concatenate((src, dst, sizes)), int(sizes.shape[0]), descriptors=True)
+    # Their words, read now, packed by one join of the three rows (int64, contiguous: a descriptor buffer's, or
+    # the live ones' copies); the ranges are made from them only when another op is checked against this one.
+    # (The arrays are buffers; the stubs do not say so, and ``.data`` would make a memoryview each.)
+    packed = b"".join((src, dst, sizes))  # type: ignore[arg-type]
+    return Access(packed, int(sizes.shape[0]), descriptors=True)
 
 
 def rows_access(target: npt.NDArray[np.uint8], rows: I64) -> Access:

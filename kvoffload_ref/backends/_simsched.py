@@ -85,8 +85,8 @@ class SimStream:
         # never mutated) and the lane that op continues (-1: none yet).
         self.clock: Clock = _EMPTY
         self.lane = -1
-        # Invariant: the tag of the transfer whose start was recorded here and whose end was not yet (its start
-        # was offered to hang selection), else None.
+        # Invariant: under a fault plan, the tag of the transfer whose start was recorded here and whose end was not
+        # yet (its start was offered to hang selection), else None (without a plan nothing is offered: always None).
         self.hang_tag: Tag | None = None
         # Invariant: ops not yet finished, in submission order; queue[0] is running or blocked (wait/hang).
         self.queue: collections.deque[Op] = collections.deque()
@@ -194,7 +194,8 @@ class CopyOp(Op):
     __slots__ = ("buf", "count", "flow", "plan", "poison", "tag")
 
     def __init__(self, stream: SimStream, buf: DescriptorBuffer, count: int, tag: Tag | None) -> None:
-        super().__init__(stream)
+        # Op's fields set here, not through super() (one call less per copy; as RecordOp).
+        self.stream, self.seq, self.submitted_at = stream, -1, 0.0
         self.buf, self.count, self.tag = buf, count, tag
         # Invariant: None unless a cost profile priced the op when it started (then a ``_simcost.Flow``).
         self.flow: object | None = None
@@ -229,10 +230,12 @@ class Scheduler:
     """Virtual clock, per-stream FIFOs and the heap of started ops (see the module docstring)."""
 
     def __init__(self, duration: Callable[[Op], float], apply: Callable[[Op, float], None],
-                 halted: Callable[[], bool]) -> None:
+                 halted: Callable[[], bool] | None) -> None:
         self._duration = duration
         self._apply = apply
-        self._halted = halted
+        # Invariant: None while the device cannot be halted (no fault plan, no sticky error: the owner sets it when
+        # either appears), else whether it is: no op runs once it says True.
+        self.halted = halted
         # Invariant: never decreases.
         self.now = 0.0
         # Invariant: one entry per started op that will finish: (finish time, -seq, op); -seq makes ties pop
@@ -283,8 +286,9 @@ class Scheduler:
         Returns:
             True as soon as ``until(op)`` holds after an op finished (the clock then stands at its finish time).
         """
-        heap, halted, settle, finish, pop = self._heap, self._halted, self.settle, self._finish, heapq.heappop
-        while heap and heap[0][0] <= limit and not halted():
+        heap, settle, finish, pop = self._heap, self.settle, self._finish, heapq.heappop
+        # halted read at each op: the op before may have halted the device (a copy's illegal address)
+        while heap and heap[0][0] <= limit and (self.halted is None or not self.halted()):
             t, _, op = pop(heap)
             if settle is not None and not settle(op, t):
                 continue
@@ -347,13 +351,16 @@ class Scheduler:
         if kind is RecordOp:
             record: Record = op.record  # type: ignore[attr-defined]  # a RecordOp's record
             record.done_at, record.done = t, True
-            waiters, record.waiters = record.waiters, None
-            for waiter in waiters or ():
-                self._start_head(waiter, t)
+            waiters = record.waiters
+            if waiters is not None:   # (most records have none)
+                record.waiters = None
+                for waiter in waiters:
+                    self._start_head(waiter, t)
         elif kind is not WaitOp:
             if op.seq >= self.span_from:
                 self.span_done += 1
-                self.span_end = max(self.span_end, t)
+                if t > self.span_end:  # noqa: PLR1730  # max() without the call
+                    self.span_end = t
             self._apply(op, t)
         if queue:
             self._start_head(stream, t)

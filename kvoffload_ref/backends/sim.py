@@ -312,8 +312,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
                 self._check_alive()
             target, recorded = self._own_stream(stream), self._own_event(event)
             recorded.latest, recorded.tag = self._submit_record(target), tag
-            if tag is not None and not target.compute:  # else no stall can follow it (``_select_stall``)
-                self._queue_stall(target, tag)
+            if tag is not None and self._plan is not None and not target.compute:  # else no stall can follow it
+                self._queue_stall(target, tag)   # (``_select_stall``; without a fault plan nothing is selected)
 
     def query(self, event: Event) -> bool:
         """Whether the event's latest record completed (True if never recorded). Runs work due by now.
@@ -328,7 +328,7 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
             recorded = self._own_event(event)
             if self._plan is not None or self._sticky is not None:  # else _fault and _check_alive do nothing
                 self._fault("event_query", recorded.tag)
-            self._catch_up()
+            self._sched.catch_up()
             if self._trace is not None:
                 self._trace.host_query(self._sched.now)
             if self._plan is not None or self._sticky is not None:
@@ -373,7 +373,7 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
         with self._lock:
             if self._sticky is not None or self._plan is not None:  # else _check_alive finds nothing
                 self._check_alive()
-            self._catch_up()
+            self._sched.catch_up()
             first, last = self._own_event(start).latest, self._own_event(end).latest
             if first is None or last is None or first.done_at is None or last.done_at is None:
                 raise DeviceError("elapsed: both events must have completed", CUDA_ERROR_NOT_READY)
@@ -400,7 +400,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
             self.on_call("copy", tag)
         with self._lock:
             target = self._own_stream(stream)
-            self._fault("copy", tag)
+            if self._plan is not None or self._sticky is not None:  # else _fault and _check_alive do nothing
+                self._fault("copy", tag)
             if self._buffers.get(id(buf)) is not buf:
                 raise DeviceError(f"copy_batch: {buf!r} is not a live descriptor buffer of this device",
                                   CUDA_ERROR_INVALID_RESOURCE_HANDLE)
@@ -413,7 +414,8 @@ class SimBackend(SimArrayCalls, SimBatchCalls, SimHostCalls, SimClockCalls):
                 self._check_race(target, None if tag is not None else transfer_name(tag, target), tag,
                                  copy_access(buf, count))  # a tagged copy is named only in a message
             self._pending[op] = None
-            self._buffer_users[id(buf)] += 1
+            users, key = self._buffer_users, id(buf)
+            users[key] = users.get(key, 0) + 1
             self._sched.submit(op)
 
     # -- clock and the device-level proof ----------------------------------------------------------------------
