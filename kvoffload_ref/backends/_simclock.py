@@ -23,12 +23,11 @@ import dataclasses
 import math
 import operator
 import threading
-from collections.abc import Callable
 
 import numpy as np
 
 from kvoffload_ref.backends._simcore import SimCore
-from kvoffload_ref.backends._simsched import Op, Record, RecordOp
+from kvoffload_ref.backends._simsched import Record
 from kvoffload_ref.errors import InvalidTransferError
 from kvoffload_ref.validate import check_seconds
 
@@ -135,8 +134,8 @@ class SimClockCalls(SimCore):
         else:
             sched.catch_up()
             # A watched record completed already (another thread's call ran it): the next poll sees it at once.
-            stop = _tail_of(watched) if to_tail else _completes(watched)
-            if not any(map(_DONE, watched)) and not sched.run(target, until=stop):
+            stop = _tails(watched) if to_tail else watched
+            if not any(map(_DONE, watched)) and not sched.run(target, stop):
                 sched.now = max(sched.now, target)
         if self._trace is not None:  # the host's wait, drawn apart from the device's streams
             self._trace.host_poll(now, sched.now)
@@ -169,18 +168,7 @@ class SimClockCalls(SimCore):
             return ScheduleLength(seconds, started, ended, done, sched.span_queued - done)
 
 
-def _tail_of(watched: set[Record]) -> Callable[[Op], bool]:
-    """``Scheduler.run``'s ``until`` for a drain's pause: the op that just finished completed the last record queued
-    on a watched record's stream (no record left in its queue: it is the stream's ``last_record``)."""
-    streams = {r.stream for r in watched}
-
-    def until(op: Op) -> bool:
-        return op.stream.last_record is op and op.stream in streams
-    return until
-
-
-def _completes(watched: set[Record]) -> Callable[[Op], bool]:
-    """``Scheduler.run``'s ``until``: the op that just finished completed a watched record."""
-    def until(op: Op) -> bool:
-        return op.__class__ is RecordOp and op.record in watched
-    return until
+def _tails(watched: set[Record]) -> set[Record]:
+    """``Scheduler.run``'s ``stops`` for a drain's pause: the last record queued on each watched record's stream (its
+    ``last_record``; the run holds the lock, so none is queued meanwhile)."""
+    return {op.record for op in {r.stream.last_record for r in watched} if op is not None}  # type: ignore[union-attr]

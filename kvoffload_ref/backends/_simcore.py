@@ -315,7 +315,7 @@ class SimCore:
         """Run work until ``record`` completes; past the hang horizon, advance the clock by it and raise."""
         start = self._sched.now
         done = record.done_at is not None or self._sched.run(
-            start + self._hang_horizon, until=lambda _op: record.done_at is not None)
+            start + self._hang_horizon, stops={record})
         self._check_alive()
         if not done:
             self._sched.now = max(self._sched.now, start + self._hang_horizon)

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 *Clock.* A virtual clock starts at 0.0. Only the backend's ``sleep`` / ``clock_advance`` move it forward freely;
 ``synchronize`` (and ``to_host``) move it to the moment what they wait for completes, or by the hang horizon when
-it never can; a poll pause (``poll_sleep``) by at most its pause, stopping at an op for which ``run``'s ``until``
+it never can; a poll pause (``poll_sleep``) by at most its pause, stopping at an op for which ``run``'s ``stops``
 holds. Nothing else advances it, so every deadline a test sets is exact and repeatable. The schedule span's
 counters (:meth:`Scheduler.mark`) follow the device ops (not records or waits) as they start and finish.
 
@@ -31,6 +31,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 import numpy.typing as npt
@@ -280,11 +281,12 @@ class Scheduler:
         if len(queue) == 1:
             self._start_head(op.stream, now)
 
-    def run(self, limit: float, until: Callable[[Op], bool] | None = None) -> bool:
+    def run(self, limit: float, stops: AbstractSet[Record] | None = None) -> bool:
         """Apply, in order, the ops finishing at or before ``limit`` (none once the device is halted).
 
         Returns:
-            True as soon as ``until(op)`` holds after an op finished (the clock then stands at its finish time).
+            True as soon as an op finished that completed a record in ``stops`` (the clock then stands at its
+            finish time). A set, not a callback: a drain's pause runs tens of thousands of ops through this loop.
         """
         heap, settle, finish, pop = self._heap, self.settle, self._finish, heapq.heappop
         # halted read at each op: the op before may have halted the device (a copy's illegal address)
@@ -295,7 +297,7 @@ class Scheduler:
             if t > self.now:  # noqa: PLR1730  # max(now, t) without the call: a drain runs tens of thousands
                 self.now = t
             finish(op, t)
-            if until is not None and until(op):
+            if stops is not None and op.__class__ is RecordOp and op.record in stops:
                 return True
         return False
 
