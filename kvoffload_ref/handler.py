@@ -361,7 +361,7 @@ class DirectionHandler(DrainHalf):
             self._head_failed(exc)
             return True
         if done:
-            self._head_proven()
+            self._heads_proven(1)  # as _head_proven does, with no frame of its own
         return done
 
     def _head_proven(self) -> None:
@@ -384,9 +384,13 @@ class DirectionHandler(DrainHalf):
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
         if action is _REPORT:
-            kind, resolved = self._kind, self._resolved
+            kind, resolved, elapsed = self._kind, self._resolved, self._backend.elapsed
             for h in run:  # a loop, not a comprehension: no frame of its own (a wait proves one head)
-                resolved.append(proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag))
+                try:  # the timing read inline (no frame per head)
+                    seconds: float | None = elapsed(h.start, h.end)
+                except DeviceError:
+                    seconds = self._timing_lost(h)
+                resolved.append(proven(h.job_id, h.nbytes, seconds, kind, h.user_tag))
         self._events += itertools.chain.from_iterable(map(EVENTS, run))
         self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
         # The drain reads no timings: a drained head leaves only its id and byte count (a list, a C array); its
@@ -409,13 +413,10 @@ class DirectionHandler(DrainHalf):
                     transfer.resolved = True
                     marks.discard(transfer)
 
-    def _seconds(self, transfer: Transfer) -> float | None:
-        try:
-            return self._backend.elapsed(transfer.start, transfer.end)
-        except DeviceError:
-            logger.warning("Could not read the timing of %s job %d", self.direction, transfer.job_id,
-                           exc_info=True)
-            return None
+    def _timing_lost(self, transfer: Transfer) -> None:
+        """Log, inside the ``except`` that caught it, that ``transfer``'s timing could not be read (its result
+        then has no seconds)."""
+        logger.warning("Could not read the timing of %s job %d", self.direction, transfer.job_id, exc_info=True)
 
     def _head_failed(self, exc: DeviceError) -> None:
         """R5/R10: observing the head raised; the table says whether the queue is reported failed or abandoned."""
