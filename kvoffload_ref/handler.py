@@ -389,7 +389,8 @@ class DirectionHandler(DrainHalf):
                 try:  # the timing read inline (no frame per head)
                     seconds: float | None = elapsed(h.start, h.end)
                 except DeviceError:
-                    seconds = self._timing_lost(h)
+                    self._timing_lost(h)
+                    seconds = None
                 resolved.append(proven(h.job_id, h.nbytes, seconds, kind, h.user_tag))
         self._events += itertools.chain.from_iterable(map(EVENTS, run))
         self._descriptors += filter(None, map(DESCRIPTORS, run))  # None: no copy
