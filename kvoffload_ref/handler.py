@@ -207,7 +207,8 @@ class DirectionHandler(DrainHalf):
         self._queue.append(transfer)
         self._jobs.add(job_id)
         self._counts["submitted"] += 1
-        shield.reraise()
+        if shield.interrupt is not None:  # no call in the common case (no interrupt)
+            shield.reraise()
 
     def _enqueue(self, job_id: int, plan: PreparedPlan, taken: Taken, dst_blocks: Int64Array, gpu_ids: Int64Array,
                  cpu_ids: Int64Array) -> Transfer:
