@@ -183,12 +183,15 @@ class DirectionHandler(DrainHalf):
             return
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
         gpu_ids, cpu_ids = plan.gpu_ids, plan.cpu_ids  # the checked specs' ids
-        self._running.holds.check(self.direction, job_id, gpu_ids, cpu_ids)  # R27: nothing done if refused
+        holds = self._running.holds
+        if holds.count:  # R27: nothing done if refused (no hold: nothing to check, no call)
+            holds.check(self.direction, job_id, gpu_ids, cpu_ids)
         if self._stream is None:  # R28: the last stream was retired: new work goes to a fresh one
             self._stream = self._backend.create_stream()
         taken, shield = Taken(), Shield()
         try:
-            transfer = self._enqueue(job_id, plan, taken, dst.block_ids, gpu_ids, cpu_ids)  # type: ignore[attr-defined]
+            transfer = self._enqueue(job_id, plan, taken, cpu_ids if self.direction == "store" else gpu_ids, gpu_ids,
+                                     cpu_ids)  # R22: the destination spec's ids (the same array)
         except BaseException as exc:
             if not taken.copy_queued:
                 # R14: no copy on the device: no trace, the id stays free
