@@ -132,7 +132,10 @@ class WorkerFacade:
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: CPULoadStoreSpec, *,
                      deadline: float | None = None, tag: object = None) -> bool:
         """Queue a GPU -> CPU copy; see :meth:`submit_load` for the rules."""
-        return self._submit("store", job_id, src_spec, dst_spec, deadline, tag)
+        try:  # as in submit_load (no frame between: every small job comes this way)
+            return self._core.submit("store", job_id, src_spec, dst_spec, deadline, tag)
+        except DeviceError as exc:  # R5/R14: raised only before the device took the copy: say the job was refused
+            raise submission_refused(exc, "store", job_id) from exc
 
     def submit_load(self, job_id: int, src_spec: CPULoadStoreSpec, dst_spec: GPULoadStoreSpec, *,
                     deadline: float | None = None, tag: object = None) -> bool:
@@ -156,14 +159,10 @@ class WorkerFacade:
                 or this is a forked child (R21). DeviceError: a device call failed before the copy was queued;
                 nothing was, and the message says the job was refused.
         """
-        return self._submit("load", job_id, src_spec, dst_spec, deadline, tag)
-
-    def _submit(self, direction: Direction, job_id: int, src: object, dst: object, deadline: object, tag: object
-                ) -> bool:
         try:
-            return self._core.submit(direction, job_id, src, dst, deadline, tag)
+            return self._core.submit("load", job_id, src_spec, dst_spec, deadline, tag)
         except DeviceError as exc:  # R5/R14: raised only before the device took the copy: say the job was refused
-            raise submission_refused(exc, direction, job_id) from exc
+            raise submission_refused(exc, "load", job_id) from exc
 
     def cancel(self, job_ids: Iterable[int]) -> None:
         """End the listed jobs now (R26). Each is first looked at without waiting: a job already proven complete is

@@ -183,12 +183,15 @@ class DirectionHandler(DrainHalf):
             return
         plan = self._planner.prepare(self.direction, src, dst)  # type: ignore[arg-type]  # R7: it checks the types
         gpu_ids, cpu_ids = plan.gpu_ids, plan.cpu_ids  # the checked specs' ids
-        self._running.holds.check(self.direction, job_id, gpu_ids, cpu_ids)  # R27: nothing done if refused
+        holds = self._running.holds
+        if holds.count:  # R27: nothing done if refused (no hold: nothing to check, no call)
+            holds.check(self.direction, job_id, gpu_ids, cpu_ids)
         if self._stream is None:  # R28: the last stream was retired: new work goes to a fresh one
             self._stream = self._backend.create_stream()
         taken, shield = Taken(), Shield()
         try:
-            transfer = self._enqueue(job_id, plan, taken, dst.block_ids, gpu_ids, cpu_ids)  # type: ignore[attr-defined]
+            transfer = self._enqueue(job_id, plan, taken, cpu_ids if self.direction == "store" else gpu_ids, gpu_ids,
+                                     cpu_ids)  # R22: the destination spec's ids (the same array)
         except BaseException as exc:
             if not taken.copy_queued:
                 # R14: no copy on the device: no trace, the id stays free
@@ -207,7 +210,8 @@ class DirectionHandler(DrainHalf):
         self._queue.append(transfer)
         self._jobs.add(job_id)
         self._counts["submitted"] += 1
-        shield.reraise()
+        if shield.interrupt is not None:  # no call in the common case (no interrupt)
+            shield.reraise()
 
     def _enqueue(self, job_id: int, plan: PreparedPlan, taken: Taken, dst_blocks: Int64Array, gpu_ids: Int64Array,
                  cpu_ids: Int64Array) -> Transfer:
@@ -361,7 +365,7 @@ class DirectionHandler(DrainHalf):
             self._head_failed(exc)
             return True
         if done:
-            self._head_proven()
+            self._heads_proven(1)  # as _head_proven does, with no frame of its own
         return done
 
     def _head_proven(self) -> None:
@@ -384,9 +388,14 @@ class DirectionHandler(DrainHalf):
         # R14: the timings (backend calls, where an interrupt may land) are read before anything changes; from
         # here on no backend call is made, so the heads move from the queue to the results as one step.
         if action is _REPORT:
-            kind, resolved = self._kind, self._resolved
+            kind, resolved, elapsed = self._kind, self._resolved, self._backend.elapsed
             for h in run:  # a loop, not a comprehension: no frame of its own (a wait proves one head)
-                resolved.append(proven(h.job_id, h.nbytes, self._seconds(h), kind, h.user_tag))
+                try:  # the timing read inline (no frame per head)
+                    seconds: float | None = elapsed(h.start, h.end)
+                except DeviceError:
+                    self._timing_lost(h)
+                    seconds = None
+                resolved.append(proven(h.job_id, h.nbytes, seconds, kind, h.user_tag))
         events, descriptors = self._events.append, self._descriptors.append
         for transfer in run:  # one pass, no (start, end) tuple per transfer
             events(transfer.start)
@@ -413,13 +422,10 @@ class DirectionHandler(DrainHalf):
                     transfer.resolved = True
                     marks.discard(transfer)
 
-    def _seconds(self, transfer: Transfer) -> float | None:
-        try:
-            return self._backend.elapsed(transfer.start, transfer.end)
-        except DeviceError:
-            logger.warning("Could not read the timing of %s job %d", self.direction, transfer.job_id,
-                           exc_info=True)
-            return None
+    def _timing_lost(self, transfer: Transfer) -> None:
+        """Log, inside the ``except`` that caught it, that ``transfer``'s timing could not be read (its result
+        then has no seconds)."""
+        logger.warning("Could not read the timing of %s job %d", self.direction, transfer.job_id, exc_info=True)
 
     def _head_failed(self, exc: DeviceError) -> None:
         """R5/R10: observing the head raised; the table says whether the queue is reported failed or abandoned."""

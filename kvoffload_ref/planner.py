@@ -74,6 +74,7 @@ __all__ = ["CanonicalPlan", "CopyPlan", "Planner", "PreparedPlan", "plan_copies"
 #: How many spec shapes a planner remembers the group slicing of (then it forgets them all and starts again).
 SLICE_SHAPES = 256
 _INT64 = np.dtype(np.int64)  # an int64 array's dtype is usually this very object: ``is`` before ``!=``
+_CONTIGUOUS = (8,)  # the strides of a 1-D C-contiguous int64 array
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -283,6 +284,12 @@ class PreparedPlan:
             ValueError: an array that is not 1-D int64, is read-only or is too short (nothing written).
         """
         n = self.num_ops
+        if type(src) is type(dst) is type(sizes) is np.ndarray and src.dtype is dst.dtype is sizes.dtype is _INT64 \
+                and src.strides == dst.strides == sizes.strides == _CONTIGUOUS and src.shape[0] >= n \
+                and dst.shape[0] >= n and sizes.shape[0] >= n and src.flags.writeable and dst.flags.writeable \
+                and sizes.flags.writeable:  # the common case (a descriptor buffer's): all checked in one test
+            self._write(src, dst, sizes)
+            return n
         for name, array in (("src", src), ("dst", dst), ("sizes", sizes)):
             if not isinstance(array, np.ndarray) or (array.dtype is not _INT64 and array.dtype != np.int64) \
                     or array.ndim != 1 or array.shape[0] < n or not array.flags.writeable:

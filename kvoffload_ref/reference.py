@@ -12,7 +12,6 @@ descriptor buffer (one descriptor per ``placement.Move``) and frees them once pr
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -201,7 +200,7 @@ class Core:
 
     def wait(self, job_ids: Iterable[int], timeout: float | None) -> None:
         self.owner.check("this worker")  # R21
-        ids, limit = check_job_ids(job_ids), check_timeout(timeout)  # R7
+        ids, limit = check_job_ids(job_ids), None if timeout is None else check_timeout(timeout)  # R7
         started = self.backend.monotonic()
         deadline = None if limit is None else started + limit
         with self.call:
@@ -216,9 +215,9 @@ class Core:
             # reading just made; every later poll is a step of its own (a later direction's first on a new reading).
             polled = bool(awaited) and not awaited[0][0].settle(awaited[0][1])
         for handler, mark in awaited[0 if polled else 1:]:  # R19: the lock is held for each poll, never across a sleep
-            wait_polling(self.backend, functools.partial(self._settle, handler, mark), started, deadline,
+            wait_polling(self.backend, self._settle, started, deadline,
                          f"{handler.direction} job {getattr(mark, 'job_id', '?')}", now=started if polled else None,
-                         polled=polled)
+                         polled=polled, args=(handler, mark))
             polled = False
 
     def _settle(self, handler: DirectionHandlerAPI, mark: object) -> bool:

@@ -65,6 +65,11 @@ def test_fault_table_a_copy_error_refuses_the_job_and_says_so(worker: str) -> No
         w.submit_store(7, gspec([1, 2, 3]), cspec([0]))  # the id stays free
         w.wait({7}, timeout=1.0)
         assert [(r.job_id, r.success) for r in w.get_finished()] == [(7, True)]
+    be = SimBackend(faults=kv.FaultPlan([kv.Fault("copy", "error", nth=1)]))
+    with CREATE[worker](be, patterned_gpu(be, layout), layout, blocks_per_chunk=3, num_cpu_chunks=16) as w:
+        with pytest.raises(kv.DeviceError, match=r"^load job 8 was refused: nothing was queued"):  # either way
+            w.submit_load(8, cspec([0]), gspec([1, 2, 3]))
+        assert w.get_finished() == []
 
 
 @pytest.mark.rule("R6")

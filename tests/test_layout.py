@@ -605,12 +605,21 @@ def test_layout_prepared_plan_write_checks_its_arrays() -> None:
     good = np.zeros(8, dtype=np.int64)
     read_only = np.zeros(8, dtype=np.int64)
     read_only.setflags(write=False)
-    for bad in (np.zeros(7, dtype=np.int64), np.zeros(8, dtype=np.int32), np.zeros((8, 1), dtype=np.int64),
-                read_only, [0] * 8):
-        with pytest.raises(ValueError, match=r"^PreparedPlan\.write: sizes must be a writeable 1-D int64 array "
-                                             r"of at least 8 entries$"):
-            prepared.write(good, good.copy(), bad)  # type: ignore[arg-type]
-        assert not good.any(), "nothing written"
+    bads = (np.zeros(7, dtype=np.int64), np.zeros(8, dtype=np.int32), np.zeros((8, 1), dtype=np.int64),
+            np.zeros((1, 8), dtype=np.int64), read_only, [0] * 8, np.zeros(8, dtype=">i8"))
+    for position, name in enumerate(("src", "dst", "sizes")):  # each array is checked, whichever is wrong
+        for bad in bads:
+            arrays: list[object] = [good, good.copy(), good.copy()]
+            arrays[position] = bad
+            with pytest.raises(ValueError, match=rf"^PreparedPlan\.write: {name} must be a writeable 1-D int64 "
+                                                 r"array of at least 8 entries$"):
+                prepared.write(*arrays)  # type: ignore[arg-type]
+            assert not any(a.any() for a in arrays if isinstance(a, np.ndarray) and a is not bad), "nothing written"
+    expected = prepared.to_plan()
+    longer, strided = np.zeros(10, dtype=np.int64), np.zeros(16, dtype=np.int64)[::2]  # longer; not contiguous
+    assert prepared.write(longer, good, strided) == 8
+    assert (longer[:8].tolist(), good.tolist(), strided.tolist()) == \
+        (expected.src.tolist(), expected.dst.tolist(), expected.sizes.tolist()) and not longer[8:].any()
     empty = Planner(MG_LAYOUT, MG_GPU, MG_CPU, 2).prepare("load", CPULoadStoreSpec([]),
                                                          GPULoadStoreSpec([], (0, 0, 0), (0, 0, 0)))
     none = np.zeros(0, dtype=np.int64)

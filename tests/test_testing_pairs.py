@@ -75,15 +75,15 @@ def test_pairs_are_deterministic() -> None:
 
 
 # -- the bugs it catches ----------------------------------------------------------------------------------------
-def _wait_polling_clock_after_poll(backend: Any, settled: Callable[[], bool], started: float,
+def _wait_polling_clock_after_poll(backend: Any, settled: Callable[..., bool], started: float,
                                    deadline: float | None, what: str, *, now: float | None = None,
-                                   polled: bool = False) -> None:
+                                   polled: bool = False, args: tuple[object, ...] = ()) -> None:
     """``backends.base.wait_polling`` as it was (be1772e): the clock read *after* the poll (``now``: unused; a poll
     the caller made, ``polled``, counts as the first)."""
     horizon = backend.hang_horizon if deadline is None else None
     longest = base.POLL_MAX_SLEEP if horizon is None else max(base.POLL_MAX_SLEEP, horizon / 64)
     pause = base.POLL_FIRST_SLEEP
-    while polled or not settled():
+    while polled or not settled(*args):
         polled = False
         now = backend.monotonic()
         if deadline is not None and now >= deadline:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import pytest
-from _support import BPC, CPU_CHUNKS, GPU_BLOCKS, PAGE, WORKERS, cspec, gspec, make_worker, small_layout
+from _support import BPC, CPU_CHUNKS, GPU_BLOCKS, PAGE, WORKERS, at_call, cspec, gspec, make_worker, small_layout
 
 import kvoffload_ref as kv
 from kvoffload_ref.backends import base
@@ -341,6 +342,32 @@ def test_worker_wait_polls_once_per_pause_from_its_first_reading(kind: str) -> N
     w.wait([2], timeout=1.0)
     assert calls == ["monotonic", "query", "elapsed"]
     assert [(r.job_id, r.success) for r in w.get_finished()] == [(2, True)]
+    w.shutdown()
+
+
+def _timing_lost() -> None:
+    """An ``at_call`` action: the timing read fails."""
+    raise kv.DeviceError("the timing is lost")
+
+
+@pytest.mark.rule("R5")
+@pytest.mark.parametrize("kind", WORKERS)
+def test_worker_a_proven_job_whose_timing_is_lost_succeeds_without_one(kind: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A job proven complete whose timing cannot be read (``elapsed`` fails) is reported a success without a
+    transfer_time; the timing is read once per job, and the job proven with it keeps its own (the engine logs the
+    lost one)."""
+    be, w, _ = make_worker(kind=kind)
+    w.submit_store(1, gspec([0]), cspec([0]))
+    w.submit_store(2, gspec([1]), cspec([1]))
+    be.clock_advance(1.0)  # both done: one get_finished proves them together
+    calls: list[str] = []
+    _record_polls(be, calls)
+    with at_call(be, "elapsed", _timing_lost), caplog.at_level(logging.WARNING, logger="kvoffload_ref"):
+        results = w.get_finished()
+    assert [(r.job_id, r.success, r.transfer_time is None) for r in results] == [(1, True, True), (2, True, False)]
+    assert calls.count("elapsed") == 2
+    assert ("Could not read the timing of store job 1" in caplog.text) == (kind == "engine")
     w.shutdown()
 
 

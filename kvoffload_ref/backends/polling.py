@@ -156,9 +156,9 @@ def poll_until(backend: Clock, done: Callable[[], bool], deadline: float | None,
         pause.sleep(backend, now, deadline)
 
 
-def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float, deadline: float | None,
-                 what: str, *, now: float | None = None, polled: bool = False) -> None:
-    """Poll ``settled()`` until it returns True, sleeping between polls on the backend's clock (``wait``, R6).
+def wait_polling(backend: WaitClock, settled: Callable[..., bool], started: float, deadline: float | None,
+                 what: str, *, now: float | None = None, polled: bool = False, args: tuple[object, ...] = ()) -> None:
+    """Poll ``settled(*args)`` until it returns True, sleeping between polls on the backend's clock (``wait``, R6).
 
     ``settled`` takes the worker's lock for one non-blocking poll; the sleeps run without it (R19). It is polled at
     least once. A simulated clock (one with a ``hang_horizon``) sleeps for free, so without a deadline the backoff
@@ -174,6 +174,7 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
             read again before that poll); None: read here.
         polled: the caller made that first poll itself (``now`` is its reading) and it found the work pending:
             the wait goes on from there (its deadline check), as if ``settled()`` had just returned False.
+        args: what each poll passes ``settled`` (no partial object built per wait).
 
     Raises:
         DeadlineExceeded: the deadline passed first (R6).
@@ -188,7 +189,7 @@ def wait_polling(backend: WaitClock, settled: Callable[[], bool], started: float
     while True:
         # R19: the clock is read before the poll, so time that passed after it (another thread's shutdown that
         # completed meanwhile) is never held against it: a wait gives up only after a poll begun past its deadline.
-        if not polled and settled():
+        if not polled and settled(*args):
             return
         polled = False
         if deadline is not None and now >= deadline:
