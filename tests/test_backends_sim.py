@@ -792,6 +792,16 @@ def test_sim_batched_releases_check_each_handle_like_the_single_calls(rig: Rig) 
     assert (rig.host[:PAGE] == 5).all(), "the copy still ran with what it read"
 
 
+def test_sim_batched_releases_refuse_none_as_the_single_calls_do(rig: Rig) -> None:
+    be = rig.be
+    event, buf = be.create_event(), be.alloc_descriptors(1)
+    for single, batched in ((be.destroy_event, be.destroy_events), (be.free_descriptors, be.free_descriptors_many)):
+        single(None)  # type: ignore[arg-type]
+        batched([None])  # type: ignore[list-item]
+    assert [v.kind for v in be.violations] == ["invalid_release"] * 4, "None is never a live handle"
+    assert be.ledger.state_of("event", id(event)) == "live" and be.ledger.state_of("descriptor", id(buf)) == "live"
+
+
 # -- ledger ------------------------------------------------------------------------------------------------------
 
 

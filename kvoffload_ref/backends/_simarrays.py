@@ -130,7 +130,7 @@ class SimArrayCalls(SimCore):
         with self._lock:
             self._release_fault("free")
             self._catch_up()
-            if self._buffers.get(key) is not buf:
+            if buf is None or self._buffers.get(key) is not buf:  # (None finds get's default: never live)
                 self._violate("invalid_release", f"free_descriptors({buf!r}): not a live buffer of this device")
                 return
             users = self._buffer_users.get(key)

@@ -84,7 +84,7 @@ class SimBatchCalls(SimCore):
             return keys
         removed = []  # misuse: put back what was popped by mistake, record each handle that was not live
         for key, handle, found in zip(keys, handles, popped, strict=True):
-            if found is handle:
+            if found is handle and found is not None:   # (None is never live: a None handle finds the default)
                 removed.append(key)
                 continue
             if found is not None:
