@@ -330,10 +330,9 @@ class PreparedPlan:
                 continue
             shape = (refs, s.size)
             fill_gpu(gpu_out[pos:end].reshape(shape), cols.gpu_ptr, cols.gpu_stride,
-                      self.gpu_ids[s.gpu_off:s.gpu_off + s.size])
+                     self.gpu_ids[s.gpu_off:s.gpu_off + s.size])
             fill_cpu(cpu_out[pos:end].reshape(shape), cols.cpu_ptr, cols.cpu_stride, cols.cpu_subs,
-                     self.cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count],
-                      s.skip, bpc)
+                     self.cpu_ids[s.cpu_off:s.cpu_off + s.cpu_count], s.skip, bpc)
             sizes[pos:end].reshape(shape)[...] = cols.page_sizes
             pos = end
 

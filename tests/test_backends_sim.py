@@ -792,6 +792,7 @@ def test_sim_batched_releases_check_each_handle_like_the_single_calls(rig: Rig) 
     assert (rig.host[:PAGE] == 5).all(), "the copy still ran with what it read"
 
 
+@pytest.mark.rule("R16")
 def test_sim_batched_releases_refuse_none_as_the_single_calls_do(rig: Rig) -> None:
     be = rig.be
     event, buf = be.create_event(), be.alloc_descriptors(1)

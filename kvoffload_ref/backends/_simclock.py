@@ -171,4 +171,4 @@ class SimClockCalls(SimCore):
 def _tails(watched: set[Record]) -> set[Record]:
     """``Scheduler.run``'s ``stops`` for a drain's pause: the last record queued on each watched record's stream (its
     ``last_record``; the run holds the lock, so none is queued meanwhile)."""
-    return {op.record for op in {r.stream.last_record for r in watched} if op is not None}  # type: ignore[union-attr]
+    return {op.record for op in {r.stream.last_record for r in watched if r.stream is not None} if op is not None}

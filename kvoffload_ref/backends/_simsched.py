@@ -95,7 +95,7 @@ class SimStream:
         self.destroyed = False
         # Invariant: the record op submitted last on this stream (None: none yet); records finish in stream order, so
         # once it finished, no record is left in the queue.
-        self.last_record: Op | None = None
+        self.last_record: RecordOp | None = None
 
     def __repr__(self) -> str:
         return f"<SimStream {self.label}{' destroyed' if self.destroyed else ''}>"
