@@ -53,16 +53,16 @@ def test_intervals_find_matches_a_scalar_reference_at_every_edge(seed: int) -> N
         assert got.tolist() == expected[part]
     empty = Intervals([]).find(np.array(addr, dtype=np.int64), np.array(size, dtype=np.int64))
     assert (empty == -1).all()
-    resolved = intervals.moves(addr, addr[::-1], size)   # the per-descriptor path's lookup: both sides, offsets
-    moves, firsts = resolved.each, sorted(lo for lo, _ in ranges)
-    assert [m[0] for m in moves] == resolved.si == expected
-    assert [m[1] for m in moves] == resolved.di == find_reference(ranges, addr[::-1], size)
-    assert resolved.live_bytes == sum(n for n in size if n > 0)
-    bad = [k for k, (i, j) in enumerate(zip(resolved.si, resolved.di, strict=True)) if size[k] and min(i, j) < 0]
-    assert resolved.first_bad == (bad[0] if bad else None)
+    moves, live_bytes, first_bad = intervals.moves(addr, addr[::-1], size)   # the per-descriptor path's lookup
+    firsts, si, di = sorted(lo for lo, _ in ranges), [m[0] for m in moves], [m[1] for m in moves]
+    assert si == expected
+    assert di == find_reference(ranges, addr[::-1], size)
+    assert live_bytes == sum(n for n in size if n > 0)
+    bad = [k for k, (i, j) in enumerate(zip(si, di, strict=True)) if size[k] and min(i, j) < 0]
+    assert first_bad == (bad[0] if bad else None)
     assert all(m[3] == (a - firsts[m[0]] if m[0] >= 0 else -1) for m, a in zip(moves, addr, strict=True))
     assert all(m[4] == (a - firsts[m[1]] if m[1] >= 0 else -1) for m, a in zip(moves, addr[::-1], strict=True))
-    assert Intervals([]).moves(addr, addr, size).si == [-1] * len(addr)
+    assert [m[0] for m in Intervals([]).moves(addr, addr, size)[0]] == [-1] * len(addr)
 
 
 @pytest.mark.parametrize("seed", range(6))

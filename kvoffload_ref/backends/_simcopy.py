@@ -76,15 +76,11 @@ _MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 Move = tuple[int, int, int, int, int]
 
 
-class Moves(NamedTuple):
-    """A few descriptors resolved in Python ints (:meth:`Intervals.moves`)."""
-
-    each: list[Move]  # in descriptor order (an offset is -1 where its span is -1: never moved)
-    si: list[int]  # each's source spans (-1: none holds it whole)
-    di: list[int]  # each's destination spans
-    live_bytes: int  # the non-empty descriptors' bytes
-    first_bad: int | None  # the first non-empty descriptor outside every span
-
+#: A few descriptors resolved in Python ints (:meth:`Intervals.moves`): (each descriptor as a :data:`Move`, in
+#: descriptor order -- an offset is -1 where its span is -1 (none holds that side whole: never moved) --, the
+#: non-empty descriptors' bytes, the first non-empty descriptor outside every span or None). A plain tuple: one is
+#: made per copy's start, and a named tuple's constructor is a Python call.
+Moves = tuple[list[Move], int, int | None]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -229,6 +225,8 @@ class CopyPlan:
 
 #: The grouped path's order of descriptors: (source span, destination span, size).
 _GROUP = operator.itemgetter(0, 1, 2)
+#: A move's source span and destination span (the disjointness test runs in C, no comprehension).
+_SOURCE, _DESTINATION = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class SmallPlan:
@@ -237,15 +235,16 @@ class SmallPlan:
     ``dst``, ``sizes``, ``si``, ``di``) made only when something asks for them (a cost profile, a trace, a
     pending copy's overlap check) -- most copies never need them."""
 
-    __slots__ = ("_arrays", "data", "moves", "spans", "values", "views")
+    __slots__ = ("_arrays", "data", "each", "first", "live", "spans", "values", "views")
 
     def __init__(self, values: tuple[list[int], list[int], list[int]], moves: Moves, spans: Sequence[Span],
                  data: Sequence[Bytes], views: Sequence[memoryview]) -> None:
         # Invariant: the descriptors' (src, dst, sizes) as read when the copy started; never changed.
         self.values = values
         # Invariant: the same descriptors resolved against ``spans`` (the snapshot live then; data[k] its data,
-        # views[k] a byte memoryview of it).
-        self.moves, self.spans, self.data, self.views = moves, spans, data, views
+        # views[k] a byte memoryview of it): each one's Move, their live bytes, the first bad one (Moves).
+        self.each, self.live, self.first = moves
+        self.spans, self.data, self.views = spans, data, views
         self._arrays: tuple[I64, I64, I64, npt.NDArray[np.intp], npt.NDArray[np.intp]] | None = None
 
     @property
@@ -271,23 +270,23 @@ class SmallPlan:
     def _made(self) -> tuple[I64, I64, I64, npt.NDArray[np.intp], npt.NDArray[np.intp]]:
         if self._arrays is None:
             src, dst, sizes = (np.array(v, dtype=np.int64) for v in self.values)
-            self._arrays = src, dst, sizes, np.array(self.moves.si, dtype=np.intp), np.array(self.moves.di,
-                                                                                             dtype=np.intp)
+            self._arrays = (src, dst, sizes, np.array([m[0] for m in self.each], dtype=np.intp),
+                            np.array([m[1] for m in self.each], dtype=np.intp))
         return self._arrays
 
     def live_bytes(self) -> int:
         """How many bytes the non-empty descriptors copy."""
-        return self.moves.live_bytes
+        return self.live
 
     def first_bad(self) -> int | None:
         """The first non-empty descriptor touching memory outside every live span, or None."""
-        return self.moves.first_bad
+        return self.first
 
     def execute(self) -> None:
         """Move the bytes, descriptor by descriptor, in :class:`CopyPlan`'s order. Needs first_bad() None."""
-        moves = [m for m in self.moves.each if m[2] > 0]
+        moves = [m for m in self.each if m[2] > 0]
         moves.sort(key=_GROUP)   # stable: descriptor order within a group
-        _move_each(self.data, self.views, moves, {m[0] for m in moves}.isdisjoint([m[1] for m in moves]))
+        _move_each(self.data, self.views, moves, set(map(_SOURCE, moves)).isdisjoint(map(_DESTINATION, moves)))
 
 
 def byte_views(data: Sequence[Bytes]) -> list[memoryview]:

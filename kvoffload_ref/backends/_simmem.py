@@ -86,14 +86,13 @@ class Intervals:
     def moves(self, src: list[int], dst: list[int], sizes: list[int]) -> Moves:
         """Each descriptor as a :data:`Move`: (range holding the source whole or -1, the same for the destination,
         size, offset of the source into its range, of the destination into its; an offset is -1 where the range
-        is -1), with what the checks read of them. Scalar lookups, for a few descriptors."""
+        is -1), with what the checks read of them (:data:`Moves`). Scalar lookups, for a few descriptors."""
         firsts, lasts, live, bad = self.firsts, self._last, 0, None
         out: list[Move] = []
-        si: list[int] = []
-        di: list[int] = []
         right = bisect.bisect_right
         for a, b, n in zip(src, dst, sizes, strict=True):
-            i, j = right(firsts, a) - 1, right(firsts, b) - 1
+            i = right(firsts, a) - 1
+            j = right(firsts, b) - 1
             if i >= 0 and 0 <= n <= lasts[i] - a:
                 so = a - firsts[i]
             else:
@@ -109,9 +108,7 @@ class Intervals:
             elif n and bad is None:   # a negative size lies in no span (an empty copy touches nothing)
                 bad = len(out)
             out.append((i, j, n, so, do))
-            si.append(i)
-            di.append(j)
-        return Moves(out, si, di, live, bad)
+        return out, live, bad
 
     def find_one(self, addr: int, size: int) -> int:
         """Scalar :meth:`find`."""

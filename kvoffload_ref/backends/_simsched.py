@@ -243,6 +243,12 @@ class Scheduler:
         # latest-submitted first, and seq is unique so ops themselves are never compared.
         self._heap: list[tuple[float, int, Op]] = []
         self._seq = itertools.count()
+        # Invariant: _chaining is True only while run() applies ops; then _ready is None or an instant op (at
+        # _ready_at) that a finish made its stream's runnable head: run() finishes it next when no heap entry
+        # comes before it, else pushes it (push-then-pop without the heap). Never set outside run().
+        self._chaining = False
+        self._ready: Op | None = None
+        self._ready_at = 0.0
         # Invariant: None, or the cost model's ``settle(op, t)``: False for a heap entry that is not the op's
         # finish (its link phase began, or a shared link moved its finish: the entry is stale).
         self.settle: Callable[[Op, float], bool] | None = None
@@ -288,18 +294,35 @@ class Scheduler:
             True as soon as an op finished that completed a record in ``stops`` (the clock then stands at its
             finish time). A set, not a callback: a drain's pause runs tens of thousands of ops through this loop.
         """
-        heap, settle, finish, pop = self._heap, self.settle, self._finish, heapq.heappop
-        # halted read at each op: the op before may have halted the device (a copy's illegal address)
-        while heap and heap[0][0] <= limit and (self.halted is None or not self.halted()):
-            t, _, op = pop(heap)
-            if settle is not None and not settle(op, t):
-                continue
-            if t > self.now:  # noqa: PLR1730  # max(now, t) without the call: a drain runs tens of thousands
-                self.now = t
-            finish(op, t)
-            if stops is not None and op.__class__ is RecordOp and op.record in stops:
-                return True
-        return False
+        heap, settle, finish, pop, push = self._heap, self.settle, self._finish, heapq.heappop, heapq.heappush
+        self._chaining = True
+        try:
+            # halted read at each op: the op before may have halted the device (a copy's illegal address)
+            while heap and heap[0][0] <= limit and (self.halted is None or not self.halted()):
+                t, _, op = pop(heap)
+                if settle is not None and not settle(op, t):
+                    continue
+                while True:  # op, then the instant head its finish made ready, as long as none comes before it
+                    if t > self.now:  # noqa: PLR1730  # max(now, t) without the call: a drain runs tens of thousands
+                        self.now = t
+                    finish(op, t)
+                    if stops is not None and op.__class__ is RecordOp and op.record in stops:
+                        return True
+                    ready = self._ready
+                    if ready is None:
+                        break
+                    self._ready, t = None, self._ready_at
+                    if t > limit or (self.halted is not None and self.halted()) or (
+                            heap and (heap[0][0] < t or (heap[0][0] == t and heap[0][1] < -ready.seq))):
+                        push(heap, (t, -ready.seq, ready))  # an entry pops first (or the loop ends): as before
+                        break
+                    op = ready  # exactly what popping it would give: the same op at the same time, in order
+            return False
+        finally:
+            self._chaining = False
+            if self._ready is not None:  # a stop (or an exception) came before it ran: it waits in the heap
+                push(heap, (self._ready_at, -self._ready.seq, self._ready))
+                self._ready = None
 
     def catch_up(self) -> None:
         """:meth:`run` up to the current time (cheap when nothing is due)."""
@@ -325,22 +348,28 @@ class Scheduler:
         op = stream.queue[0]
         kind = op.__class__
         start = t if t >= op.submitted_at else op.submitted_at   # never before it was submitted
-        if not op.instant and op.seq >= self.span_from and start < self.span_start:
+        if kind is RecordOp or kind is WaitOp:  # the instant ops (tested by class: no subclass of an op exists)
+            if kind is WaitOp and op.record.done_at is None:  # type: ignore[attr-defined]  # a WaitOp's record
+                record: Record = op.record  # type: ignore[attr-defined]
+                if record.waiters is None:
+                    record.waiters = [stream]
+                else:
+                    record.waiters.append(stream)
+                return
+            # It finishes at its start (the same float, not a new one per record).
+            if self._chaining and self._ready is None:  # run() finishes it next unless an entry comes first
+                self._ready, self._ready_at = op, start
+                return
+            heapq.heappush(self._heap, (start, -op.seq, op))
+            return
+        if op.seq >= self.span_from and start < self.span_start:
             self.span_start = start   # a device op starts (a hang: blocks) as it becomes head
         if kind is HangOp:
             ended: float | None = op.ended  # type: ignore[attr-defined]  # a HangOp's
             if ended is not None:   # ended while queued behind other work: it finishes as it reaches the head
                 heapq.heappush(self._heap, (max(t, ended), -op.seq, op))
             return
-        if kind is WaitOp and op.record.done_at is None:  # type: ignore[attr-defined]  # a WaitOp's record
-            record: Record = op.record  # type: ignore[attr-defined]
-            if record.waiters is None:
-                record.waiters = [stream]
-            else:
-                record.waiters.append(stream)
-            return
-        # An instant op (a record, a wait) finishes at its start: the same float, not a new one per record.
-        duration = 0.0 if op.instant else self._duration(op)
+        duration = self._duration(op)
         heapq.heappush(self._heap, (start + duration if duration else start, -op.seq, op))
 
     def _finish(self, op: Op, t: float) -> None:
