@@ -18,7 +18,8 @@ every stream waiting on an event recorded behind it, never runs either -- until 
 (:meth:`Scheduler.end_hang`, the backend's ``end_hangs``): it then finishes at the current time (at once if it is its
 stream's head, else as soon as it becomes it) and the work behind it runs as the clock advances. A slow op is a stall
 that ends by itself: it takes its ``duration``, like a compute op. Draining costs O(log n) per op (a heap, never a scan
-of the streams).
+of the streams); an instant op (a record, a satisfied wait) that a finish makes its stream's head is finished next
+without the heap when no heap entry comes before it -- the order the heap would give, without the push and pop.
 
 Nothing here touches memory or knows about faults: :class:`Scheduler` calls back ``duration`` when an op starts
 and ``apply`` when it finishes.
