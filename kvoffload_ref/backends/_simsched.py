@@ -317,7 +317,7 @@ class Scheduler:
                             heap and (heap[0][0] < t or (heap[0][0] == t and heap[0][1] < -ready.seq))):
                         push(heap, (t, -ready.seq, ready))  # an entry pops first (or the loop ends): as before
                         break
-                    op = ready  # exactly what popping it would give: the same op at the same time, in order
+                    op = ready  # what popping it would give: the same op, time and order (settle: True for it)
             return False
         finally:
             self._chaining = False
