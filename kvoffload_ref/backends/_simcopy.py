@@ -235,7 +235,7 @@ class SmallPlan:
     ``dst``, ``sizes``, ``si``, ``di``) made only when something asks for them (a cost profile, a trace, a
     pending copy's overlap check) -- most copies never need them."""
 
-    __slots__ = ("_arrays", "data", "each", "first", "live", "spans", "values", "views")
+    __slots__ = ("_arrays", "_first_bad", "_live_bytes", "data", "each", "spans", "values", "views")
 
     def __init__(self, values: tuple[list[int], list[int], list[int]], moves: Moves, spans: Sequence[Span],
                  data: Sequence[Bytes], views: Sequence[memoryview]) -> None:
@@ -243,7 +243,7 @@ class SmallPlan:
         self.values = values
         # Invariant: the same descriptors resolved against ``spans`` (the snapshot live then; data[k] its data,
         # views[k] a byte memoryview of it): each one's Move, their live bytes, the first bad one (Moves).
-        self.each, self.live, self.first = moves
+        self.each, self._live_bytes, self._first_bad = moves
         self.spans, self.data, self.views = spans, data, views
         self._arrays: tuple[I64, I64, I64, npt.NDArray[np.intp], npt.NDArray[np.intp]] | None = None
 
@@ -276,11 +276,11 @@ class SmallPlan:
 
     def live_bytes(self) -> int:
         """How many bytes the non-empty descriptors copy."""
-        return self.live
+        return self._live_bytes
 
     def first_bad(self) -> int | None:
         """The first non-empty descriptor touching memory outside every live span, or None."""
-        return self.first
+        return self._first_bad
 
     def execute(self) -> None:
         """Move the bytes, descriptor by descriptor, in :class:`CopyPlan`'s order. Needs first_bad() None."""

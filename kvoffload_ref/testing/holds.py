@@ -72,8 +72,6 @@ def _held(side: str, writes_only: bool = False) -> str:
     return f"set(map(int, w.held().{_FIELDS[side][writes_only]}))"
 
 
-
-
 def _touched(transfers: Iterable[ModelTransfer]) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
     """Per side: the ids the transfers touch (to hold at all), and those they write (to hold for any access)."""
     every: dict[str, set[int]] = {"gpu": set(), "cpu": set()}
